@@ -1,0 +1,23 @@
+"""tfpar: train transformers in parallel on TensorFlow."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="tfpar",
+    version="0.1.0",
+    description="Data, pipeline and tensor parallel transformer training on TensorFlow and Keras 3.",
+    packages=find_packages(include=["tfpar", "tfpar.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "tensorflow>=2.21,<2.22",
+        "keras>=3.15,<4",
+        "absl-py>=2.1",
+        "tensorboard",  # tf.summary writes through it; TF 2.21 no longer pulls it in.
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest>=8"],
+        # The benchmark compares against keras-hub's GPT2Backbone.
+        "bench": ["keras-hub>=0.32"],
+    },
+)

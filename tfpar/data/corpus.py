@@ -1,0 +1,87 @@
+"""Finding and reading text: the embedded default corpus, text files, globs, TFRecords.
+
+Text becomes bytes (byte-level tokens 0..255, no vocabulary to download);
+documents are joined with a NUL byte, which plain text never contains, so the
+model sees where one document ends and the next begins.
+"""
+
+import glob
+import os
+import sysconfig
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+DOC_SEPARATOR = b"\x00"
+TFRECORD_SUFFIXES = (".tfrecord", ".tfrecords", ".tfrec")
+
+
+class DataError(ValueError):
+  """Data that cannot be used; the message names the path and the fix."""
+
+
+def default_corpus_files() -> List[str]:
+  """The Python standard library's top-level source files: real text on every machine."""
+  stdlib = sysconfig.get_paths()["stdlib"]
+  files = sorted(glob.glob(os.path.join(stdlib, "*.py")))
+  if not files:
+    raise DataError(f"no *.py files under the standard library at {stdlib}: pass --data=PATH")
+  return files
+
+
+def list_files(data: Optional[str]) -> List[str]:
+  """Expands --data (None, a file, a directory, or a glob) into a sorted list of files."""
+  if data is None:
+    return default_corpus_files()
+  import tensorflow as tf  # gfile reads local paths and gs:// alike.
+  if tf.io.gfile.isdir(data):
+    files = [os.path.join(root, name) for root, _, names in tf.io.gfile.walk(data)
+             for name in names if not name.startswith(".")]
+  else:
+    files = tf.io.gfile.glob(data)
+  files = sorted(f for f in files if not tf.io.gfile.isdir(f))
+  if not files:
+    raise DataError(f"--data={data} matches no file: pass a text file, a directory, a glob "
+                    "or TFRecord shards")
+  return files
+
+
+def _read_documents(path: str, tfrecord_key: str) -> List[bytes]:
+  import tensorflow as tf
+  if path.endswith(TFRECORD_SUFFIXES):
+    docs = []
+    try:
+      for record in tf.data.TFRecordDataset(path).as_numpy_iterator():
+        example = tf.train.Example.FromString(record)
+        feature = example.features.feature.get(tfrecord_key)
+        if feature is None:
+          raise DataError(f"{path}: a record has no feature '{tfrecord_key}': "
+                          "pass --tfrecord_key=NAME of the bytes feature holding the text")
+        docs.extend(feature.bytes_list.value)
+    except tf.errors.DataLossError:
+      raise DataError(f"{path} is not a valid TFRecord file: check the file or rename it "
+                      "without a .tfrecord suffix to read it as text") from None
+    return docs
+  with tf.io.gfile.GFile(path, "rb") as f:
+    return [f.read()]
+
+
+def read_tokens(files: Sequence[str], tfrecord_key: str = "text") -> np.ndarray:
+  """Reads files into one uint8 token array, documents separated by DOC_SEPARATOR."""
+  pieces = []
+  for path in files:
+    for doc in _read_documents(path, tfrecord_key):
+      if doc:
+        pieces.append(doc.replace(DOC_SEPARATOR, b""))
+        pieces.append(DOC_SEPARATOR)
+  return np.frombuffer(b"".join(pieces), dtype=np.uint8)
+
+
+def encode(text: str) -> List[int]:
+  """Text -> byte tokens."""
+  return list(text.encode("utf-8"))
+
+
+def decode(tokens: Sequence[int]) -> str:
+  """Byte tokens -> text; invalid UTF-8 (a byte model can emit it) is replaced, not fatal."""
+  return bytes(int(t) for t in tokens if int(t) != DOC_SEPARATOR[0]).decode("utf-8", "replace")

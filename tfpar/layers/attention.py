@@ -1,0 +1,77 @@
+"""Causal multi-head self-attention (one shard of the heads, or all of them)."""
+
+import keras
+from keras import ops
+
+
+def rotary(x, positions_first: int = 0):
+  """Applies rotary position embedding (RoFormer, Su et al. 2021) to x [B, T, H, D]."""
+  t, d = ops.shape(x)[1], ops.shape(x)[-1]
+  inv_freq = 1.0 / (10000.0 ** (ops.arange(0, d, 2, dtype="float32") / d))  # [D/2]
+  pos = ops.arange(positions_first, positions_first + t, dtype="float32")  # [T]
+  angles = ops.einsum("t,f->tf", pos, inv_freq)  # [T, D/2]
+  cos = ops.cast(ops.cos(angles), x.dtype)[None, :, None, :]  # [1, T, 1, D/2]
+  sin = ops.cast(ops.sin(angles), x.dtype)[None, :, None, :]
+  x1, x2 = x[..., : d // 2], x[..., d // 2:]
+  return ops.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+class CausalSelfAttention(keras.layers.Layer):
+  """Masked self-attention over `num_heads` heads, without the output bias.
+
+  The output bias lives in `Block`, so that tensor-parallel shards (each a
+  `CausalSelfAttention` over `num_heads / T` heads) sum to exactly the full
+  layer: out = sum_t softmax(Q_t K_t^T / sqrt(d)) V_t W_o[t] + b_o.
+
+  Args:
+    num_heads: heads computed by this layer.
+    head_dim: width of each head.
+    d_model: width of the input and output.
+    rotary: apply rotary position embedding to queries and keys.
+
+  Call args:
+    x: [B, T, d_model]. Returns [B, T, d_model].
+
+  Reference: Vaswani et al. 2017, "Attention Is All You Need".
+  """
+
+  # Axis along which each weight is split between tensor-parallel shards.
+  SHARD_AXES = {"query/kernel": 1, "query/bias": 0, "key/kernel": 1, "key/bias": 0,
+                "value/kernel": 1, "value/bias": 0, "output/kernel": 0}
+
+  def __init__(self, *, num_heads, head_dim, d_model, rotary=False, **kwargs):
+    super().__init__(**kwargs)
+    self.num_heads = num_heads
+    self.head_dim = head_dim
+    self.d_model = d_model
+    self.rotary = rotary
+    width = num_heads * head_dim
+    init = keras.initializers.RandomNormal(stddev=0.02)
+    self.query = keras.layers.Dense(width, kernel_initializer=init, name="query")
+    self.key = keras.layers.Dense(width, kernel_initializer=init, name="key")
+    self.value = keras.layers.Dense(width, kernel_initializer=init, name="value")
+    self.output_dense = keras.layers.Dense(d_model, use_bias=False, kernel_initializer=init,
+                                           name="output")
+
+  def build(self, input_shape):
+    for dense in (self.query, self.key, self.value):
+      dense.build(input_shape)
+    self.output_dense.build(tuple(input_shape[:-1]) + (self.num_heads * self.head_dim,))
+
+  def call(self, x):
+    b, t = ops.shape(x)[0], ops.shape(x)[1]
+    split = lambda y: ops.reshape(y, (b, t, self.num_heads, self.head_dim))  # [B, T, H, D]
+    q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+    if self.rotary:
+      q, k = rotary(q), rotary(k)
+    scores = ops.einsum("bqhd,bkhd->bhqk", q, k) / ops.sqrt(ops.cast(self.head_dim, q.dtype))
+    causal = ops.tril(ops.ones((t, t), dtype="bool"))  # [T, T], True where k <= q
+    # Softmax in float32: bfloat16/float16 logits lose the small probabilities.
+    scores = ops.where(causal[None, None], ops.cast(scores, "float32"), -1e9)
+    probs = ops.cast(ops.softmax(scores, axis=-1), v.dtype)  # [B, H, T, T]
+    y = ops.einsum("bhqk,bkhd->bqhd", probs, v)  # [B, T, H, D]
+    return self.output_dense(ops.reshape(y, (b, t, self.num_heads * self.head_dim)))
+
+  def get_config(self):
+    return {**super().get_config(), "num_heads": self.num_heads, "head_dim": self.head_dim,
+            "d_model": self.d_model, "rotary": self.rotary}

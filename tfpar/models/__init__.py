@@ -1,0 +1,5 @@
+"""Models built from tfpar.layers."""
+
+from tfpar.models.gpt import GPT
+
+__all__ = ["GPT"]

@@ -1,0 +1,67 @@
+"""One string -> one tf.distribute strategy.
+
+`setup_devices` must run before anything initialises TensorFlow's runtime: it
+splits the host CPU into logical devices (how tfpar tests multi-device code on
+a laptop). `make_strategy` maps --strategy to a strategy and raises on
+anything else; the loop, model and data code are the same for all of them.
+"""
+
+import tensorflow as tf
+
+from tfpar.cluster import Cluster
+from tfpar.config import ConfigError, DistConfig
+
+
+def setup_devices(num_cpu_devices: int) -> None:
+  """Splits the physical CPU into `num_cpu_devices` logical devices (call before TF starts)."""
+  if num_cpu_devices <= 1:
+    return
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  tf.config.set_logical_device_configuration(
+      cpu, [tf.config.LogicalDeviceConfiguration()] * num_cpu_devices)
+
+
+def compute_devices():
+  """The devices replicas run on: every GPU, else every logical CPU."""
+  gpus = tf.config.list_logical_devices("GPU")
+  return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
+
+
+def make_strategy(dist: DistConfig, cluster: Cluster) -> tf.distribute.Strategy:
+  """Builds the strategy --strategy names."""
+  name = dist.strategy
+  if name == "one_device":
+    return tf.distribute.OneDeviceStrategy(compute_devices()[0])
+  if name == "mirrored":
+    devices = compute_devices()
+    cross = None if tf.config.list_logical_devices("GPU") else tf.distribute.ReductionToOneDevice()
+    return tf.distribute.MirroredStrategy(devices, cross_device_ops=cross)
+  if name == "multi_worker_mirrored":
+    return _multi_worker(dist, cluster)
+  if name == "parameter_server":
+    from tfpar.parallel import parameter_server  # pylint: disable=import-outside-toplevel
+    return parameter_server.make_strategy(dist, cluster)
+  if name == "tpu":
+    from tfpar.parallel import tpu  # pylint: disable=import-outside-toplevel
+    return tpu.make_strategy(dist)
+  raise ConfigError(f"--strategy={name} is unknown: use one_device, mirrored, "
+                    "multi_worker_mirrored, parameter_server or tpu")
+
+
+def _multi_worker(dist: DistConfig, cluster: Cluster) -> tf.distribute.Strategy:
+  if not cluster.spec:
+    raise ConfigError("--strategy=multi_worker_mirrored needs TF_CONFIG: start the job with "
+                      "python -m tfpar.launch --num_workers=N -- <flags>, or set TF_CONFIG")
+  implementation = {
+      "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+      "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+      "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+  }[dist.collective]
+  if dist.collective == "nccl" and not tf.config.list_physical_devices("GPU"):
+    raise ConfigError("--collective=nccl needs GPUs and this machine has none: use "
+                      "--collective=ring or auto")
+  options = tf.distribute.experimental.CommunicationOptions(
+      implementation=implementation, timeout_seconds=dist.collective_timeout or None)
+  resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+  return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
+                                                   communication_options=options)

@@ -1,0 +1,61 @@
+"""Train a GPT with tfpar: `python -m tfpar.train --flagfile=configs/gpt_tiny.flags`.
+
+This file only wires: parse flags into a validated config (before TensorFlow
+starts), resolve the cluster, make the strategy, build the engine under it,
+run the loop. Bad input ends with one line on stderr and exit status 2.
+"""
+
+import json
+import os
+import sys
+
+from absl import app, flags
+
+from tfpar import cluster as cluster_lib
+from tfpar import config as config_lib
+from tfpar import flags as tfpar_flags
+
+tfpar_flags.define_flags()
+FLAGS = flags.FLAGS
+
+
+def fail(message: str) -> None:
+  print(f"tfpar.train: error: {message}", file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+def check_model_dir(cfg: config_lib.Config, is_chief: bool) -> None:
+  """A model_dir holds one model: resuming with other model flags is refused up front."""
+  path = os.path.join(cfg.train.model_dir, "config.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      saved = json.load(f).get("model")
+    if saved is not None and saved != cfg.to_dict()["model"]:
+      diff = sorted(k for k in saved if saved.get(k) != cfg.to_dict()["model"].get(k))
+      fail(f"--model_dir={cfg.train.model_dir} holds a run with other model flags "
+           f"({', '.join(diff)}): use the same flags to resume, or a new --model_dir")
+  elif is_chief:
+    os.makedirs(cfg.train.model_dir, exist_ok=True)
+    with open(path, "w") as f:
+      json.dump(cfg.to_dict(), f, indent=2)
+
+
+def main(argv):
+  if len(argv) > 1:
+    fail(f"unexpected arguments {argv[1:]}: flags are written --name=value")
+  try:
+    cfg = config_lib.from_flags(FLAGS)
+    cluster = cluster_lib.from_env()
+  except (config_lib.ConfigError, cluster_lib.ClusterError) as e:
+    fail(str(e))
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  # Everything that imports TensorFlow comes after validation.
+  from tfpar import runner  # pylint: disable=import-outside-toplevel
+  try:
+    runner.run(cfg, cluster, check_model_dir=check_model_dir)
+  except runner.USER_ERRORS as e:
+    fail(str(e))
+
+
+if __name__ == "__main__":
+  app.run(main)

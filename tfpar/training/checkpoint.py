@@ -1,0 +1,173 @@
+"""Checkpoints in one canonical layout, whatever the parallel plan that wrote them.
+
+A run's weights may be one variable each (one device), mirrored (data
+parallel), sharded (tensor parallel: `.../attn_shard_1/query/kernel` holds a
+column slice of the full query kernel), spread over pipeline stages, or copied
+once per model replica (hybrid). The checkpoint stores none of that: it stores
+each weight and each AdamW slot under its canonical name
+(`gpt/block_0/attn/query/kernel`, `...@m`, `...@v`) at its full shape, plus the
+optimizer step. Saving gathers shards (concatenate along the axis the layer's
+SHARD_AXES names); restoring splits and assigns to every copy. So a checkpoint
+written under any plan restores under any other, and the data position follows
+from the step (see tfpar.data.pipeline).
+
+The canonical tensors live in host-memory variables that tf.train.Checkpoint
+and CheckpointManager write; that costs one host copy of the state at save.
+"""
+
+import os
+import re
+import shutil
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from tfpar.layers import CausalSelfAttention, MLP
+from tfpar.training.optimizer import inner_optimizer
+
+_SHARD = re.compile(r"/(attn|mlp)_shard_(\d+)/(.+)$")
+_AXES = {"attn": CausalSelfAttention.SHARD_AXES, "mlp": MLP.SHARD_AXES}
+
+
+class CheckpointMismatchError(ValueError):
+  """The checkpoint in --model_dir was written for another model."""
+
+
+def canonical_name(path: str) -> Tuple[str, Optional[int], int]:
+  """'gpt/block_0/attn_shard_1/query/kernel' -> ('gpt/block_0/attn/query/kernel', 1, 1)."""
+  match = _SHARD.search(path)
+  if not match:
+    return path, None, 0
+  kind, shard, rest = match.group(1), int(match.group(2)), match.group(3)
+  return path[:match.start()] + f"/{kind}/{rest}", _AXES[kind].get(rest), shard
+
+
+# name -> (axis or None, [shard variables in shard order]) for one model copy.
+Layout = Dict[str, Tuple[Optional[int], List]]
+
+
+def _add(layout: Layout, name: str, axis, shard: int, var):
+  entry = layout.setdefault(name, (axis, {}))
+  entry[1][shard] = var
+
+
+def model_layout(model, optimizer=None) -> Layout:
+  """The canonical layout of one model copy and (optionally) its optimizer's slots."""
+  raw: Dict[str, Tuple[Optional[int], Dict[int, object]]] = {}
+  opt = inner_optimizer(optimizer) if optimizer is not None else None
+  for var in model.variables:
+    name, axis, shard = canonical_name(var.path)
+    _add(raw, name, axis, shard, var)
+    if opt is not None and var.trainable and opt.built:
+      index = opt._get_variable_index(var)  # pylint: disable=protected-access
+      _add(raw, name + "@m", axis, shard, opt._momentums[index])  # pylint: disable=protected-access
+      _add(raw, name + "@v", axis, shard, opt._velocities[index])  # pylint: disable=protected-access
+  if opt is not None:
+    raw["optimizer/iterations"] = (None, {0: opt.iterations})
+  return {name: (axis, [shards[i] for i in sorted(shards)]) for name, (axis, shards) in raw.items()}
+
+
+def read_canonical(layout: Layout) -> Dict[str, np.ndarray]:
+  """Gathers every entry to its full shape (host numpy)."""
+  out = {}
+  for name, (axis, shards) in layout.items():
+    values = [np.asarray(tf.convert_to_tensor(_tf_var(v))) for v in shards]
+    out[name] = values[0] if len(values) == 1 else np.concatenate(values, axis=axis)
+  return out
+
+
+def assign_canonical(layout: Layout, values: Dict[str, np.ndarray]) -> None:
+  """Splits full values into this layout's shards and assigns them."""
+  for name, (axis, shards) in layout.items():
+    full = values[name]
+    parts = [full] if len(shards) == 1 else np.split(full, len(shards), axis=axis)
+    for var, part in zip(shards, parts):
+      if tuple(var.shape) != part.shape:
+        raise CheckpointMismatchError(
+            f"checkpoint weight {name} has shape {full.shape}, the model needs "
+            f"{tuple(var.shape)} per shard: use the model flags the run was started with, "
+            "or a new --model_dir")
+      var.assign(part)
+
+
+def _tf_var(var):
+  return getattr(var, "value", var) if not isinstance(var, tf.Variable) else var
+
+
+class CanonicalCheckpointer:
+  """Saves and restores model + optimizer state in the canonical layout.
+
+  Args:
+    layouts: one Layout per model copy (several for hybrid data x model
+      parallel; copy 0 is read at save, every copy is assigned at restore).
+    directory: where checkpoints go (`<model_dir>/checkpoints`).
+    keep: how many recent checkpoints to keep.
+    is_chief: only the chief writes into `directory`; other workers still take
+      part in every save (as multi-worker saving requires) but write into their
+      own temporary directory, which is removed afterwards.
+    worker_index: names the temporary directory of a non-chief worker.
+  """
+
+  def __init__(self, layouts: Sequence[Layout], directory: str, *, keep: int = 3,
+               is_chief: bool = True, worker_index: int = 0):
+    self.layouts = list(layouts)
+    self.directory = directory
+    self.keep = keep
+    self.is_chief = is_chief
+    self.worker_index = worker_index
+    with tf.device("/cpu:0"):
+      self._host = {}
+      for name, (axis, shards) in self.layouts[0].items():
+        shape = list(shards[0].shape)
+        if axis is not None:
+          shape[axis] *= len(shards)
+        self._host[name] = tf.Variable(tf.zeros(shape, shards[0].dtype), trainable=False,
+                                       name=name.replace("/", "."))
+    self._checkpoint = tf.train.Checkpoint(state=self._host)
+
+  def _manager(self, directory):
+    return tf.train.CheckpointManager(self._checkpoint, directory, max_to_keep=self.keep,
+                                      checkpoint_name="ckpt")
+
+  @property
+  def latest(self) -> Optional[str]:
+    return tf.train.latest_checkpoint(self.directory)
+
+  def save(self, step: int) -> Optional[str]:
+    """Writes the state at `step`; returns the chief's checkpoint path."""
+    for name, value in read_canonical(self.layouts[0]).items():
+      self._host[name].assign(value)
+    if self.is_chief:
+      return self._manager(self.directory).save(checkpoint_number=step)
+    tmp = os.path.join(self.directory, f".worker_{self.worker_index}_tmp")
+    self._manager(tmp).save(checkpoint_number=step)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return None
+
+  def restore(self, path: Optional[str] = None) -> bool:
+    """Restores `path` (default: the latest) into every copy; False if there is none."""
+    path = path or self.latest
+    if path is None:
+      return False
+    try:
+      self._checkpoint.restore(path).assert_existing_objects_matched()
+    except (AssertionError, ValueError) as e:
+      raise CheckpointMismatchError(
+          f"the checkpoint {path} does not fit this model ({str(e).splitlines()[0][:200]}): use "
+          "the model flags the run was started with, or a new --model_dir") from None
+    values = {name: var.numpy() for name, var in self._host.items()}
+    for layout in self.layouts:
+      assign_canonical(layout, values)
+    return True
+
+
+def read_checkpoint(path: str) -> Dict[str, np.ndarray]:
+  """Reads every canonical tensor of a checkpoint file (for tests and tools)."""
+  reader = tf.train.load_checkpoint(path)
+  out = {}
+  for key in reader.get_variable_to_shape_map():
+    if key.startswith("state/") and key.endswith("/.ATTRIBUTES/VARIABLE_VALUE"):
+      name = key[len("state/"):-len("/.ATTRIBUTES/VARIABLE_VALUE")]
+      out[name.replace(".S", "/")] = reader.get_tensor(key)
+  return out

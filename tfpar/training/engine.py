@@ -1,0 +1,131 @@
+"""The data-parallel engine: model, optimizer, data and compiled steps under one strategy.
+
+An engine is what the loop drives. This one serves the strategies that own
+the variables (one_device, mirrored, multi_worker_mirrored, tpu): the model
+and optimizer are built under `strategy.scope()`, each replica runs
+`TrainStep` under `strategy.run`, and `steps_per_call` steps run inside one
+`tf.function` call. Model-parallel plans have their own engine in
+tfpar.parallel.hybrid, with the same surface.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpar.config import Config, ConfigError
+from tfpar.data import pipeline
+from tfpar.models import GPT
+from tfpar.training.checkpoint import model_layout
+from tfpar.training.optimizer import make_optimizer, inner_optimizer
+from tfpar.training.step import EvalStep, TrainStep
+
+
+def build_model(cfg: Config, tensor_shards: int = 1) -> GPT:
+  """The GPT with every weight created now, from the run's seed."""
+  keras.utils.set_random_seed(cfg.train.seed)
+  model = GPT(cfg.model, tensor_shards=tensor_shards, seed=cfg.train.seed)
+  model.build_all()
+  return model
+
+
+def check_batch(global_batch_size: int, num_replicas: int) -> None:
+  if global_batch_size % num_replicas:
+    raise ConfigError(f"--global_batch_size={global_batch_size} does not split evenly over "
+                      f"{num_replicas} replicas: use a multiple of {num_replicas}")
+
+
+class DataParallelEngine:
+  """One model replicated by a tf.distribute strategy.
+
+  Args:
+    cfg: the run's config.
+    strategy: the tf.distribute strategy.
+    corpus: this worker's token streams.
+    worker_index, num_workers: this worker's input pipeline among all.
+    sharding: 'data' (every worker reads its slice of each global batch) or
+      'file' (each worker reads the batches of its own files).
+  """
+
+  def __init__(self, cfg: Config, strategy, corpus: pipeline.Corpus, *, sharding: str = "data"):
+    self.cfg = cfg
+    self.strategy = strategy
+    self.corpus = corpus
+    self.sharding = sharding
+    self.num_replicas = strategy.num_replicas_in_sync
+    check_batch(cfg.train.global_batch_size, self.num_replicas)
+    self.global_tokens = cfg.train.global_batch_size * cfg.model.seq_len
+    with strategy.scope():
+      self.model = build_model(cfg)
+      self.optimizer = make_optimizer(cfg.optim, cfg.train.train_steps, cfg.train.precision)
+      inner_optimizer(self.optimizer).build(self.model.trainable_variables)
+      if self.optimizer is not inner_optimizer(self.optimizer):
+        self.optimizer.build(self.model.trainable_variables)
+    self.layouts = [model_layout(self.model, self.optimizer)]
+    jit = cfg.train.jit_compile
+    self._train_step = TrainStep(self.model, self.optimizer, global_tokens=self.global_tokens,
+                                 jit_compile=jit)
+    self._eval_step = EvalStep(self.model, global_tokens=self.global_tokens, jit_compile=jit)
+    self._train_fn = tf.function(self._train_steps)
+    self._eval_fn = tf.function(self._eval_steps)
+
+  # --- data -------------------------------------------------------------------
+  def _dataset(self, tokens, start_step: int, shuffle: bool):
+    g = self.cfg.train.global_batch_size
+
+    def dataset_fn(ctx: tf.distribute.InputContext):
+      local = ctx.num_replicas_in_sync // ctx.num_input_pipelines
+      if self.sharding == "file" and shuffle:
+        shard = pipeline.Shard(g // ctx.num_input_pipelines, local, 0, local)
+      else:
+        shard = pipeline.Shard(g, ctx.num_replicas_in_sync, ctx.input_pipeline_id * local, local)
+      return pipeline.window_dataset(tokens, self.cfg.model.seq_len, shard,
+                                     seed=self.cfg.train.seed, start_step=start_step,
+                                     shuffle=shuffle)
+
+    return self.strategy.distribute_datasets_from_function(dataset_fn)
+
+  def train_iterator(self, start_step: int):
+    return iter(self._dataset(self.corpus.train, start_step, shuffle=True))
+
+  def eval_iterator(self):
+    return iter(self._dataset(self.corpus.eval, 0, shuffle=False))
+
+  # --- steps ------------------------------------------------------------------
+  def _train_steps(self, iterator, num_steps):
+    losses = tf.TensorArray(tf.float32, size=num_steps)
+    norms = tf.TensorArray(tf.float32, size=num_steps)
+    for i in tf.range(num_steps):
+      inputs, targets = next(iterator)
+      loss, norm = self.strategy.run(self._train_step, args=(inputs, targets))
+      losses = losses.write(i, self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None))
+      # The norm is of the all-reduced gradient: the same on every replica.
+      norms = norms.write(i, self.strategy.experimental_local_results(norm)[0])
+    return losses.stack(), norms.stack()
+
+  def _eval_steps(self, iterator, num_steps):
+    total = tf.constant(0.0)
+    for _ in tf.range(num_steps):
+      inputs, targets = next(iterator)
+      loss = self.strategy.run(self._eval_step, args=(inputs, targets))
+      total += self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
+    return total / tf.cast(num_steps, tf.float32)
+
+  def train(self, iterator, num_steps: int):
+    """Runs `num_steps` steps; returns per-step (losses, grad_norms) as numpy."""
+    losses, norms = self._train_fn(iterator, tf.constant(num_steps))
+    return np.asarray(losses), np.asarray(norms)
+
+  def evaluate(self, iterator, num_steps: int) -> float:
+    return float(self._eval_fn(iterator, tf.constant(num_steps)))
+
+  # --- state ------------------------------------------------------------------
+  @property
+  def step(self) -> int:
+    return int(inner_optimizer(self.optimizer).iterations.numpy())
+
+  def learning_rate(self) -> float:
+    return float(np.asarray(inner_optimizer(self.optimizer).learning_rate))
+
+  def describe(self) -> dict:
+    return {"strategy": type(self.strategy).__name__, "replicas": self.num_replicas,
+            "parameters": int(sum(np.prod(v.shape) for v in self.model.trainable_variables))}

@@ -1,0 +1,87 @@
+"""Where a run reports: metrics.jsonl, TensorBoard summaries, and a console line.
+
+Only the chief writes. `metrics.jsonl` holds one JSON object per line:
+  {"kind": "train", "step", "loss", "learning_rate", "tokens_per_sec", "step_time", ...}
+  {"kind": "eval", "step", "loss", "perplexity"}
+"""
+
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+
+class MetricsWriter:
+  """Appends records to metrics.jsonl and TensorBoard; prints progress lines.
+
+  Args:
+    model_dir: the run directory.
+    enabled: False on non-chief workers (everything becomes a no-op).
+  """
+
+  def __init__(self, model_dir: str, enabled: bool = True):
+    self.enabled = enabled
+    self.path = os.path.join(model_dir, "metrics.jsonl")
+    self._writers = {}
+    self._start = time.time()
+    if enabled:
+      import tensorflow as tf  # pylint: disable=import-outside-toplevel
+      self._tf = tf
+      for kind in ("train", "eval"):
+        self._writers[kind] = tf.summary.create_file_writer(os.path.join(model_dir, kind))
+
+  def drop_after(self, step: int) -> None:
+    """On resume: records past the restored step describe steps that will run again.
+
+    They move to metrics.superseded.jsonl (nothing is deleted), so that
+    metrics.jsonl logs every step exactly once.
+    """
+    if not self.enabled or not os.path.exists(self.path):
+      return
+    with open(self.path) as f:
+      lines = [line for line in f if line.strip()]
+    keep, drop = [], []
+    for line in lines:
+      try:
+        (drop if json.loads(line).get("step", 0) > step else keep).append(line)
+      except ValueError:
+        keep.append(line)
+    if drop:
+      with open(self.path + ".superseded", "a") as f:
+        f.writelines(drop)
+      tmp = self.path + ".tmp"
+      with open(tmp, "w") as f:
+        f.writelines(keep)
+      os.replace(tmp, self.path)
+
+  def write(self, record: dict) -> None:
+    if not self.enabled:
+      return
+    with open(self.path, "a") as f:
+      f.write(json.dumps(record) + "\n")
+    writer = self._writers.get(record["kind"])
+    if writer is not None:
+      with writer.as_default(step=record["step"]):
+        for key, value in record.items():
+          if key not in ("kind", "step") and isinstance(value, (int, float)):
+            self._tf.summary.scalar(key, value)
+      writer.flush()
+
+  def progress(self, step: int, total: int, loss: float, tokens_per_sec: float,
+               step_time: float, extra: str = "") -> None:
+    if not self.enabled:
+      return
+    eta = datetime.timedelta(seconds=int(step_time * (total - step)))
+    line = (f"step {step:>6}/{total} | loss {loss:.4f} | {tokens_per_sec:>9,.0f} tok/s | "
+            f"{step_time * 1000:7.1f} ms/step | ETA {eta}{extra}")
+    print(line, flush=True)
+
+  def say(self, text: str) -> None:
+    if self.enabled:
+      print(text, file=sys.stdout, flush=True)
+
+
+def perplexity(loss: float) -> float:
+  return math.exp(min(loss, 50.0))
