@@ -13,18 +13,31 @@ from tfpar.config import ConfigError, DistConfig
 
 
 def setup_devices(num_cpu_devices: int) -> None:
-  """Splits the physical CPU into `num_cpu_devices` logical devices (call before TF starts)."""
-  if num_cpu_devices <= 1:
-    return
+  """Splits the physical CPU into `num_cpu_devices` logical devices (call before TF starts).
+
+  A process whose runtime already started with at least that many logical CPUs
+  (a test session, a notebook) is left as it is; one with fewer gets a clear error.
+  """
   cpu = tf.config.list_physical_devices("CPU")[0]
-  tf.config.set_logical_device_configuration(
-      cpu, [tf.config.LogicalDeviceConfiguration()] * num_cpu_devices)
+  configured = tf.config.get_logical_device_configuration(cpu)
+  if num_cpu_devices <= max(1, len(configured or [])):
+    return
+  try:
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * num_cpu_devices)
+  except RuntimeError:
+    raise ConfigError(f"--num_cpu_devices={num_cpu_devices}: TensorFlow already started with "
+                      f"{max(1, len(configured or []))} CPU device(s) in this process; split "
+                      "the CPU before TensorFlow initialises") from None
 
 
-def compute_devices():
-  """The devices replicas run on: every GPU, else every logical CPU."""
+def compute_devices(num_cpu_devices: int = 0):
+  """The devices replicas run on: every GPU, else the first `num_cpu_devices` logical CPUs."""
   gpus = tf.config.list_logical_devices("GPU")
-  return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
+  if gpus:
+    return [d.name for d in gpus]
+  cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
+  return cpus[:num_cpu_devices] if num_cpu_devices else cpus
 
 
 def make_strategy(dist: DistConfig, cluster: Cluster) -> tf.distribute.Strategy:
@@ -33,7 +46,7 @@ def make_strategy(dist: DistConfig, cluster: Cluster) -> tf.distribute.Strategy:
   if name == "one_device":
     return tf.distribute.OneDeviceStrategy(compute_devices()[0])
   if name == "mirrored":
-    devices = compute_devices()
+    devices = compute_devices(dist.num_cpu_devices)
     cross = None if tf.config.list_logical_devices("GPU") else tf.distribute.ReductionToOneDevice()
     return tf.distribute.MirroredStrategy(devices, cross_device_ops=cross)
   if name == "multi_worker_mirrored":
