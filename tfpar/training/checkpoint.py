@@ -56,8 +56,12 @@ def model_layout(model, optimizer=None) -> Layout:
   """The canonical layout of one model copy and (optionally) its optimizer's slots."""
   raw: Dict[str, Tuple[Optional[int], Dict[int, object]]] = {}
   opt = inner_optimizer(optimizer) if optimizer is not None else None
+  prefix = model.name + "/"
   for var in model.variables:
-    name, axis, shard = canonical_name(var.path)
+    # Keras prefixes the model's name when weights are built inside its call
+    # and not when built directly: the canonical name is relative to the model.
+    path = var.path[len(prefix):] if var.path.startswith(prefix) else var.path
+    name, axis, shard = canonical_name(path)
     _add(raw, name, axis, shard, var)
     if opt is not None and var.trainable and opt.built:
       index = opt._get_variable_index(var)  # pylint: disable=protected-access
