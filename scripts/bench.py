@@ -1,0 +1,218 @@
+"""Training throughput of tfpar beside keras-hub's GPT2Backbone, in one process.
+
+    python scripts/bench.py --steps=40 --warmup=10 --out=bench.json
+
+Both systems train the same GPT (4 layers, d_model 256, 4 heads, d_ff 1024,
+seq 256, batch 16, byte vocabulary of 256, learned positions, output logits
+through the tied token embedding, no dropout) in float32 with the same AdamW
+(warmup + cosine schedule, weight decay 0.1 on matrices and embeddings,
+global-norm clip 1.0) on the same packed byte windows of tfpar's embedded
+corpus:
+
+  * tfpar: the real code path, `DataParallelEngine` on `one_device` with its
+    own tf.data pipeline, `--steps_per_call` steps per tf.function call.
+  * keras-hub: `GPT2Backbone` + `token_embedding(h, reverse=True)` (the tied
+    head GPT2CausalLM uses), trained with `model.fit(jit_compile=True)`.
+
+FLOPs per token are 6N + 12*L*d*T (Kaplan et al. 2020 / PaLM appendix B):
+N counts every trainable parameter, embeddings included (the token table is
+also the output projection; the position table is counted too), the same
+rule for both models. MFU is the achieved FLOP/s over a peak measured in
+this run: the best of several XLA-compiled 2048x2048 float32 matmuls.
+
+Compilation and the first `--warmup` steps are excluded from the timing.
+Timings are only meaningful on an otherwise idle machine.
+"""
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # pylint: disable=wrong-import-position
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("steps", 40, "Timed training steps per system.")
+flags.DEFINE_integer("warmup", 10, "Untimed steps first (the first one compiles).")
+flags.DEFINE_enum("only", None, ["tfpar", "kerashub"], "Run one system only.")
+flags.DEFINE_bool("quick", False, "Tiny shapes and a small matmul: a smoke test, not a benchmark.")
+flags.DEFINE_integer("steps_per_call", 10, "tfpar's --steps_per_call.")
+flags.DEFINE_integer("steps_per_execution", 1, "keras-hub's compile(steps_per_execution=...).")
+flags.DEFINE_string("out", None, "Also write the results here as JSON.")
+
+# The benchmark shapes (issue 2), and tiny ones for --quick.
+FULL = dict(num_layers=4, d_model=256, num_heads=4, d_ff=1024, seq_len=256, batch=16,
+            matmul=2048)
+QUICK = dict(num_layers=2, d_model=32, num_heads=4, d_ff=64, seq_len=32, batch=4, matmul=256)
+VOCAB = 256
+
+
+def matmul_peak(n: int, repeats: int = 10) -> float:
+  """Best FLOP/s of an XLA-compiled n x n float32 matmul."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  a = tf.random.normal([n, n], seed=1)
+  b = tf.random.normal([n, n], seed=2)
+  matmul = tf.function(tf.matmul, jit_compile=True)
+  matmul(a, b).numpy()  # Compile.
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    matmul(a, b).numpy()
+    best = min(best, time.perf_counter() - start)
+  return 2 * n**3 / best
+
+
+def flops_per_token(params: int, shape: dict) -> float:
+  return 6 * params + 12 * shape["num_layers"] * shape["d_model"] * shape["seq_len"]
+
+
+def tfpar_args(shape: dict, model_dir: str, steps: int) -> list:
+  return [f"--model_dir={model_dir}", "--strategy=one_device", "--precision=float32",
+          f"--num_layers={shape['num_layers']}", f"--d_model={shape['d_model']}",
+          f"--num_heads={shape['num_heads']}", f"--d_ff={shape['d_ff']}",
+          f"--seq_len={shape['seq_len']}", f"--global_batch_size={shape['batch']}",
+          f"--train_steps={steps}", f"--steps_per_call={FLAGS.steps_per_call}",
+          "--dropout=0", "--positions=learned", "--jit_compile=true"]
+
+
+def bench_tfpar(shape: dict, warmup: int, steps: int) -> dict:
+  """tfpar's DataParallelEngine on one_device, fed by its own pipeline."""
+  from tfpar import config, strategies  # pylint: disable=import-outside-toplevel
+  from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+  from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
+  from tfpar.data import pipeline  # pylint: disable=import-outside-toplevel
+  from tfpar.training.engine import DataParallelEngine  # pylint: disable=import-outside-toplevel
+
+  with tempfile.TemporaryDirectory() as model_dir:
+    cfg = config.from_flags(tfpar_flags.parse(tfpar_args(shape, model_dir, warmup + steps)))
+  strategy = strategies.make_strategy(cfg.dist, Cluster())
+  corpus = pipeline.load_corpus(cfg.data.data, seq_len=cfg.model.seq_len,
+                                eval_fraction=cfg.data.eval_fraction)
+  engine = DataParallelEngine(cfg, strategy, corpus)
+  iterator = engine.train_iterator(0)
+
+  def run(n):
+    losses = []
+    while n > 0:
+      k = min(cfg.train.steps_per_call, n)
+      losses.extend(engine.train(iterator, k)[0].tolist())  # numpy: the steps have finished.
+      n -= k
+    return losses
+
+  run(warmup)
+  start = time.perf_counter()
+  losses = run(steps)
+  elapsed = time.perf_counter() - start
+  return {"system": f"tfpar (one_device, steps_per_call={cfg.train.steps_per_call})",
+          "params": engine.describe()["parameters"], "seconds": elapsed, "steps": steps,
+          "last_loss": losses[-1]}
+
+
+def bench_kerashub(shape: dict, warmup: int, steps: int) -> dict:
+  """keras-hub GPT2Backbone with its tied reverse-embedding head, model.fit(jit_compile=True)."""
+  import keras  # pylint: disable=import-outside-toplevel
+  import keras_hub  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tfpar import config  # pylint: disable=import-outside-toplevel
+  from tfpar.data import pipeline  # pylint: disable=import-outside-toplevel
+  from tfpar.training import optimizer as tfpar_optimizer  # pylint: disable=import-outside-toplevel
+
+  keras.utils.set_random_seed(0)
+  backbone = keras_hub.models.GPT2Backbone(
+      vocabulary_size=VOCAB, num_layers=shape["num_layers"], num_heads=shape["num_heads"],
+      hidden_dim=shape["d_model"], intermediate_dim=shape["d_ff"], dropout=0.0,
+      max_sequence_length=shape["seq_len"])
+  logits = backbone.token_embedding(backbone.output, reverse=True)  # Tied, as GPT2CausalLM.
+  model = keras.Model(backbone.input, logits)
+  # The same AdamW settings as tfpar's defaults (keras' own class: no tfpar override).
+  optim = config.OptimConfig()
+  opt = keras.optimizers.AdamW(
+      learning_rate=tfpar_optimizer.learning_rate_schedule(optim, warmup + steps),
+      weight_decay=optim.weight_decay, beta_1=0.9, beta_2=0.95, epsilon=1e-8,
+      global_clipnorm=optim.clip_norm)
+  opt.exclude_from_weight_decay(var_names=tfpar_optimizer.NO_DECAY)
+  model.compile(optimizer=opt,
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                jit_compile=True, steps_per_execution=FLAGS.steps_per_execution)
+
+  corpus = pipeline.load_corpus(None, seq_len=shape["seq_len"], eval_fraction=0.05)
+  windows = pipeline.window_dataset(corpus.train, shape["seq_len"],
+                                    pipeline.Shard(shape["batch"]), seed=0)
+  data = windows.map(lambda x, y: ({"token_ids": x, "padding_mask": tf.ones_like(x)}, y))
+
+  class StepTimes(keras.callbacks.Callback):
+    def __init__(self):
+      super().__init__()
+      self.times, self.losses = [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+      self.losses.append(float(logs["loss"]))  # Waits for the step to finish.
+      self.times.append(time.perf_counter())
+
+  spe = FLAGS.steps_per_execution
+  warmup, steps = -(-warmup // spe) * spe, -(-steps // spe) * spe  # Whole executions.
+  timer = StepTimes()
+  model.fit(data, epochs=1, steps_per_epoch=warmup + steps, callbacks=[timer], verbose=0,
+            shuffle=False)
+  calls = len(timer.times)
+  first = warmup // spe - 1  # The last untimed execution ends here.
+  return {"system": "keras-hub GPT2Backbone (model.fit, jit_compile=True)",
+          "params": int(sum(v.numpy().size for v in model.trainable_variables)),
+          "seconds": timer.times[calls - 1] - timer.times[first], "steps": steps,
+          "last_loss": timer.losses[-1]}
+
+
+def table(rows: list) -> str:
+  lines = ["| system | tokens/s | step ms | GFLOP/s | MFU | vs keras-hub |",
+           "|---|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    ratio = f"{r['vs_kerashub']:.2f}x" if r.get("vs_kerashub") else "-"
+    lines.append(f"| {r['system']} | {r['tokens_per_sec']:,.0f} | {r['step_ms']:.1f} | "
+                 f"{r['gflops']:.1f} | {100 * r['mfu']:.1f}% | {ratio} |")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  if FLAGS.warmup < 1:
+    raise app.UsageError("--warmup must be at least 1 (the first step compiles)")
+  shape = QUICK if FLAGS.quick else FULL
+  tokens_per_step = shape["batch"] * shape["seq_len"]
+  peak = matmul_peak(shape["matmul"])
+  systems = {"tfpar": bench_tfpar, "kerashub": bench_kerashub}
+  if FLAGS.only:
+    systems = {FLAGS.only: systems[FLAGS.only]}
+  rows = []
+  for name, bench in systems.items():
+    r = bench(shape, FLAGS.warmup, FLAGS.steps)
+    r["key"] = name
+    r["flops_per_token"] = flops_per_token(r["params"], shape)
+    r["tokens_per_sec"] = tokens_per_step * r["steps"] / r["seconds"]
+    r["step_ms"] = 1000 * r["seconds"] / r["steps"]
+    r["gflops"] = r["tokens_per_sec"] * r["flops_per_token"] / 1e9
+    r["mfu"] = r["gflops"] * 1e9 / peak
+    rows.append(r)
+  by_key = {r["key"]: r for r in rows}
+  if "kerashub" in by_key:
+    for r in rows:
+      r["vs_kerashub"] = r["tokens_per_sec"] / by_key["kerashub"]["tokens_per_sec"]
+  print(f"shapes: {shape}, vocab {VOCAB}, float32; {FLAGS.warmup} warmup + {FLAGS.steps} "
+        f"timed steps; matmul peak {peak / 1e9:.1f} GFLOP/s ({shape['matmul']}^2, XLA)")
+  for r in rows:
+    print(f"{r['key']}: N = {r['params']:,} parameters, {r['flops_per_token'] / 1e6:.2f} "
+          f"MFLOP/token, last loss {r['last_loss']:.3f}")
+  print()
+  print(table(rows))
+  if FLAGS.out:
+    with open(FLAGS.out, "w") as f:
+      json.dump({"shape": shape, "vocab": VOCAB, "warmup": FLAGS.warmup, "steps": FLAGS.steps,
+                 "peak_gflops": peak / 1e9, "command": " ".join(["python"] + sys.argv),
+                 "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+  app.run(main)
