@@ -57,5 +57,13 @@ def main(argv):
     fail(str(e))
 
 
+def parse_flags(argv):
+  """absl's own parse errors (unknown flag, bad enum or int) get the same one line and exit 2."""
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:
+    fail(str(e))
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)
