@@ -1,0 +1,159 @@
+"""Config validation: every rule names its flag; the CLI turns bad input into one line, exit 2."""
+
+import os
+import shutil
+
+import pytest
+
+from conftest import TINY, make_config, read_metrics, run_module, train_in_process
+from tfpar.config import ConfigError
+
+MODEL_DIR = "--model_dir=/tmp/tfpar-config-test"  # validate() never touches it
+
+# (extra flags on top of TINY, the flag the error message must name)
+BAD = [
+    # from_flags
+    (["--stage_layers=a,b", "--pipeline_stages=2"], "stage_layers"),
+    # Each positive-integer flag, at 0 and below.
+    (["--seq_len=0"], "seq_len"),
+    (["--num_layers=0"], "num_layers"),
+    (["--d_model=-32"], "d_model"),
+    (["--num_heads=0"], "num_heads"),
+    (["--d_ff=0"], "d_ff"),
+    (["--train_steps=0"], "train_steps"),
+    (["--global_batch_size=-8"], "global_batch_size"),
+    (["--log_every=0"], "log_every"),
+    (["--checkpoint_every=0"], "checkpoint_every"),
+    (["--keep_checkpoints=0"], "keep_checkpoints"),
+    (["--steps_per_call=0"], "steps_per_call"),
+    (["--num_cpu_devices=0"], "num_cpu_devices"),
+    (["--ps_shards=0"], "ps_shards"),
+    (["--pipeline_stages=0"], "pipeline_stages"),
+    (["--microbatches=0"], "microbatches"),
+    (["--tensor_parallel=0"], "tensor_parallel"),
+    # The other single-flag rules.
+    (["--eval_every=-1"], "eval_every"),
+    (["--eval_steps=-1"], "eval_steps"),
+    (["--d_model=32", "--num_heads=3"], "num_heads"),
+    (["--positions=rotary", "--d_model=12", "--num_heads=4"], "positions"),  # head size 3
+    (["--dropout=1.0"], "dropout"),
+    (["--dropout=-0.1"], "dropout"),
+    (["--eval_fraction=0"], "eval_fraction"),
+    (["--eval_fraction=0.5"], "eval_fraction"),
+    (["--data=/nonexistent/tfpar/*.txt"], "data"),
+    (["--learning_rate=0"], "learning_rate"),
+    (["--warmup_steps=-1"], "warmup_steps"),
+    (["--warmup_steps=10", "--train_steps=10"], "warmup_steps"),
+    (["--min_lr_ratio=1.5"], "min_lr_ratio"),
+    (["--weight_decay=-0.1"], "weight_decay"),
+    (["--clip_norm=-1"], "clip_norm"),
+    (["--collective_timeout=-1"], "collective_timeout"),
+    (["--strategy=one_device", "--num_cpu_devices=4"], "num_cpu_devices"),
+    (["--strategy=tpu", "--precision=mixed_float16"], "precision"),
+    # Model-parallel plans (_validate_parallel).
+    (["--strategy=parameter_server", "--pipeline_stages=2"], "strategy"),
+    (["--strategy=tpu", "--tensor_parallel=2"], "strategy"),
+    (["--data_parallel=0"], "data_parallel"),
+    (["--num_layers=2", "--pipeline_stages=3"], "pipeline_stages"),
+    (["--num_layers=2", "--pipeline_stages=2", "--stage_layers=2"], "stage_layers"),
+    (["--num_layers=2", "--pipeline_stages=2", "--stage_layers=2,1"], "stage_layers"),
+    (["--num_layers=2", "--pipeline_stages=2", "--stage_layers=2,0"], "stage_layers"),
+    (["--num_heads=4", "--tensor_parallel=3"], "tensor_parallel"),
+    (["--num_heads=4", "--d_ff=70", "--tensor_parallel=4"], "d_ff"),
+    (["--global_batch_size=8", "--data_parallel=3"], "global_batch_size"),
+    (["--global_batch_size=8", "--microbatches=3"], "microbatches"),
+    (["--strategy=mirrored", "--num_cpu_devices=4", "--pipeline_stages=2"], "num_cpu_devices"),
+]
+
+
+@pytest.mark.parametrize("extra,flag", BAD, ids=[" ".join(e) for e, _ in BAD])
+def test_each_rule_names_its_flag(extra, flag):
+  with pytest.raises(ConfigError) as info:
+    make_config(TINY + [MODEL_DIR] + extra)
+  message = str(info.value)
+  assert f"--{flag}" in message
+  assert "\n" not in message
+
+
+def test_missing_model_dir_is_named():
+  with pytest.raises(ConfigError, match="--model_dir"):
+    make_config(TINY)
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    ["--positions=rotary"],
+    ["--strategy=mirrored", "--num_cpu_devices=4"],
+    ["--strategy=mirrored", "--num_cpu_devices=4", "--pipeline_stages=2", "--data_parallel=2",
+     "--microbatches=2"],
+    ["--strategy=mirrored", "--num_cpu_devices=2", "--tensor_parallel=2"],
+    ["--num_layers=2", "--pipeline_stages=2", "--stage_layers=1,1"],
+    ["--eval_every=0", "--eval_steps=0", "--clip_norm=0", "--warmup_steps=0"],
+], ids=lambda e: " ".join(e) or "tiny")
+def test_valid_configs_pass(extra):
+  make_config(TINY + [MODEL_DIR] + extra)  # raises ConfigError if a rule over-reaches
+
+
+def test_defaults_are_derived():
+  cfg = make_config([MODEL_DIR, "--d_model=64", "--train_steps=200"])
+  assert cfg.model.d_ff == 256  # 4 * d_model
+  assert cfg.optim.warmup_steps == 10  # 5% of train_steps
+
+
+# --- the CLI ----------------------------------------------------------------------------------
+
+
+def assert_one_line_error(proc, flag):
+  """What a user relies on: exit 2, one line naming the flag, no traceback."""
+  assert proc.returncode == 2, proc.stderr
+  assert "Traceback" not in proc.stderr + proc.stdout
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("tfpar.train: error:")]
+  assert len(errors) == 1, proc.stderr
+  assert f"--{flag}" in errors[0]
+  return errors[0]
+
+
+@pytest.mark.parametrize("extra,flag", [
+    (["--num_heads=3"], "num_heads"),
+    (["--global_batch_size=-8"], "global_batch_size"),
+    (["--data=/nonexistent/tfpar/corpus.txt"], "data"),
+    (["--strategy=bogus"], "strategy"),
+    (["--num_heads=four"], "num_heads"),
+], ids=["heads", "negative-batch", "missing-data", "unknown-strategy", "not-an-int"])
+def test_cli_bad_flag_is_one_line(tmp_path, extra, flag):
+  proc = run_module("tfpar.train", TINY + [f"--model_dir={tmp_path / 'run'}"] + extra,
+                    check=False)
+  assert_one_line_error(proc, flag)
+  assert proc.stderr.strip().count("\n") == 0, proc.stderr  # nothing else either
+  assert not (tmp_path / "run").exists()  # failed before creating anything
+
+
+def _snapshot(model_dir):
+  out = {}
+  for root, _, names in os.walk(model_dir):
+    for name in names:
+      path = os.path.join(root, name)
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, model_dir)] = f.read()
+  return out
+
+
+def test_cli_bad_input_leaves_existing_run_untouched(tmp_path):
+  model_dir = str(tmp_path / "run")
+  args = TINY + ["--train_steps=2", "--jit_compile=false", f"--model_dir={model_dir}"]
+  train_in_process(args)
+  # The run a user would resume: write its config.json the way the CLI does.
+  from tfpar import train  # pylint: disable=import-outside-toplevel
+  train.check_model_dir(make_config(args), is_chief=True)
+  before = _snapshot(model_dir)
+  assert any(name.startswith("checkpoints/ckpt-2") for name in before)
+  assert [r["step"] for r in read_metrics(model_dir)] == [1, 2]
+
+  # A config error (found before TensorFlow starts) ...
+  proc = run_module("tfpar.train", args + ["--train_steps=4", "--num_heads=3"], check=False)
+  assert_one_line_error(proc, "num_heads")
+  # ... and a resume with other model flags (found when the run directory is read).
+  proc = run_module("tfpar.train", args + ["--train_steps=4", "--d_model=48"], check=False)
+  line = assert_one_line_error(proc, "model_dir")
+  assert "d_model" in line
+  assert _snapshot(model_dir) == before
