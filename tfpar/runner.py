@@ -1,6 +1,7 @@
 """Builds a run from a validated config: devices, strategy, data, engine, loop."""
 
 import keras
+from absl import logging as absl_logging
 import tensorflow as tf
 
 from tfpar import strategies
@@ -19,6 +20,7 @@ USER_ERRORS = (ConfigError, ClusterError, corpus_lib.DataError, CheckpointMismat
 def run(cfg: Config, cluster: Cluster, check_model_dir=None) -> dict:
   """Runs training as this task of the cluster; returns the loop's last records."""
   tf.get_logger().setLevel("WARNING")  # tf.distribute's per-call INFO lines drown the progress.
+  absl_logging.set_verbosity(absl_logging.WARNING)  # so does the checkpoint saver, at every save
   strategies.setup_devices(cfg.dist.num_cpu_devices)
   if cfg.dist.strategy == "parameter_server" and cluster.task_type in ("worker", "ps"):
     from tfpar.parallel import parameter_server  # pylint: disable=import-outside-toplevel

@@ -67,7 +67,8 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
                 "workers": num_workers}
       metrics.write(record)
       metrics.progress(step, t.train_steps, record["loss"], record["tokens_per_sec"],
-                       record["step_time"], f" | {engine.num_replicas} replicas")
+                       record["step_time"],
+                       f" | {engine.num_replicas} replicas on {num_workers} worker(s)")
       last["train"] = record
       window_losses, window_norms, window_time = [], [], 0.0
     if t.eval_steps and ((t.eval_every and step % t.eval_every == 0) or done):
