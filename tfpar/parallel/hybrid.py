@@ -1,0 +1,282 @@
+"""Hybrid data x pipeline x tensor parallelism: the engine for model-parallel plans.
+
+Placement. `MirroredStrategy` creates every variable on all of its own devices
+and ignores `tf.device`, so model-parallel weights are NOT created under any
+strategy scope. Instead this engine builds one GPT copy per data-parallel
+replica, outside every scope, each stage's (and shard's) weights under
+`tf.device` of its device in the plan (tfpar.parallel.plan), and one AdamW per
+copy beside it (its slots are created colocated with their variables; its step
+counter on the replica's first device, the "anchor"). Every copy starts from
+the weights one device would initialise (built once on the host, then split
+into the copies through the canonical checkpoint layout).
+
+Step. The data-parallel dimension is a tf.distribute strategy whose replicas
+are the D anchors: `MirroredStrategy(anchors)` on one host, the job's
+`MultiWorkerMirroredStrategy` across hosts (one replica per worker, each worker
+holding its K x T devices), nothing at all for D=1. Each replica function
+
+  1. picks its model copy (from its anchor device),
+  2. runs the GPipe forward/backward of tfpar.parallel.pipeline over its
+     K x T devices with explicit tf.device placement,
+  3. SUMs each gradient with the same gradient of the other D-1 copies
+     (`ctx.all_reduce`, tfpar.parallel.data_parallel), and RETURNS them.
+
+Then, in cross-replica context and outside any strategy scope, each copy's
+optimizer applies its reduced gradients to its own variables. (Keras 3's
+optimizer called inside a replica context does a merge_call and a mirrored
+`extended.update`, which cannot work on per-replica, non-mirrored variables.)
+All copies apply the same summed gradient, so they stay identical.
+
+The engine has the DataParallelEngine's surface (train, evaluate,
+train_iterator, eval_iterator, layouts, step, learning_rate, describe,
+num_replicas), so tfpar.training.loop drives it unchanged.
+"""
+
+import collections
+from typing import List
+
+import numpy as np
+import tensorflow as tf
+
+from tfpar import strategies
+from tfpar.config import Config, ConfigError
+from tfpar.data import pipeline as data_pipeline
+from tfpar.models import GPT
+from tfpar.parallel import plan as plan_lib
+from tfpar.parallel import tensor
+from tfpar.parallel.data_parallel import all_reduce_gradients
+from tfpar.parallel.pipeline import Pipeline
+from tfpar.training.checkpoint import assign_canonical, model_layout, read_canonical
+from tfpar.training.engine import build_model
+from tfpar.training.optimizer import inner_optimizer, make_optimizer
+
+
+class ModelCopy:
+  """One data-parallel replica: a GPT spread over its plan row, its optimizer, its pipeline."""
+
+  def __init__(self, cfg: Config, plan: plan_lib.ParallelPlan, row, *, global_tokens: int):
+    self.devices = row  # row[k][t]
+    first, last = row[0][0], row[-1][0]
+    self.model = GPT(cfg.model, tensor_shards=plan.tensor_parallel, seed=cfg.train.seed)
+    with tf.device(first):
+      self.model.build_embed()
+    for stage in plan.stages:
+      for i in stage.blocks:
+        block = self.model.blocks[i]
+        tensor.place_shards(block, row[stage.index])
+        with tf.device(row[stage.index][0]):  # Unsplit weights: the stage's first device.
+          block.build((None, cfg.model.seq_len, cfg.model.d_model))
+    with tf.device(last):
+      self.model.build_head()
+    self.model.built = True
+    with tf.device(first):
+      self.optimizer = make_optimizer(cfg.optim, cfg.train.train_steps, cfg.train.precision)
+      self.optimizer.build(self.model.trainable_variables)  # Slots colocate with their weights.
+    self.pipeline = Pipeline(self.model, stage_blocks=[s.blocks for s in plan.stages],
+                             stage_devices=[shards[0] for shards in row],
+                             microbatches=plan.microbatches, global_tokens=global_tokens,
+                             remat=plan.remat)
+
+  @property
+  def variables(self):
+    return list(self.model.variables) + list(self.optimizer.variables)
+
+
+def measured_bytes(copies) -> dict:
+  """{device: {"parameters": bytes, "optimizer": bytes}} of the copies' real variables."""
+  out = collections.defaultdict(lambda: {"parameters": 0, "optimizer": 0})
+  for copy in copies:
+    for kind, variables in (("parameters", copy.model.variables),
+                            ("optimizer", copy.optimizer.variables)):
+      for v in variables:
+        nbytes = int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+        out[plan_lib.device_key(v.value.device)][kind] += nbytes
+  return dict(out)
+
+
+class ModelParallelEngine:
+  """Trains a GPT under a D x K x T plan (see the module docstring).
+
+  Args:
+    cfg: the run's config.
+    strategy: the runner's strategy; only a MultiWorkerMirroredStrategy is
+      used (as the data-parallel dimension across workers). On one host the
+      engine makes its own MirroredStrategy over the D anchors (none for D=1).
+    corpus: this worker's token streams.
+    sharding: 'data' or 'file', as the runner chose for the input.
+  """
+
+  def __init__(self, cfg: Config, strategy, corpus: data_pipeline.Corpus, *,
+               sharding: str = "data"):
+    if cfg.train.precision == "mixed_float16":
+      raise ConfigError("--precision=mixed_float16 does not combine with model parallelism "
+                        "(no loss scaling there yet): use --precision=mixed_bfloat16 or float32")
+    self.cfg = cfg
+    self.corpus = corpus
+    self.sharding = sharding
+    self.global_tokens = cfg.train.global_batch_size * cfg.model.seq_len
+    local = strategies.compute_devices(cfg.dist.num_cpu_devices)
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+      resolver = strategy.cluster_resolver
+      self.plan = plan_lib.make_plan(cfg, [], worker_devices=_worker_devices(resolver, local))
+      self.worker_index = _worker_index(resolver)
+      self.strategy = strategy
+      rows = [self.worker_index]
+    else:
+      self.plan = plan_lib.make_plan(cfg, local)
+      self.worker_index = 0
+      d = self.plan.data_parallel
+      self.strategy = None if d == 1 else tf.distribute.MirroredStrategy(
+          self.plan.anchors, cross_device_ops=tf.distribute.ReductionToOneDevice())
+      rows = list(range(d))
+    self.num_replicas = self.plan.data_parallel
+    self.copies: List[ModelCopy] = [
+        ModelCopy(cfg, self.plan, self.plan.devices[r], global_tokens=self.global_tokens)
+        for r in rows]
+    self._copy_of_anchor = {plan_lib.device_key(self.plan.devices[r][0][0]): i
+                            for i, r in enumerate(rows)}
+    self._initialise_like_one_device()
+    self.layouts = [model_layout(c.model, c.optimizer) for c in self.copies]
+    self._train_fn = tf.function(self._train_steps)
+    self._eval_fn = tf.function(self._eval_steps)
+    if self.worker_index == 0 and cfg.train.model_dir:
+      print(f"tfpar: {self.plan.format()}", flush=True)
+      self.plan.write(cfg.train.model_dir)
+
+  def _initialise_like_one_device(self):
+    """Every copy gets the weights `build_model(cfg)` creates on one device."""
+    with tf.device(self.copies[0].devices[0][0]):
+      reference = build_model(self.cfg)
+    values = read_canonical(model_layout(reference))
+    for copy in self.copies:
+      assign_canonical(model_layout(copy.model), values)
+    del reference
+
+  # --- data -------------------------------------------------------------------
+  def _dataset(self, tokens, start_step: int, shuffle: bool):
+    g, seq, seed = self.cfg.train.global_batch_size, self.cfg.model.seq_len, self.cfg.train.seed
+    if self.strategy is None:
+      return data_pipeline.window_dataset(tokens, seq, data_pipeline.Shard(g), seed=seed,
+                                          start_step=start_step, shuffle=shuffle)
+
+    def dataset_fn(ctx: tf.distribute.InputContext):
+      local = ctx.num_replicas_in_sync // ctx.num_input_pipelines
+      if self.sharding == "file" and shuffle:
+        shard = data_pipeline.Shard(g // ctx.num_input_pipelines, local, 0, local)
+      else:
+        shard = data_pipeline.Shard(g, ctx.num_replicas_in_sync,
+                                    ctx.input_pipeline_id * local, local)
+      return data_pipeline.window_dataset(tokens, seq, shard, seed=seed, start_step=start_step,
+                                          shuffle=shuffle)
+
+    return self.strategy.distribute_datasets_from_function(dataset_fn)
+
+  def train_iterator(self, start_step: int):
+    return iter(self._dataset(self.corpus.train, start_step, shuffle=True))
+
+  def eval_iterator(self):
+    return iter(self._dataset(self.corpus.eval, 0, shuffle=False))
+
+  # --- steps ------------------------------------------------------------------
+  def _copy(self) -> ModelCopy:
+    """The copy of the replica running this (replica) function."""
+    ctx = tf.distribute.get_replica_context()
+    if self.strategy is None or len(self.copies) == 1:
+      return self.copies[0]
+    return self.copies[self._copy_of_anchor[plan_lib.device_key(ctx.devices[0])]]
+
+  def _replica_train(self, inputs, targets):
+    copy = self._copy()
+    loss, grads = copy.pipeline.loss_and_grads(inputs, targets)
+    return loss, all_reduce_gradients(grads)  # SUM over the D replicas.
+
+  def _replica_eval(self, inputs, targets):
+    return self._copy().pipeline.loss(inputs, targets, training=False)
+
+  def _run(self, fn, inputs, targets):
+    """(per-copy results, summed loss) of fn over the data-parallel replicas."""
+    if self.strategy is None:
+      out = fn(inputs, targets)
+      return [out], (out[0] if isinstance(out, tuple) else out)
+    out = self.strategy.run(fn, args=(inputs, targets))
+    loss = out[0] if isinstance(out, tuple) else out
+    total = self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
+    local = [self.strategy.experimental_local_results(x) for x in tf.nest.flatten(out)]
+    per_copy = [tf.nest.pack_sequence_as(out, [x[r] for x in local])
+                for r in range(len(self.copies))]
+    return per_copy, total
+
+  def _train_steps(self, iterator, num_steps):
+    losses = tf.TensorArray(tf.float32, size=num_steps)
+    norms = tf.TensorArray(tf.float32, size=num_steps)
+    for i in tf.range(num_steps):
+      inputs, targets = next(iterator)
+      per_copy, loss = self._run(self._replica_train, inputs, targets)
+      norm = None
+      # Cross-replica context, default strategy: each optimizer updates its own copy.
+      for copy, (_, grads) in zip(self.copies, per_copy):
+        grads = list(grads)
+        if norm is None:  # The reduced gradient: the same on every copy.
+          norm = tf.linalg.global_norm(grads)
+        copy.optimizer.apply(grads, copy.model.trainable_variables)
+      losses = losses.write(i, loss)
+      norms = norms.write(i, norm)
+    return losses.stack(), norms.stack()
+
+  def _eval_steps(self, iterator, num_steps):
+    total = tf.constant(0.0)
+    for _ in tf.range(num_steps):
+      inputs, targets = next(iterator)
+      _, loss = self._run(self._replica_eval, inputs, targets)
+      total += loss
+    return total / tf.cast(num_steps, tf.float32)
+
+  def train(self, iterator, num_steps: int):
+    """Runs `num_steps` steps; returns per-step (losses, grad_norms) as numpy."""
+    losses, norms = self._train_fn(iterator, tf.constant(num_steps))
+    return np.asarray(losses), np.asarray(norms)
+
+  def evaluate(self, iterator, num_steps: int) -> float:
+    return float(self._eval_fn(iterator, tf.constant(num_steps)))
+
+  # --- state ------------------------------------------------------------------
+  @property
+  def step(self) -> int:
+    return int(inner_optimizer(self.copies[0].optimizer).iterations.numpy())
+
+  def learning_rate(self) -> float:
+    return float(np.asarray(inner_optimizer(self.copies[0].optimizer).learning_rate))
+
+  def measured_bytes(self) -> dict:
+    return measured_bytes(self.copies)
+
+  def describe(self) -> dict:
+    p = self.plan
+    per_device = {dev: f"params {plan_lib.kib(b['parameters'])} + "
+                       f"optimizer {plan_lib.kib(b['optimizer'])}"
+                  for dev, b in self.measured_bytes().items()}
+    return {"strategy": type(self.strategy).__name__ if self.strategy else "none (D=1)",
+            "replicas": self.num_replicas,
+            "plan": f"D={p.data_parallel} x K={p.pipeline_stages} x T={p.tensor_parallel}, "
+                    f"M={p.microbatches}, bubble {p.bubble:.1%}, remat {p.remat}, xla off",
+            "parameters": int(sum(np.prod(v.shape)
+                                  for v in self.copies[0].model.trainable_variables)),
+            "bytes_per_device": per_device}
+
+
+def _worker_devices(resolver, local: List[str]) -> List[List[str]]:
+  """Each worker's device names, in worker order (chief first), as this worker's local ones."""
+  spec = resolver.cluster_spec().as_dict()
+  tasks = [("chief", i) for i in range(len(spec.get("chief", [])))] + \
+      [("worker", i) for i in range(len(spec.get("worker", [])))]
+  indices = [tf.DeviceSpec.from_string(d).device_index for d in local]
+  kind = tf.DeviceSpec.from_string(local[0]).device_type
+  return [[f"/job:{job}/replica:0/task:{i}/device:{kind}:{j}" for j in indices]
+          for job, i in tasks]
+
+
+def _worker_index(resolver) -> int:
+  spec = resolver.cluster_spec().as_dict()
+  if resolver.task_type == "worker":
+    return resolver.task_id + len(spec.get("chief", []))
+  return 0

@@ -1,0 +1,116 @@
+"""Pipeline parallelism: GPipe over micro-batches, in one tf.function graph.
+
+K stages hold contiguous blocks (stage 0 also the embedding, stage K-1 the
+head and the loss; see tfpar.parallel.plan). A replica's batch of B sequences
+is cut into M micro-batches of B/M. Stage k runs the forward F(k, m) of every
+micro-batch m, then the backward B(k, m) in reverse:
+
+        time ->
+  dev 0 F00 F01 F02 F03                     B03 B02 B01 B00
+  dev 1     F10 F11 F12 F13             B13 B12 B11 B10
+  dev 2         F20 F21 F22 F23     B23 B22 B21 B20
+  dev 3             F30 F31 F32 F33 B33 B32 B31 B30      (K=4, M=4)
+
+Each stage works M forward + M backward slots out of M + K - 1 forward and
+M + K - 1 backward slots, so the idle fraction, the bubble, is
+
+  bubble = (K - 1) / (M + K - 1)        e.g. K=4, M=4: 3/7 = 43%; M=16: 3/19 = 16%
+
+and it shrinks as M grows (at the cost of M smaller matmuls).
+
+How it runs: there is no hand-written timetable. The step is ONE graph in
+which every micro-batch's stage-k ops are placed on stage k's device
+(`tf.device`); the backward comes from `tf.gradients`, which places each
+gradient op with its forward op (a GradientTape in a tf.function leaves them
+unplaced). TensorFlow's executor runs any op whose inputs are ready, so F(1, 0)
+runs while F(0, 1) does: the dataflow overlaps the stages as the diagram does,
+the same dependencies, scheduled greedily. Activations move between stages by
+send/recv.
+
+Gradient accumulation: the step's loss is the sum of the M micro-batch losses,
+each already divided by the GLOBAL token count (tfpar.training.step.token_loss),
+so the gradient of that sum is the sum of the micro-batch gradients (one AddN
+per variable, on its device) and equals the full-batch gradient. One optimizer
+update follows, after the data-parallel reduction (tfpar.parallel.hybrid).
+
+Memory: GPipe keeps every micro-batch's activations until its backward; with
+--remat each block keeps only its input and recomputes the rest in the
+backward pass (tf.recompute_grad), about one extra forward of compute.
+
+XLA: a compiled cluster lives on one device, and this step spans K x T, so it
+runs without XLA whatever --jit_compile says (per-stage jit would compile each
+stage's forward alone, but then its backward, built by tf.gradients around a
+compiled call, is not; left for later).
+"""
+
+from typing import List, Sequence
+
+import tensorflow as tf
+
+from tfpar.training.step import token_loss
+
+
+class Pipeline:
+  """The micro-batched forward and backward of one model copy over its stages.
+
+  Args:
+    model: a GPT whose weights already live on their stages' devices.
+    stage_blocks: block indices of each stage, e.g. [(0, 1), (2, 3)].
+    stage_devices: each stage's first device (its residual stream and
+      unsplit weights); tensor shards are placed by tfpar.parallel.tensor.
+    microbatches: M.
+    global_tokens: tokens in the GLOBAL batch (the loss divisor).
+    remat: recompute each block's activations in the backward pass.
+  """
+
+  def __init__(self, model, *, stage_blocks: Sequence[Sequence[int]],
+               stage_devices: Sequence[str], microbatches: int, global_tokens: int,
+               remat: bool = False):
+    self.model = model
+    self.stage_blocks = [list(b) for b in stage_blocks]
+    self.stage_devices = list(stage_devices)
+    self.microbatches = microbatches
+    self.global_tokens = global_tokens
+    self.remat = remat
+
+  def _block_fn(self, block, training):
+    fn = lambda h: block(h, training=training)
+    return tf.recompute_grad(fn) if self.remat and training else fn
+
+  def loss(self, inputs, targets, training: bool = False):
+    """Sum over micro-batches of token_loss: this replica's share of the global mean."""
+    model, devices = self.model, self.stage_devices
+    xs = tf.split(inputs, self.microbatches)  # M x [B/M, S]
+    ys = tf.split(targets, self.microbatches)
+    losses = []
+    for x, y in zip(xs, ys):
+      with tf.device(devices[0]):
+        h = model.embed(x, training=training)  # [B/M, S, d]
+      for device, blocks in zip(devices, self.stage_blocks):
+        with tf.device(device):  # The activation h crosses to this stage here.
+          for i in blocks:
+            h = self._block_fn(model.blocks[i], training)(h)
+      with tf.device(devices[-1]):
+        losses.append(token_loss(model.head(h), y, self.global_tokens))
+    with tf.device(devices[-1]):
+      return tf.add_n(losses)
+
+  def loss_and_grads(self, inputs, targets):
+    """(loss, gradients of model.trainable_variables), gradients on their variables' devices."""
+    loss = self.loss(inputs, targets, training=True)
+    variables = self.model.trainable_variables
+    grads = tf.gradients(loss, variables)  # Each gradient op placed with its forward op.
+    return loss, _dense(grads, variables)
+
+
+def _dense(grads, variables) -> List[tf.Tensor]:
+  """IndexedSlices (embedding lookups) -> dense tensors, on the variable's device."""
+  out = []
+  for g, v in zip(grads, variables):
+    if g is None:
+      g = tf.zeros(v.shape, v.dtype)
+    if isinstance(g, tf.IndexedSlices):
+      with tf.device(v.value.device):
+        g = tf.convert_to_tensor(g)
+    out.append(g)
+  return out

@@ -1,0 +1,264 @@
+"""The parallel plan: which device holds which part of the model, as printable data.
+
+A plan is a D x K x T grid of devices: D data-parallel replicas (model copies),
+each split into K pipeline stages, each stage split over T tensor-parallel
+shards. Device (d, k, t) is the flat index d*K*T + k*T + t of the devices the
+run may use (or, across workers, local device k*T + t of worker d).
+
+Stages hold contiguous blocks. By default the blocks are balanced by parameter
+count, with the embedding counted on stage 0 and the head (final LayerNorm; the
+output projection is the tied embedding, which stays on stage 0) on stage K-1:
+the split minimises the largest stage. `--stage_layers=3,3,2` overrides it.
+
+Within a stage, shard t of every block's attention and MLP lives on device
+(d, k, t); what cannot be split (LayerNorms, the two output biases, the
+embedding, the head) lives on the stage's first device (d, k, 0). AdamW keeps
+two slots per weight (m, v) beside it, and its step counter on device (d, 0, 0).
+`bytes_per_device` predicts those bytes from the shapes alone; the engine
+measures the real variables against it.
+
+The GPipe bubble, the fraction of each device's step spent idle while the
+pipeline fills and drains, is (K-1)/(M+K-1) for M micro-batches
+(tfpar.parallel.pipeline derives it).
+"""
+
+import dataclasses
+import json
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from tfpar.config import Config, ConfigError, ModelConfig
+
+BYTES_PER_PARAM = 4  # Variables stay float32 under every precision policy (mixed keeps fp32 masters).
+OPTIMIZER_SLOTS = 2  # AdamW: first and second moments.
+STEP_COUNTER_BYTES = 8  # AdamW's int64 iteration count.
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCounts:
+  """Parameters of each part of the model, per tensor-parallel shard where split."""
+  embedding: int  # token (+ learned position) tables: stage 0, device t=0
+  head: int  # final LayerNorm: stage K-1, device t=0
+  block_unsplit: int  # LayerNorms + attention/MLP output biases: device t=0 of its stage
+  block_shard: int  # one shard's attention (H/T heads) + MLP (d_ff/T columns)
+  shards: int = 1  # T
+
+  @property
+  def block(self) -> int:
+    return self.block_unsplit + self.shards * self.block_shard
+
+
+def count_params(m: ModelConfig, tensor_parallel: int = 1) -> ParamCounts:
+  """Parameter counts from the shapes of tfpar.layers (no TensorFlow needed)."""
+  d, t = m.d_model, tensor_parallel
+  width, hidden = d // t, m.d_ff // t  # This shard's attention width and MLP width.
+  attn = 3 * (d * width + width) + width * d  # q, k, v kernels + biases; output rows
+  mlp = d * hidden + hidden + hidden * d  # fc_in kernel + bias; fc_out rows
+  embedding = m.vocab_size * d + (m.seq_len * d if m.positions == "learned" else 0)
+  return ParamCounts(embedding=embedding, head=2 * d, block_unsplit=2 * 2 * d + 2 * d,
+                     block_shard=attn + mlp, shards=t)
+
+
+def balance_stages(num_layers: int, stages: int, block: int, first_extra: int,
+                   last_extra: int) -> Tuple[int, ...]:
+  """Blocks per stage (contiguous, >= 1 each) minimising the largest stage's parameters."""
+  # best[k][i]: smallest possible max-load placing blocks [0, i) on stages [0, k).
+  inf = float("inf")
+  best = [[inf] * (num_layers + 1) for _ in range(stages + 1)]
+  cut = [[0] * (num_layers + 1) for _ in range(stages + 1)]
+  best[0][0] = 0
+  for k in range(1, stages + 1):
+    for i in range(k, num_layers + 1):
+      for j in range(k - 1, i):
+        load = (i - j) * block + (first_extra if k == 1 else 0) + \
+            (last_extra if k == stages else 0)
+        cost = max(best[k - 1][j], load)
+        if cost < best[k][i]:
+          best[k][i], cut[k][i] = cost, j
+  counts, i = [], num_layers
+  for k in range(stages, 0, -1):
+    counts.append(i - cut[k][i])
+    i = cut[k][i]
+  return tuple(reversed(counts))
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  index: int
+  blocks: Tuple[int, ...]
+  parameters: int  # over all T shards of this stage
+  embedding: bool
+  head: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelPlan:
+  """Where everything goes. Build it with `make_plan`; print it with `format()`.
+
+  Attributes:
+    data_parallel, pipeline_stages, tensor_parallel: D, K, T.
+    microbatches: M, micro-batches per replica batch.
+    per_replica_batch: sequences each replica sees per step (G / D).
+    stages: the K stages, blocks and parameters.
+    devices: devices[d][k][t], device names.
+    remat: blocks recompute their activations in the backward pass.
+    counts: parameter counts per part.
+  """
+  data_parallel: int
+  pipeline_stages: int
+  tensor_parallel: int
+  microbatches: int
+  per_replica_batch: int
+  stages: Tuple[Stage, ...]
+  devices: Tuple[Tuple[Tuple[str, ...], ...], ...]
+  remat: bool
+  counts: ParamCounts
+
+  @property
+  def bubble(self) -> float:
+    k, m = self.pipeline_stages, self.microbatches
+    return (k - 1) / (m + k - 1)
+
+  @property
+  def anchors(self) -> List[str]:
+    """Each replica's first device: its data-parallel endpoint and optimizer step counter."""
+    return [row[0][0] for row in self.devices]
+
+  def params_on(self, k: int, t: int) -> int:
+    """Parameters held by device (., k, t)."""
+    stage, c = self.stages[k], self.counts
+    n = len(stage.blocks) * c.block_shard
+    if t == 0:
+      n += len(stage.blocks) * c.block_unsplit
+      n += c.embedding if stage.embedding else 0
+      n += c.head if stage.head else 0
+    return n
+
+  def bytes_per_device(self) -> Dict[str, Dict[str, int]]:
+    """Predicted {device: {"parameters": bytes, "optimizer": bytes}} over the whole grid."""
+    out = {}
+    for row in self.devices:
+      for k, shards in enumerate(row):
+        for t, device in enumerate(shards):
+          p = self.params_on(k, t) * BYTES_PER_PARAM
+          o = OPTIMIZER_SLOTS * p + (STEP_COUNTER_BYTES if k == 0 and t == 0 else 0)
+          out[device_key(device)] = {"parameters": p, "optimizer": o}
+    return out
+
+  def to_dict(self) -> dict:
+    return {"data_parallel": self.data_parallel, "pipeline_stages": self.pipeline_stages,
+            "tensor_parallel": self.tensor_parallel, "microbatches": self.microbatches,
+            "per_replica_batch": self.per_replica_batch, "remat": self.remat,
+            "bubble": self.bubble,
+            "stages": [dataclasses.asdict(s) for s in self.stages],
+            "devices": [[list(shards) for shards in row] for row in self.devices],
+            "bytes_per_device": self.bytes_per_device()}
+
+  def format(self) -> str:
+    """The plan as a few lines for the start-up log."""
+    d, k, t, m = self.data_parallel, self.pipeline_stages, self.tensor_parallel, self.microbatches
+    lines = [f"plan: D={d} data x K={k} pipeline x T={t} tensor = {d * k * t} devices; "
+             f"M={m} micro-batches of {self.per_replica_batch // m}; bubble (K-1)/(M+K-1) = "
+             f"{k - 1}/{m + k - 1} = {self.bubble:.1%}; remat {'on' if self.remat else 'off'}"]
+    for s in self.stages:
+      extra = (" + embedding" if s.embedding else "") + (" + head" if s.head else "")
+      devs = " | ".join(" ".join(device_key(row[s.index][j]) for j in range(t)) for row in self.devices)
+      lines.append(f"  stage {s.index}: blocks {s.blocks[0]}-{s.blocks[-1]}{extra}, "
+                   f"{s.parameters:,} params on [{devs}]")
+    for device, b in self.bytes_per_device().items():
+      lines.append(f"  {device}: parameters {kib(b['parameters'])}, "
+                   f"optimizer {kib(b['optimizer'])}")
+    return "\n".join(lines)
+
+  def write(self, model_dir: str) -> str:
+    os.makedirs(model_dir, exist_ok=True)
+    path = os.path.join(model_dir, "plan.json")
+    with open(path, "w") as f:
+      json.dump(self.to_dict(), f, indent=2)
+    return path
+
+
+def device_key(device: str) -> str:
+  """A short name, the same for plan and variables: 'worker:1/CPU:3', or 'CPU:3' on one host.
+
+  '/job:worker/replica:0/task:1/device:CPU:3' -> 'worker:1/CPU:3';
+  '/job:localhost/replica:0/task:0/device:CPU:3' and '/device:CPU:3' -> 'CPU:3'.
+  """
+  fields = dict(p.split(":", 1) for p in device.strip("/").split("/") if ":" in p and
+                not p.startswith("device:"))
+  name = device.rstrip("/").split("/")[-1].replace("device:", "").upper()
+  job = fields.get("job")
+  return f"{job}:{fields.get('task', 0)}/{name}" if job and job != "localhost" else name
+
+
+def kib(n: int) -> str:
+  return f"{n / 1024:.1f} KiB" if n < 1024 ** 2 else f"{n / 1024 ** 2:.2f} MiB"
+
+
+def make_plan(cfg: Config, devices: Sequence[str], *,
+              worker_devices: Optional[Sequence[Sequence[str]]] = None) -> ParallelPlan:
+  """Builds and checks the plan.
+
+  Args:
+    cfg: the run's config (model shape and --pipeline_stages etc.).
+    devices: the devices of this host the run may use (one host).
+    worker_devices: across workers, each worker's devices (D = number of
+      workers, each worker holding K x T devices); `devices` is then unused.
+
+  Raises:
+    ConfigError: one line naming the flag, when the plan cannot work.
+  """
+  m, p = cfg.model, cfg.parallel
+  k, t = p.pipeline_stages, p.tensor_parallel
+  if k > m.num_layers:
+    raise ConfigError(f"--pipeline_stages={k} is more than --num_layers={m.num_layers}: "
+                      "use at most one stage per block")
+  if m.num_heads % t or m.d_ff % t:
+    raise ConfigError(f"--tensor_parallel={t} must divide --num_heads={m.num_heads} and "
+                      f"--d_ff={m.d_ff}: pick a T that divides both")
+  if worker_devices is not None:
+    d = len(worker_devices)
+    if p.data_parallel not in (None, d):
+      raise ConfigError(f"--data_parallel={p.data_parallel} does not match the {d} workers: "
+                        "across workers each worker is one replica; drop --data_parallel or "
+                        f"set it to {d}")
+    short = [w for w in worker_devices if len(w) < k * t]
+    if short:
+      raise ConfigError(f"--pipeline_stages x --tensor_parallel = {k}x{t} = {k * t} devices per "
+                        f"worker, but a worker has {len(short[0])}: set --num_cpu_devices={k * t}")
+    flat = [dev for w in worker_devices for dev in list(w)[:k * t]]
+  else:
+    n = len(devices)
+    d = p.data_parallel or max(1, n // (k * t))
+    if d * k * t != n:
+      raise ConfigError(f"--data_parallel x --pipeline_stages x --tensor_parallel = {d}x{k}x{t} "
+                        f"= {d * k * t} does not match the {n} devices (--num_cpu_devices="
+                        f"{n} or GPUs): make them equal")
+    flat = list(devices)
+  g = cfg.train.global_batch_size
+  if g % d:
+    raise ConfigError(f"--global_batch_size={g} does not divide over --data_parallel={d} "
+                      f"replicas: use a multiple of {d}")
+  if (g // d) % p.microbatches:
+    raise ConfigError(f"--microbatches={p.microbatches} does not divide the per-replica batch "
+                      f"{g // d}: use a divisor of {g // d}")
+  counts = count_params(m, t)
+  if p.stage_layers is not None:
+    if len(p.stage_layers) != k or sum(p.stage_layers) != m.num_layers or min(p.stage_layers) < 1:
+      raise ConfigError(f"--stage_layers={','.join(map(str, p.stage_layers))} must give {k} "
+                        f"positive block counts summing to --num_layers={m.num_layers}")
+    per_stage = tuple(p.stage_layers)
+  else:
+    per_stage = balance_stages(m.num_layers, k, counts.block, counts.embedding, counts.head)
+  stages, first = [], 0
+  for i, n_blocks in enumerate(per_stage):
+    params = n_blocks * counts.block + (counts.embedding if i == 0 else 0) + \
+        (counts.head if i == k - 1 else 0)
+    stages.append(Stage(index=i, blocks=tuple(range(first, first + n_blocks)), parameters=params,
+                        embedding=i == 0, head=i == k - 1))
+    first += n_blocks
+  grid = tuple(tuple(tuple(flat[r * k * t + s * t + j] for j in range(t)) for s in range(k))
+               for r in range(d))
+  return ParallelPlan(data_parallel=d, pipeline_stages=k, tensor_parallel=t,
+                      microbatches=p.microbatches, per_replica_batch=g // d, stages=tuple(stages),
+                      devices=grid, remat=p.remat, counts=counts)

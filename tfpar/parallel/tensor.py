@@ -1,0 +1,46 @@
+"""Tensor parallelism (Megatron-style): each block's attention and MLP split over T devices.
+
+What is split (Shoeybi et al. 2019, "Megatron-LM"), for a block on devices
+dev_0 .. dev_{T-1} of its pipeline stage:
+
+  attention  Q, K, V kernels [d, H*hd] are split by COLUMNS (column-parallel):
+             shard t holds heads [t*H/T, (t+1)*H/T), so each shard runs its
+             heads' softmax(Q_t K_t^T / sqrt(hd)) V_t alone. The output kernel
+             [H*hd, d] is split by ROWS (row-parallel): shard t multiplies its
+             heads' output by its rows, giving a partial [B, S, d].
+  MLP        W_in [d, d_ff] by columns, W_out [d_ff, d] by rows: GELU acts on
+             each column, so shard t computes gelu(x W_in[:, t] + b_in[t]) W_out[t].
+
+  full output = sum_t partial_t + b_out          (b_out held once, on dev_0)
+
+So nothing is exchanged inside a sub-block; the collectives are
+
+  forward   f: the sub-block input x [B, S, d] goes to every shard (a copy);
+            g: the T partial outputs are SUMMED (one reduction per sub-block,
+               two per block: after attention and after the MLP).
+  backward  g': the output gradient goes unchanged to every shard (identity);
+            f': the T shards' input gradients are SUMMED.
+
+In tfpar the sum is `Block._sharded` (on the stage's first device, dev_0, where
+the residual stream lives, then copied out: a reduce + broadcast, which is an
+all-reduce) and TensorFlow's send/recv between the devices carries the copies;
+the backward of the copy (a sum) and of the sum (an identity) come from the
+gradient graph, placed with the forward ops. The LayerNorms, output biases and
+residual stream stay on dev_0.
+
+This module only decides *where* each shard runs: it sets the block's
+`shard_scope` hook, which the block also uses while building, so shard t's
+weights are created on dev_t (see tfpar.parallel.plan for the bytes).
+"""
+
+from typing import Sequence
+
+import tensorflow as tf
+
+
+def place_shards(block, devices: Sequence[str]) -> None:
+  """Makes `block` run (and build) shard t under `tf.device(devices[t])`."""
+  if len(devices) != block.tensor_shards:
+    raise ValueError(f"{block.name} has {block.tensor_shards} shards, got {len(devices)} devices")
+  devices = list(devices)
+  block.shard_scope = lambda t: tf.device(devices[t])
