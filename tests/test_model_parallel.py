@@ -41,3 +41,24 @@ def test_pipeline_matches_one_device(one_device, tmp_path):
                            f"--model_dir={model_dir}"])
   assert_same_losses(model_dir, one_device)
   assert os.path.exists(os.path.join(model_dir, "plan.json"))
+
+
+def test_tensor_parallel_matches_one_device(one_device, tmp_path):
+  model_dir = str(tmp_path)
+  train_in_process(BASE + ["--num_cpu_devices=2", "--tensor_parallel=2",
+                           f"--model_dir={model_dir}"])
+  assert_same_losses(model_dir, one_device)
+
+
+def test_hybrid_matches_one_device(one_device, tmp_path):
+  model_dir = str(tmp_path)
+  train_in_process(BASE + ["--strategy=mirrored", "--num_cpu_devices=8", "--data_parallel=2",
+                           "--pipeline_stages=2", "--tensor_parallel=2", "--microbatches=2",
+                           f"--model_dir={model_dir}"])
+  assert_same_losses(model_dir, one_device)
+
+
+def test_remat_matches_one_device(one_device, tmp_path):
+  model_dir = str(tmp_path)
+  train_in_process(BASE + ["--remat", f"--model_dir={model_dir}"])
+  assert_same_losses(model_dir, one_device)

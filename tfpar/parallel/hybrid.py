@@ -183,7 +183,7 @@ class ModelParallelEngine:
     ctx = tf.distribute.get_replica_context()
     if self.strategy is None or len(self.copies) == 1:
       return self.copies[0]
-    return self.copies[self._copy_of_anchor[plan_lib.device_key(ctx.devices[0])]]
+    return self.copies[self._copy_of_anchor[plan_lib.device_key(tf.nest.flatten(ctx.devices)[0])]]
 
   def _replica_train(self, inputs, targets):
     copy = self._copy()
