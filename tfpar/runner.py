@@ -41,7 +41,7 @@ def run(cfg: Config, cluster: Cluster, check_model_dir=None) -> dict:
                                 num_workers=num_workers, sharding=sharding)
   if cfg.parallel.model_parallel:
     from tfpar.parallel import hybrid  # pylint: disable=import-outside-toplevel
-    engine = hybrid.ModelParallelEngine(cfg, strategy, corpus)
+    engine = hybrid.ModelParallelEngine(cfg, strategy, corpus, sharding=sharding)
   elif cfg.dist.strategy == "parameter_server":
     from tfpar.parallel import parameter_server  # pylint: disable=import-outside-toplevel
     engine = parameter_server.ParameterServerEngine(cfg, strategy, corpus)
