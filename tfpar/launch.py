@@ -41,8 +41,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 USAGE = ("python -m tfpar.launch --num_workers=N [--num_ps=P] [--max_restarts=R] "
          "[--port_base=PORT] -- <tfpar.train flags>")
-# Seconds a task gets to exit after SIGTERM before SIGKILL.
-TERMINATE_GRACE = 10.0
+# Seconds a task gets to exit after SIGTERM before SIGKILL. Short on purpose: a
+# multi-worker TF task takes SIGTERM as a preemption notice (its coordination
+# service catches it) and goes on waiting for its peers, so SIGTERM alone does
+# not end it; and a task whose peer died cannot finish a step or a save anyway.
+TERMINATE_GRACE = 5.0
 # Seconds the other workers get to finish once the chief of a multi-worker job
 # has succeeded (they only clean up by then), before they count as hung.
 FINISH_GRACE = 120.0

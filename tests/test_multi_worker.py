@@ -1,0 +1,163 @@
+"""multi_worker_mirrored with 2 real worker processes on 127.0.0.1, against one device.
+
+Two workers started by tfpar.launch (each its own TF_CONFIG, a RING all-reduce
+over gRPC) with --input_sharding=data read, at every step, the two halves of
+the global batch one device reads whole; their loss is the one device's, step
+for step. The chief alone writes metrics, summaries, config.json and
+checkpoints, and checkpoints move between one_device, mirrored and
+multi_worker_mirrored in both directions.
+
+--jit_compile=false in every run: XLA compiles the step once per process,
+~30 s per worker on 2 cores, and changes nothing checked here (the gradient
+all-reduce runs outside the compiled function, in the replica context).
+"""
+
+import glob
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import TINY, make_config, read_metrics, run_module, train_in_process
+from tfpar import strategies
+from tfpar.cluster import Cluster
+from tfpar.data import pipeline
+from tfpar.training.checkpoint import CanonicalCheckpointer, read_canonical, read_checkpoint
+from tfpar.training.engine import DataParallelEngine
+
+STEPS = 6
+ARGS = TINY + [f"--train_steps={STEPS}", "--seed=3", "--input_sharding=data",
+               "--jit_compile=false"]
+TWO_WORKERS = ["--num_workers=2", "--", *ARGS, "--strategy=multi_worker_mirrored"]
+MIRRORED = ["--strategy=mirrored", "--num_cpu_devices=4"]
+REL_TOL = 1e-4
+
+
+def losses(model_dir):
+  return np.array([r["loss"] for r in read_metrics(str(model_dir))])
+
+
+def assert_same_losses(actual, expected):
+  assert len(actual) == len(expected)
+  np.testing.assert_allclose(actual, expected, rtol=REL_TOL, atol=0)
+
+
+@pytest.fixture(scope="module")
+def one_device_dir(tmp_path_factory):
+  model_dir = tmp_path_factory.mktemp("one_device")
+  train_in_process(ARGS + ["--strategy=one_device", f"--model_dir={model_dir}"])
+  return model_dir
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+  """(model_dir, launcher output) of a 2-worker run that saves at steps 3 and 6."""
+  model_dir = tmp_path_factory.mktemp("two_workers")
+  proc = run_module("tfpar.launch", TWO_WORKERS + [f"--model_dir={model_dir}",
+                                                   "--checkpoint_every=3"], timeout=300)
+  return model_dir, proc.stdout + proc.stderr
+
+
+def test_two_workers_train_with_the_loss_of_one_device_step_for_step(two_workers, one_device_dir):
+  model_dir, _ = two_workers
+  assert_same_losses(losses(model_dir), losses(one_device_dir))
+  records = read_metrics(str(model_dir))
+  assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+  for record in records:
+    assert record["replicas"] == 2 and record["workers"] == 2
+    assert record["step_time"] > 0
+  single = read_metrics(str(one_device_dir))
+  assert single[-1]["replicas"] == 1 and single[-1]["workers"] == 1
+
+
+def test_the_console_line_shows_replicas_workers_and_step_time(two_workers):
+  _, output = two_workers
+  assert re.search(rf"^\[worker 0\] step +{STEPS}/{STEPS} \| loss \d+\.\d+ \| .* tok/s \| "
+                   r" *\d+\.\d ms/step \| .* \| 2 replicas on 2 worker\(s\)$", output, re.M), output
+  assert "[worker 1] step" not in output  # only the chief reports
+
+
+def test_only_the_chief_writes_and_worker_temp_dirs_are_gone(two_workers):
+  model_dir, output = two_workers
+  pids = dict(re.findall(r"started (worker \d) \(pid (\d+)\)", output))
+  assert (model_dir / "config.json").exists()
+  assert len(read_metrics(str(model_dir), "eval")) == 1
+  # TensorBoard event files are named ...tfevents.<time>.<host>.<pid>.<n>.v2: the chief's pid.
+  events = glob.glob(str(model_dir / "*" / "events.out.tfevents.*"))
+  assert {os.path.basename(os.path.dirname(e)) for e in events} == {"train", "eval"}
+  assert {e.split(".")[-3] for e in events} == {pids["worker 0"]}, events
+  # Worker 1 took part in both saves in its own temporary directory, then removed it.
+  assert sorted(os.listdir(model_dir / "checkpoints")) == [
+      "checkpoint", "ckpt-3.data-00000-of-00001", "ckpt-3.index",
+      "ckpt-6.data-00000-of-00001", "ckpt-6.index"]
+  assert sorted(os.listdir(model_dir)) == ["checkpoints", "config.json", "eval",
+                                           "metrics.jsonl", "train"]
+
+
+def test_the_logs_are_prefixed_and_free_of_auto_shard_warnings(two_workers):
+  _, output = two_workers
+  assert not re.search(r"auto.?shard", output, re.I), "we shard ourselves: AutoShardPolicy.OFF"
+  for line in output.splitlines():
+    if line:
+      assert re.match(r"^(tfpar\.launch: |\[worker [01]\] )", line), line
+
+
+def restored_engine(strategy_args, checkpoint, model_dir):
+  """A fresh engine under another strategy, the checkpoint restored into it as the loop does."""
+  cfg = make_config(ARGS + strategy_args + [f"--model_dir={model_dir}"])
+  strategies.setup_devices(cfg.dist.num_cpu_devices)
+  strategy = strategies.make_strategy(cfg.dist, Cluster())
+  corpus = pipeline.load_corpus(cfg.data.data, seq_len=cfg.model.seq_len,
+                                eval_fraction=cfg.data.eval_fraction)
+  engine = DataParallelEngine(cfg, strategy, corpus)
+  assert CanonicalCheckpointer(engine.layouts, str(model_dir)).restore(checkpoint)
+  return engine
+
+
+@pytest.mark.parametrize("strategy_args", [["--strategy=one_device"], MIRRORED],
+                         ids=["one_device", "mirrored"])
+def test_a_two_worker_checkpoint_restores_under_one_device_and_mirrored(two_workers, tmp_path,
+                                                                        strategy_args):
+  model_dir, _ = two_workers
+  checkpoint = str(model_dir / "checkpoints" / f"ckpt-{STEPS}")
+  saved = read_checkpoint(checkpoint)
+  engine = restored_engine(strategy_args, checkpoint, tmp_path)
+  restored = read_canonical(engine.layouts[0])
+  assert sorted(restored) == sorted(saved)
+  for name, value in saved.items():
+    np.testing.assert_array_equal(restored[name], value, err_msg=name)
+  assert engine.step == STEPS
+  # Every replica's copy, not only the first one read_canonical gathers.
+  for var in engine.model.trainable_variables:
+    name = next(n for n, (_, shards) in engine.layouts[0].items() if shards[0] is var)
+    for copy in engine.strategy.experimental_local_results(var):
+      np.testing.assert_array_equal(np.asarray(tf.convert_to_tensor(copy)), saved[name], name)
+
+
+def test_a_mirrored_checkpoint_resumes_under_two_workers_as_under_one_device(tmp_path):
+  """The other way round: 4 mirrored replicas save at step 6, two workers resume to step 8.
+
+  Both workers must restore exactly the saved weights: the loss of step 7 is
+  computed with them before any update, half of it on each worker, and it
+  equals one device's loss after restoring the same checkpoint.
+  """
+  source = tmp_path / "mirrored"
+  train_in_process(ARGS + MIRRORED + [f"--model_dir={source}"])
+  resumed_steps = ["--train_steps=8", "--eval_steps=0"]  # eval under 2 workers is tested above
+  for name in ("two_workers", "one_device"):
+    shutil.copytree(source, tmp_path / name)
+  proc = run_module("tfpar.launch", TWO_WORKERS + resumed_steps +
+                    [f"--model_dir={tmp_path / 'two_workers'}"], timeout=300)
+  assert re.search(rf"\[worker 0\] resumed from .*ckpt-{STEPS} at step {STEPS}", proc.stdout)
+  train_in_process(ARGS + resumed_steps + ["--strategy=one_device",
+                                           f"--model_dir={tmp_path / 'one_device'}"])
+  two, one = (read_metrics(str(tmp_path / name)) for name in ("two_workers", "one_device"))
+  assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, 9))
+  assert_same_losses([r["loss"] for r in two[STEPS:]], [r["loss"] for r in one[STEPS:]])
+  after_two = read_checkpoint(str(tmp_path / "two_workers" / "checkpoints" / "ckpt-8"))
+  after_one = read_checkpoint(str(tmp_path / "one_device" / "checkpoints" / "ckpt-8"))
+  for name, value in after_one.items():
+    np.testing.assert_allclose(after_two[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
