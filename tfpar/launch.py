@@ -264,17 +264,19 @@ class Job:
     chief_done_at = None
     while True:
       codes = {task: proc.poll() for task, proc in self.procs.items()}
+      chief_code = codes[self.chief]
+      if ps_job and chief_code is not None:  # the coordinator is the job
+        return chief_code, (self.chief if chief_code else None)
       for task, code in codes.items():
         if code is None:
           continue
         if code != 0:
           return code, task
-        if ps_job and task != self.chief:
+        if ps_job:
           say(f"{task.label} exited while the chief was still running")
           return 1, task
-      chief_code = codes[self.chief]
       if chief_code == 0:
-        if ps_job or all(code == 0 for code in codes.values()):
+        if all(code == 0 for code in codes.values()):
           return 0, None
         chief_done_at = chief_done_at or time.monotonic()
         if time.monotonic() - chief_done_at > FINISH_GRACE:
@@ -295,7 +297,7 @@ class Job:
       try:
         proc.wait(max(0.0, deadline - time.monotonic()))
       except subprocess.TimeoutExpired:
-        say(f"{task.label} (pid {proc.pid}) ignored SIGTERM: killing it")
+        say(f"{task.label} (pid {proc.pid}) still running {TERMINATE_GRACE:.0f} s after SIGTERM: SIGKILL")
         _signal_group(proc, signal.SIGKILL)
         proc.wait()
     for proc in self.procs.values():
