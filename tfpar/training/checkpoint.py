@@ -27,6 +27,10 @@ from tfpar.layers import CausalSelfAttention, MLP
 from tfpar.training.optimizer import inner_optimizer
 
 _SHARD = re.compile(r"/(attn|mlp)_shard_(\d+)/(.+)$")
+# Keras names each dropout layer's SeedGenerator from a process-wide counter
+# ('seed_generator_7/seed_generator_state'), so the name depends on what was
+# built before: the canonical name is the state's rank within the model instead.
+_SEED_STATE = re.compile(r"(^|/)seed_generator(_\d+)?/seed_generator_state$")
 _AXES = {"attn": CausalSelfAttention.SHARD_AXES, "mlp": MLP.SHARD_AXES}
 
 
@@ -57,10 +61,13 @@ def model_layout(model, optimizer=None) -> Layout:
   raw: Dict[str, Tuple[Optional[int], Dict[int, object]]] = {}
   opt = inner_optimizer(optimizer) if optimizer is not None else None
   prefix = model.name + "/"
+  seed_states = 0
   for var in model.variables:
     # Keras prefixes the model's name when weights are built inside its call
     # and not when built directly: the canonical name is relative to the model.
     path = var.path[len(prefix):] if var.path.startswith(prefix) else var.path
+    if _SEED_STATE.search(path):  # Dropout RNG state: saved so that a resumed run continues it.
+      path, seed_states = f"dropout_rng/{seed_states}", seed_states + 1
     name, axis, shard = canonical_name(path)
     _add(raw, name, axis, shard, var)
     if opt is not None and var.trainable and opt.built:
