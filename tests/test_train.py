@@ -1,0 +1,135 @@
+"""Training: mirrored equals one device, XLA equals no XLA, resume continues exactly,
+mixed precision trains, and the CLI end to end.
+
+In-process runs (conftest.train_in_process) share one TensorFlow with 8 logical
+CPUs; they use --jit_compile=false unless XLA is the subject, because a
+4-replica XLA compile alone costs ~25 s on 2 cores.
+"""
+
+import glob
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from conftest import TINY, read_metrics, run_module, train_in_process
+from tfpar.training.checkpoint import read_checkpoint
+
+FAST = TINY + ["--jit_compile=false"]
+
+
+def losses(model_dir):
+  return np.array([r["loss"] for r in read_metrics(model_dir)])
+
+
+def checkpoint(model_dir, step):
+  return read_checkpoint(os.path.join(model_dir, "checkpoints", f"ckpt-{step}"))
+
+
+def weights(state):
+  """The model's weights in a canonical checkpoint (no optimizer slots or step)."""
+  return {k: v for k, v in state.items() if "@" not in k and not k.startswith("optimizer/")}
+
+
+def assert_same_weights(a, b, rtol, atol=0.0):
+  assert sorted(a) == sorted(b)
+  for name in a:
+    np.testing.assert_allclose(a[name], b[name], rtol=rtol, atol=atol, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def one_device_run(tmp_path_factory):
+  """3 steps on one device without XLA: the serial twin of the runs below."""
+  model_dir = str(tmp_path_factory.mktemp("one_device"))
+  train_in_process(FAST + ["--train_steps=3", f"--model_dir={model_dir}"])
+  return model_dir
+
+
+def test_mirrored_on_4_devices_matches_one_device(tmp_path, one_device_run):
+  four = str(tmp_path / "four")
+  train_in_process(FAST + ["--train_steps=3", f"--model_dir={four}", "--strategy=mirrored",
+                           "--num_cpu_devices=4"])
+  assert [r["replicas"] for r in read_metrics(four)] == [4, 4, 4]
+  one = losses(one_device_run)
+  assert len(set(one.tolist())) == 3  # the steps saw different batches and weights
+  np.testing.assert_allclose(losses(four), one, rtol=1e-4)
+  # Same updates, not just the same losses. Adam divides by sqrt(v), which magnifies
+  # rounding in near-zero gradients, hence atol; a wrong gradient scale moves weights
+  # by ~learning_rate (3e-3) per step.
+  assert_same_weights(weights(checkpoint(four, 3)), weights(checkpoint(one_device_run, 3)),
+                      rtol=1e-4, atol=2e-5)
+
+
+def test_xla_and_no_xla_give_the_same_loss(tmp_path, one_device_run):
+  xla = str(tmp_path / "xla")
+  train_in_process(TINY + ["--train_steps=2", "--jit_compile=true", f"--model_dir={xla}"])
+  np.testing.assert_allclose(losses(xla), losses(one_device_run)[:2], rtol=1e-4)
+
+
+def test_resume_continues_exactly(tmp_path):
+  # --min_lr_ratio=1: a constant rate after warmup, so that the schedule does not depend
+  # on --train_steps and a run stopped at 3 is the same run as the first 3 steps of 6.
+  args = FAST + ["--dropout=0.1", "--min_lr_ratio=1.0", "--train_steps=6"]
+  straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  train_in_process(args + [f"--model_dir={straight}"])
+  train_in_process(args + [f"--model_dir={resumed}", "--train_steps=3"])
+  assert int(checkpoint(resumed, 3)["optimizer/iterations"]) == 3
+  # A run that died after logging step 4 but before checkpointing it.
+  with open(os.path.join(resumed, "metrics.jsonl"), "a") as f:
+    f.write(json.dumps({"kind": "train", "step": 4, "loss": 99.0}) + "\n")
+  train_in_process(args + [f"--model_dir={resumed}"])
+
+  records = read_metrics(resumed)
+  assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # none twice, none skipped
+  assert [r["step"] for r in read_metrics(resumed, "eval")] == [3, 6]
+  # Same data position, optimizer state, schedule and dropout RNG: the same numbers.
+  np.testing.assert_allclose(losses(resumed), losses(straight), rtol=1e-6)
+  np.testing.assert_allclose([r["learning_rate"] for r in records],
+                             [r["learning_rate"] for r in read_metrics(straight)], rtol=1e-6)
+  final, middle = checkpoint(resumed, 6), checkpoint(resumed, 3)
+  assert int(final["optimizer/iterations"]) == 6
+  assert_same_weights(final, checkpoint(straight, 6), rtol=1e-6)  # slots and RNG included
+  rng = [k for k in final if k.startswith("dropout_rng/")]
+  assert len(rng) == 5  # embedding + 2 per block
+  assert all(not np.array_equal(final[k], middle[k]) for k in rng)  # the RNG state is live
+
+
+@pytest.mark.parametrize("precision", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_trains(tmp_path, precision):
+  model_dir = str(tmp_path / precision)
+  train_in_process(FAST + ["--train_steps=8", f"--precision={precision}",
+                           f"--model_dir={model_dir}"])
+  values = losses(model_dir)
+  assert len(values) == 8 and np.all(np.isfinite(values))
+  assert values[-2:].mean() < values[:2].mean() - 0.1, values
+  assert all(math.isfinite(r["grad_norm"]) for r in read_metrics(model_dir))
+  # The checkpoint holds float32 master weights.
+  assert checkpoint(model_dir, 8)["wte/embeddings"].dtype == np.float32
+
+
+def test_cli_end_to_end(tmp_path):
+  model_dir = str(tmp_path / "run")
+  proc = run_module("tfpar.train", TINY + ["--train_steps=10", "--eval_every=5",
+                                           "--checkpoint_every=5", f"--model_dir={model_dir}"])
+  assert "step     10/10" in proc.stdout  # the progress line a person watches
+  train = read_metrics(model_dir)
+  assert [r["step"] for r in train] == list(range(1, 11))
+  for r in train:
+    assert {"kind", "step", "loss", "learning_rate", "tokens_per_sec"} <= set(r)
+    assert r["tokens_per_sec"] > 0 and r["learning_rate"] > 0
+  evals = read_metrics(model_dir, "eval")
+  assert [r["step"] for r in evals] == [5, 10]
+  for r in evals:
+    assert set(r) == {"kind", "step", "loss", "perplexity"}
+    assert r["perplexity"] == pytest.approx(math.exp(r["loss"]))
+  values = losses(model_dir)
+  assert values[-3:].mean() < values[:3].mean() - 0.1, values  # visibly falling
+  assert evals[1]["loss"] < evals[0]["loss"]
+  ckpts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(model_dir, "checkpoints",
+                                                                     "ckpt-*.index")))
+  assert ckpts == ["ckpt-10.index", "ckpt-5.index"]
+  for kind in ("train", "eval"):
+    assert glob.glob(os.path.join(model_dir, kind, "events.out.tfevents.*")), kind
+  assert os.path.exists(os.path.join(model_dir, "config.json"))
