@@ -198,3 +198,19 @@ def test_a_signal_to_the_launcher_stops_every_task(launch, tmp_path, sig):
   assert f"received {signal.Signals(sig).name}: stopping every task" in job.output
   for task, [pid] in job.task_pids().items():
     assert not group_alive(pid), f"{task} (pid {pid}) outlived the launcher"
+
+
+def test_no_task_outlives_a_killed_launcher(launch, tmp_path):
+  """SIGKILL leaves the launcher no chance to clean up: the kernel ends its tasks."""
+  job = launch("--num_workers=2", "--", *MWMS, f"--model_dir={tmp_path}", "--train_steps=100000")
+  job.wait_for(r"^tfpar\.launch: started worker 1 ")
+  time.sleep(1.0)  # the tasks are importing TensorFlow
+  pids = job.task_pids()
+  assert all(group_alive(pid) for [pid] in pids.values())
+  job.proc.kill()
+  assert job.finish(timeout=30) == -signal.SIGKILL
+  deadline = time.monotonic() + 10
+  while any(group_alive(pid) for [pid] in pids.values()) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  for task, [pid] in pids.items():
+    assert not group_alive(pid), f"{task} (pid {pid}) outlived the launcher"

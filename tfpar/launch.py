@@ -20,8 +20,7 @@ with a `[worker 1] ` prefix. The launcher behaves like a Kubernetes job:
   status, and the servers are then terminated. A server that dies before the
   chief is a task failure as above.
 - Ctrl-C or SIGTERM to the launcher stops every task; if the launcher itself is
-  killed, the kernel sends each task SIGTERM (PR_SET_PDEATHSIG), so no task
-  outlives it.
+  killed, the kernel kills each task (PR_SET_PDEATHSIG), so no task outlives it.
 
 Bad launcher input (or training flags that cannot work) ends with one line on
 stderr and exit status 2, before any process starts.
@@ -170,9 +169,13 @@ except OSError:  # not Linux: tasks then rely on the launcher's own cleanup
 
 
 def _die_with_parent() -> None:
-  """Runs in the child before exec: SIGTERM it if the launcher dies (Linux)."""
+  """Runs in the child before exec: SIGKILL it if the launcher dies (Linux).
+
+  SIGKILL, not SIGTERM: a multi-worker TF task survives SIGTERM (see
+  TERMINATE_GRACE), and with the launcher gone nobody would follow up.
+  """
   if _LIBC is not None:
-    _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class _Output:
