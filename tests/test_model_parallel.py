@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import TINY, read_metrics, train_in_process
+from conftest import TINY, read_metrics, run_module, train_in_process
 
 STEPS = 5
 # XLA off on both sides: a model-parallel step spans devices and runs without it.
@@ -61,4 +61,13 @@ def test_hybrid_matches_one_device(one_device, tmp_path):
 def test_remat_matches_one_device(one_device, tmp_path):
   model_dir = str(tmp_path)
   train_in_process(BASE + ["--remat", f"--model_dir={model_dir}"])
+  assert_same_losses(model_dir, one_device)
+
+
+def test_hybrid_across_two_worker_processes(one_device, tmp_path):
+  """D=2 over two local workers (the all-reduce crosses processes), K=2 stages in each."""
+  model_dir = str(tmp_path)
+  run_module("tfpar.launch", ["--num_workers=2", "--"] + BASE + [
+      "--strategy=multi_worker_mirrored", "--num_cpu_devices=2", "--pipeline_stages=2",
+      "--microbatches=2", "--input_sharding=data", f"--model_dir={model_dir}"], timeout=300)
   assert_same_losses(model_dir, one_device)

@@ -94,6 +94,30 @@ def measured_bytes(copies) -> dict:
   return dict(out)
 
 
+def all_reduce_by_device(grads, variables) -> List[tf.Tensor]:
+  """SUMs each gradient over the D replicas, one all-reduce per device of the replica.
+
+  The gradients of the weights one device holds are flattened into one vector
+  there, so a replica spanning K x T devices runs K x T all-reduces per step
+  (device (d, k, t) with its peers (d', k, t)), not one per weight.
+  """
+  by_device = collections.defaultdict(list)
+  for i, v in enumerate(variables):
+    by_device[v.value.device].append(i)
+  packed = []
+  for device, indices in by_device.items():
+    with tf.device(device):
+      packed.append(tf.concat([tf.reshape(grads[i], [-1]) for i in indices], axis=0))
+  reduced = all_reduce_gradients(packed)  # Identity with one replica.
+  out = [None] * len(grads)
+  for (device, indices), flat in zip(by_device.items(), reduced):
+    with tf.device(device):
+      parts = tf.split(flat, [int(np.prod(variables[i].shape)) for i in indices])
+      for i, part in zip(indices, parts):
+        out[i] = tf.reshape(part, variables[i].shape)
+  return out
+
+
 class ModelParallelEngine:
   """Trains a GPT under a D x K x T plan (see the module docstring).
 
@@ -188,7 +212,7 @@ class ModelParallelEngine:
   def _replica_train(self, inputs, targets):
     copy = self._copy()
     loss, grads = copy.pipeline.loss_and_grads(inputs, targets)
-    return loss, all_reduce_gradients(grads)  # SUM over the D replicas.
+    return loss, all_reduce_by_device(grads, copy.model.trainable_variables)
 
   def _replica_eval(self, inputs, targets):
     return self._copy().pipeline.loss(inputs, targets, training=False)

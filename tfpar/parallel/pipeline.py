@@ -104,13 +104,13 @@ class Pipeline:
 
 
 def _dense(grads, variables) -> List[tf.Tensor]:
-  """IndexedSlices (embedding lookups) -> dense tensors, on the variable's device."""
+  """Dense gradients (embedding lookups give IndexedSlices), each pinned to its variable's device.
+
+  The pin also gives every gradient a device name, which the data-parallel
+  all-reduce needs to place its collective.
+  """
   out = []
   for g, v in zip(grads, variables):
-    if g is None:
-      g = tf.zeros(v.shape, v.dtype)
-    if isinstance(g, tf.IndexedSlices):
-      with tf.device(v.value.device):
-        g = tf.convert_to_tensor(g)
-    out.append(g)
+    with tf.device(v.value.device):
+      out.append(tf.zeros(v.shape, v.dtype) if g is None else tf.identity(tf.convert_to_tensor(g)))
   return out
