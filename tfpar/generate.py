@@ -1,0 +1,179 @@
+"""Sample text from a trained model.
+
+    python -m tfpar.generate --model_dir=runs/gpt_tiny --prompt="def " --max_new_tokens=200
+
+Wiring only: read the model flags from DIR/config.json (written by
+`python -m tfpar.train`), rebuild the GPT, restore the weights of the latest
+canonical checkpoint (no optimizer state; any parallel plan may have written
+it), then sample bytes one at a time. Bad input ends with one line on stderr
+and exit status 2. These few flags belong to this tool alone, so they live
+here, on their own FlagValues, not among the training flags.
+"""
+
+import glob
+import json
+import os
+import sys
+from typing import Callable, List, Sequence
+
+import numpy as np
+from absl import flags
+
+VOCAB_SIZE = 256
+
+
+def define_flags() -> flags.FlagValues:
+  fv = flags.FlagValues()
+  flags.DEFINE_string("model_dir", None, "A run directory written by tfpar.train.", flag_values=fv)
+  flags.DEFINE_string("prompt", "", "Text to continue (empty: start a new document).",
+                      flag_values=fv)
+  flags.DEFINE_integer("max_new_tokens", 200, "Bytes to sample.", flag_values=fv)
+  flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 always takes the likeliest byte.",
+                     flag_values=fv)
+  flags.DEFINE_integer("top_k", 0, "Sample among the k likeliest bytes (0: all 256).",
+                       flag_values=fv)
+  flags.DEFINE_integer("seed", 0, "Seeds sampling: the same seed gives the same text.",
+                       flag_values=fv)
+  return fv
+
+
+class GenerateError(ValueError):
+  """Input generate cannot use; the message names the flag and the fix."""
+
+
+def check(fv: flags.FlagValues) -> None:
+  """Validates the flags and the run directory before TensorFlow starts."""
+  d = fv.model_dir
+  if not d:
+    raise GenerateError("--model_dir is not set: pass the --model_dir of a tfpar.train run")
+  if not os.path.isdir(d):
+    raise GenerateError(f"--model_dir={d} does not exist: pass the --model_dir of a tfpar.train run")
+  if not os.path.exists(os.path.join(d, "config.json")):
+    raise GenerateError(f"--model_dir={d} has no config.json: it is not a tfpar.train run "
+                        "directory (train into it first)")
+  if not glob.glob(os.path.join(d, "checkpoints", "ckpt-*.index")):
+    raise GenerateError(f"--model_dir={d} has no checkpoint yet: train into it first "
+                        f"(python -m tfpar.train --model_dir={d} ...)")
+  if fv.max_new_tokens < 0:
+    raise GenerateError(f"--max_new_tokens={fv.max_new_tokens} must be >= 0")
+  if fv.temperature < 0:
+    raise GenerateError(f"--temperature={fv.temperature} must be >= 0 (0: greedy)")
+  if not 0 <= fv.top_k <= VOCAB_SIZE:
+    raise GenerateError(f"--top_k={fv.top_k} must be in [0, {VOCAB_SIZE}] (0: no top-k cut)")
+
+
+def pick(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator) -> int:
+  """Chooses the next byte from its logits [V]."""
+  logits = np.asarray(logits, np.float64)
+  if temperature == 0:
+    return int(np.argmax(logits))
+  if top_k:
+    kth = np.sort(logits)[-top_k]
+    logits = np.where(logits < kth, -np.inf, logits)
+  z = logits / temperature
+  p = np.exp(z - z.max())
+  return int(rng.choice(len(p), p=p / p.sum()))
+
+
+def sample(next_logits: Callable[[List[int]], np.ndarray], prompt: Sequence[int],
+           max_new_tokens: int, *, seq_len: int, temperature: float = 0.8, top_k: int = 0,
+           seed: int = 0) -> List[int]:
+  """Samples `max_new_tokens` bytes after `prompt`, the context cropped to the last `seq_len`.
+
+  Args:
+    next_logits: context tokens -> logits [V] of the byte that follows them.
+    prompt: the tokens to continue (empty: a document start).
+  """
+  from tfpar.data.corpus import DOC_SEPARATOR  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(seed)
+  tokens = list(prompt) or [DOC_SEPARATOR[0]]
+  new = []
+  for _ in range(max_new_tokens):
+    token = pick(next_logits(tokens[-seq_len:]), temperature, top_k, rng)
+    tokens.append(token)
+    new.append(token)
+  return new
+
+
+def load_model(model_dir: str):
+  """Rebuilds the run's GPT from config.json and restores the latest checkpoint's weights.
+
+  Returns (model, next_logits) for `sample`. Sets the float32 policy (sampling
+  needs no mixed precision).
+  """
+  import keras  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tfpar.config import ModelConfig  # pylint: disable=import-outside-toplevel
+  from tfpar.models import GPT  # pylint: disable=import-outside-toplevel
+  from tfpar.training import checkpoint  # pylint: disable=import-outside-toplevel
+
+  with open(os.path.join(model_dir, "config.json")) as f:
+    model_flags = json.load(f)["model"]
+  path = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))
+  if path is None:
+    raise GenerateError(f"--model_dir={model_dir} has no readable checkpoint: train into it first")
+  keras.mixed_precision.set_global_policy("float32")
+  # Without dropout the model has no RNG state: only weights are restored.
+  config = ModelConfig(**{**model_flags, "dropout": 0.0})
+  model = GPT(config)
+  model.build_all()
+  layout = checkpoint.model_layout(model)
+  values = checkpoint.read_checkpoint(path)
+  missing = sorted(set(layout) - set(values))
+  if missing:
+    raise checkpoint.CheckpointMismatchError(
+        f"the checkpoint {path} has no {missing[0]}: it was written by another version of "
+        "the model; retrain into a new --model_dir")
+  checkpoint.assign_canonical(layout, values)
+
+  seq_len = config.seq_len
+
+  @tf.function(input_signature=[tf.TensorSpec([1, seq_len], tf.int32), tf.TensorSpec([], tf.int32)])
+  def logits_at(tokens, last):
+    return model(tokens)[0, last]  # [V]
+
+  def next_logits(context: List[int]) -> np.ndarray:
+    # One compiled shape for every context length: pad on the right; causality
+    # keeps the padding out of the logits at the context's last position.
+    padded = np.zeros((1, seq_len), np.int32)
+    padded[0, :len(context)] = context
+    return logits_at(padded, len(context) - 1).numpy()
+
+  return model, next_logits
+
+
+def fail(message: str) -> None:
+  print(f"tfpar.generate: error: {message}", file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+def main(argv: Sequence[str]) -> None:
+  fv = define_flags()
+  if any(a in ("-h", "--help", "-help", "--helpshort") for a in argv[1:]):
+    print(__doc__ + "\n" + fv.get_help())
+    return
+  try:
+    rest = fv(list(argv))
+  except flags.Error as e:
+    fail(str(e))
+  if len(rest) > 1:
+    fail(f"unexpected arguments {rest[1:]}: flags are written --name=value")
+  try:
+    check(fv)
+  except GenerateError as e:
+    fail(str(e))
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  from tfpar.data import corpus  # pylint: disable=import-outside-toplevel
+  from tfpar.training.checkpoint import CheckpointMismatchError  # pylint: disable=import-outside-toplevel
+  try:
+    model, next_logits = load_model(fv.model_dir)
+  except (GenerateError, CheckpointMismatchError) as e:
+    fail(str(e))
+  new = sample(next_logits, corpus.encode(fv.prompt), fv.max_new_tokens,
+               seq_len=model.config.seq_len, temperature=fv.temperature, top_k=fv.top_k,
+               seed=fv.seed)
+  print(fv.prompt + corpus.decode(new), flush=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv)
