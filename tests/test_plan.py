@@ -37,9 +37,8 @@ def test_stage_layers_override():
 
 
 def test_grid_bubble_and_plan_json(tmp_path):
-  plan = plan_for(["--strategy=mirrored", "--num_cpu_devices=8", "--pipeline_stages=2",
-                   "--tensor_parallel=2", "--microbatches=2"])
-  assert plan.data_parallel == 2  # The devices allow two replicas of 2 x 2.
+  plan = plan_for(["--strategy=mirrored", "--num_cpu_devices=8", "--data_parallel=2",
+                   "--pipeline_stages=2", "--tensor_parallel=2", "--microbatches=2"])
   assert plan.devices[1][0] == ("/device:CPU:4", "/device:CPU:5")
   assert plan.anchors == ["/device:CPU:0", "/device:CPU:4"]
   assert plan.bubble == pytest.approx(1 / 3)
@@ -49,8 +48,8 @@ def test_grid_bubble_and_plan_json(tmp_path):
 
 
 def test_bytes_add_up_to_the_whole_model_per_replica():
-  plan = plan_for(["--strategy=mirrored", "--num_cpu_devices=8", "--pipeline_stages=2",
-                   "--tensor_parallel=2", "--microbatches=2"])
+  plan = plan_for(["--strategy=mirrored", "--num_cpu_devices=8", "--data_parallel=2",
+                   "--pipeline_stages=2", "--tensor_parallel=2", "--microbatches=2"])
   c = plan.counts
   total = c.embedding + c.head + 2 * c.block
   per_device = plan.bytes_per_device()
