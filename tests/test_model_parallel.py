@@ -71,3 +71,67 @@ def test_hybrid_across_two_worker_processes(one_device, tmp_path):
       "--strategy=multi_worker_mirrored", "--num_cpu_devices=2", "--pipeline_stages=2",
       "--microbatches=2", "--input_sharding=data", f"--model_dir={model_dir}"], timeout=300)
   assert_same_losses(model_dir, one_device)
+
+
+# --- placement and checkpoints (engines built, not trained) ------------------------
+
+PLANS = {
+    "one_device": ["--strategy=one_device"],
+    "pipeline": ["--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=4"],
+    "tensor": ["--num_cpu_devices=2", "--tensor_parallel=2"],
+    "hybrid": ["--strategy=mirrored", "--num_cpu_devices=8", "--data_parallel=2",
+               "--pipeline_stages=2", "--tensor_parallel=2", "--microbatches=2"],
+}
+
+
+def build_engine(plan_args, model_dir):
+  """The engine the runner would build for these flags, on a small synthetic corpus."""
+  from conftest import make_config  # pylint: disable=import-outside-toplevel
+  from tfpar import strategies  # pylint: disable=import-outside-toplevel
+  from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
+  from tfpar.data.pipeline import Corpus  # pylint: disable=import-outside-toplevel
+  from tfpar.parallel.hybrid import ModelParallelEngine  # pylint: disable=import-outside-toplevel
+  from tfpar.training.engine import DataParallelEngine  # pylint: disable=import-outside-toplevel
+  cfg = make_config(BASE + plan_args + [f"--model_dir={model_dir}"])
+  tokens = np.arange(4096, dtype=np.uint8)
+  corpus = Corpus(train=tokens, eval=tokens[:512], files=())
+  strategy = strategies.make_strategy(cfg.dist, Cluster())
+  if cfg.parallel.model_parallel:
+    return ModelParallelEngine(cfg, strategy, corpus)
+  return DataParallelEngine(cfg, strategy, corpus)
+
+
+def test_each_device_holds_its_planned_share(tmp_path):
+  engine = build_engine(PLANS["hybrid"] + ["--num_layers=4", "--stage_layers=1,3"], tmp_path)
+  predicted, measured = engine.plan.bytes_per_device(), engine.measured_bytes()
+  assert sorted(measured) == sorted(predicted) and len(measured) == 8
+  for device, want in predicted.items():
+    for kind in ("parameters", "optimizer"):
+      assert abs(measured[device][kind] - want[kind]) <= 0.1 * want[kind], (device, kind)
+  # The split is real: no device holds more than its stage's share.
+  total = sum(b["parameters"] for b in measured.values()) / 2  # per replica
+  assert max(b["parameters"] for b in measured.values()) < 0.5 * total
+
+
+def test_checkpoint_from_any_plan_restores_under_any_other(tmp_path):
+  from tfpar.training.checkpoint import (  # pylint: disable=import-outside-toplevel
+      CanonicalCheckpointer, assign_canonical, read_canonical)
+  engines = {name: build_engine(args, tmp_path / name) for name, args in PLANS.items()}
+  rng = np.random.default_rng(0)
+  for source, engine in engines.items():
+    # Distinct weights and AdamW slots, the same in every copy of the source.
+    values = {name: (np.array(7, v.dtype) if v.ndim == 0 else
+                     rng.normal(size=v.shape).astype(v.dtype))
+              for name, v in read_canonical(engine.layouts[0]).items()}
+    for layout in engine.layouts:
+      assign_canonical(layout, values)
+    directory = str(tmp_path / f"ckpt_{source}")
+    path = CanonicalCheckpointer(engine.layouts, directory).save(7)
+    for target, other in engines.items():
+      assert CanonicalCheckpointer(other.layouts, directory).restore(path)
+      assert other.step == 7
+      for copy in other.layouts:  # Every replica copy of the target.
+        restored = read_canonical(copy)
+        assert sorted(restored) == sorted(values), (source, target)
+        for name, want in values.items():
+          np.testing.assert_array_equal(restored[name], want, err_msg=f"{source}->{target} {name}")
