@@ -137,27 +137,36 @@ def test_a_two_worker_checkpoint_restores_under_one_device_and_mirrored(two_work
       np.testing.assert_array_equal(np.asarray(tf.convert_to_tensor(copy)), saved[name], name)
 
 
-def test_a_mirrored_checkpoint_resumes_under_two_workers_as_under_one_device(tmp_path):
-  """The other way round: 4 mirrored replicas save at step 6, two workers resume to step 8.
+def test_a_mirrored_checkpoint_resumes_under_two_workers_as_under_one_device(one_device_dir,
+                                                                           tmp_path):
+  """The other way round: a checkpoint written under 4 mirrored replicas, resumed by two workers.
 
-  Both workers must restore exactly the saved weights: the loss of step 7 is
-  computed with them before any update, half of it on each worker, and it
-  equals one device's loss after restoring the same checkpoint.
+  The mirrored engine restores one device's step-6 checkpoint and writes its
+  own (the same numbers, or the canonical layout would be broken); two workers
+  resume from it to step 8, one device from its own. Both workers must have
+  restored exactly the saved weights: the loss of step 7 is computed with them
+  before any update, half of it on each worker, and equals one device's.
   """
-  source = tmp_path / "mirrored"
-  train_in_process(ARGS + MIRRORED + [f"--model_dir={source}"])
-  resumed_steps = ["--train_steps=8", "--eval_steps=0"]  # eval under 2 workers is tested above
-  for name in ("two_workers", "one_device"):
-    shutil.copytree(source, tmp_path / name)
-  proc = run_module("tfpar.launch", TWO_WORKERS + resumed_steps +
-                    [f"--model_dir={tmp_path / 'two_workers'}"], timeout=300)
+  saved_by_one = read_checkpoint(str(one_device_dir / "checkpoints" / f"ckpt-{STEPS}"))
+  two_dir, one_dir = tmp_path / "two_workers", tmp_path / "one_device"
+  shutil.copytree(one_device_dir, one_dir)
+  engine = restored_engine(MIRRORED, str(one_device_dir / "checkpoints" / f"ckpt-{STEPS}"),
+                           tmp_path)
+  written = CanonicalCheckpointer(engine.layouts, str(two_dir / "checkpoints")).save(STEPS)
+  saved_by_mirrored = read_checkpoint(written)
+  for name, value in saved_by_one.items():
+    np.testing.assert_array_equal(saved_by_mirrored[name], value, err_msg=name)
+
+  resumed = ["--train_steps=8", "--eval_steps=0"]  # eval under 2 workers is tested above
+  proc = run_module("tfpar.launch", TWO_WORKERS + resumed + [f"--model_dir={two_dir}"],
+                    timeout=300)
   assert re.search(rf"\[worker 0\] resumed from .*ckpt-{STEPS} at step {STEPS}", proc.stdout)
-  train_in_process(ARGS + resumed_steps + ["--strategy=one_device",
-                                           f"--model_dir={tmp_path / 'one_device'}"])
-  two, one = (read_metrics(str(tmp_path / name)) for name in ("two_workers", "one_device"))
-  assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, 9))
-  assert_same_losses([r["loss"] for r in two[STEPS:]], [r["loss"] for r in one[STEPS:]])
-  after_two = read_checkpoint(str(tmp_path / "two_workers" / "checkpoints" / "ckpt-8"))
-  after_one = read_checkpoint(str(tmp_path / "one_device" / "checkpoints" / "ckpt-8"))
+  train_in_process(ARGS + resumed + ["--strategy=one_device", f"--model_dir={one_dir}"])
+  two = read_metrics(str(two_dir))
+  one = [r for r in read_metrics(str(one_dir)) if r["step"] > STEPS]
+  assert [r["step"] for r in two] == [r["step"] for r in one] == [7, 8]
+  assert_same_losses([r["loss"] for r in two], [r["loss"] for r in one])
+  after_two = read_checkpoint(str(two_dir / "checkpoints" / "ckpt-8"))
+  after_one = read_checkpoint(str(one_dir / "checkpoints" / "ckpt-8"))
   for name, value in after_one.items():
     np.testing.assert_allclose(after_two[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
