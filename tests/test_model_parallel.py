@@ -135,3 +135,17 @@ def test_checkpoint_from_any_plan_restores_under_any_other(tmp_path):
         assert sorted(restored) == sorted(values), (source, target)
         for name, want in values.items():
           np.testing.assert_array_equal(restored[name], want, err_msg=f"{source}->{target} {name}")
+
+
+def test_remat_recomputes_each_block_in_the_backward(tmp_path):
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+  def matmuls(args):
+    engine = build_engine(PLANS["pipeline"] + args, tmp_path / "_".join(args or ["plain"]))
+    tokens = tf.zeros([8, 32], tf.int32)
+    graph = tf.function(engine.copies[0].pipeline.loss_and_grads).get_concrete_function(
+        tokens, tokens).graph
+    return sum(op.type in ("MatMul", "BatchMatMulV2", "Einsum") for op in graph.get_operations())
+
+  # Each of the 2 blocks runs its forward matmuls (8) once more in the backward pass.
+  assert matmuls(["--remat"]) >= matmuls([]) + 2 * 8
