@@ -1,4 +1,4 @@
-"""The parallel plan as data: stage balance, bubble, bytes per device, and the errors for plans that cannot work."""
+"""The parallel plan as data: stage balance, bubble, bytes per device, errors for impossible plans."""
 
 import json
 

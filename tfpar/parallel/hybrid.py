@@ -285,7 +285,7 @@ class ModelParallelEngine:
                     f"M={p.microbatches}, bubble {p.bubble:.1%}, remat {p.remat}, xla off",
             "parameters": int(sum(np.prod(v.shape)
                                   for v in self.copies[0].model.trainable_variables)),
-            "bytes_per_device": per_device}
+            "measured_bytes_per_device": per_device}
 
 
 def _worker_devices(resolver, local: List[str]) -> List[List[str]]:

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from tfpar.config import Config, ConfigError, ModelConfig
 
-BYTES_PER_PARAM = 4  # Variables stay float32 under every precision policy (mixed keeps fp32 masters).
+BYTES_PER_PARAM = 4  # Variables stay float32 under every precision policy (fp32 masters).
 OPTIMIZER_SLOTS = 2  # AdamW: first and second moments.
 STEP_COUNTER_BYTES = 8  # AdamW's int64 iteration count.
 
@@ -162,11 +162,12 @@ class ParallelPlan:
              f"{k - 1}/{m + k - 1} = {self.bubble:.1%}; remat {'on' if self.remat else 'off'}"]
     for s in self.stages:
       extra = (" + embedding" if s.embedding else "") + (" + head" if s.head else "")
-      devs = " | ".join(" ".join(device_key(row[s.index][j]) for j in range(t)) for row in self.devices)
+      devs = " | ".join(" ".join(device_key(dev) for dev in row[s.index]) for row in self.devices)
       lines.append(f"  stage {s.index}: blocks {s.blocks[0]}-{s.blocks[-1]}{extra}, "
                    f"{s.parameters:,} params on [{devs}]")
+    lines.append("  predicted bytes per device:")
     for device, b in self.bytes_per_device().items():
-      lines.append(f"  {device}: parameters {kib(b['parameters'])}, "
+      lines.append(f"    {device}: parameters {kib(b['parameters'])}, "
                    f"optimizer {kib(b['optimizer'])}")
     return "\n".join(lines)
 
