@@ -62,7 +62,8 @@ BAD = [
     (["--num_heads=4", "--d_ff=70", "--tensor_parallel=4"], "d_ff"),
     (["--global_batch_size=8", "--data_parallel=3"], "global_batch_size"),
     (["--global_batch_size=8", "--microbatches=3"], "microbatches"),
-    (["--strategy=mirrored", "--num_cpu_devices=4", "--pipeline_stages=2"], "num_cpu_devices"),
+    (["--strategy=mirrored", "--num_cpu_devices=4", "--pipeline_stages=2", "--data_parallel=1"],
+     "num_cpu_devices"),
 ]
 
 
