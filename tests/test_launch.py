@@ -183,7 +183,9 @@ def test_max_restarts_restarts_the_whole_job_which_resumes_from_its_checkpoint(l
   # The resumed run logged every step after the checkpoint exactly once.
   steps = [r["step"] for r in read_metrics(str(tmp_path))]
   assert steps == list(range(10, 401, 10)), steps
-  assert "[worker 0] tfpar: " in out and "file-level input sharding" in out
+  share = re.search(r"^\[worker 0\] tfpar: .* data: (\d+) of (\d+) \(this worker's share\) files, "
+                    r".* file-level input sharding$", out, re.M)
+  assert share and int(share.group(2)) // 2 == int(share.group(1)), out  # half the files each
   assert not re.search(r"auto.?shard", out, re.I), "tf.distribute should not auto-shard our input"
   assert_every_line_prefixed(job)
 

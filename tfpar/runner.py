@@ -48,7 +48,8 @@ def run(cfg: Config, cluster: Cluster, check_model_dir=None) -> dict:
   else:
     engine = DataParallelEngine(cfg, strategy, corpus, sharding=sharding)
   if is_chief:
-    print(f"tfpar: {engine.describe()} | data: {len(corpus.files)} files, "
+    share = "" if len(corpus.files) == len(files) else f" of {len(files)} (this worker's share)"
+    print(f"tfpar: {engine.describe()} | data: {len(corpus.files)}{share} files, "
           f"{len(corpus.train):,} train / {len(corpus.eval):,} held-out bytes, "
           f"{sharding}-level input sharding", flush=True)
   return loop.run(cfg, engine, is_chief=is_chief, worker_index=worker_index,
