@@ -14,6 +14,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -143,13 +144,28 @@ def test_bad_launcher_input_is_one_line_and_exit_2(args, message):
   assert message in lines[0]
 
 
+def two_free_ports():
+  """A port p with p and p + 1 both free now (for --port_base)."""
+  for _ in range(50):
+    with socket.socket() as a, socket.socket() as b:
+      try:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", a.getsockname()[1] + 1))
+      except OSError:
+        continue
+      return a.getsockname()[1]
+  raise AssertionError("no two consecutive free ports on 127.0.0.1")
+
+
 def test_a_failing_task_ends_the_job_non_zero_and_leaves_no_process(launch, tmp_path):
-  job = launch("--num_workers=2", "--", *MWMS, f"--model_dir={tmp_path}",
+  port = two_free_ports()
+  job = launch("--num_workers=2", f"--port_base={port}", "--", *MWMS, f"--model_dir={tmp_path}",
                "--train_steps=100000", "--input_sharding=data", "--log_every=20",
                "--checkpoint_every=100000")
   # The chief has built its replica (so both workers joined the cluster) and goes on into
   # the first step's collectives, where it would wait for its dead peer for good.
   job.wait_for(r"^\[worker 0\] tfpar: ")
+  assert f'"worker": ["127.0.0.1:{port}", "127.0.0.1:{port + 1}"]' in job.output
   pids = job.task_pids()
   os.kill(pids["worker 1"][0], signal.SIGKILL)
   code = job.finish(timeout=60)
@@ -164,9 +180,9 @@ def test_a_failing_task_ends_the_job_non_zero_and_leaves_no_process(launch, tmp_
 def test_max_restarts_restarts_the_whole_job_which_resumes_from_its_checkpoint(launch, tmp_path):
   # --input_sharding=auto: the default corpus has >= 4 files per worker, so file-level.
   job = launch("--num_workers=2", "--max_restarts=1", "--", *MWMS, f"--model_dir={tmp_path}",
-               "--train_steps=400", "--checkpoint_every=100", "--steps_per_call=10",
+               "--train_steps=200", "--checkpoint_every=50", "--steps_per_call=10",
                "--log_every=10")
-  job.wait_for(r"^\[worker 0\] saved .*ckpt-100$")
+  job.wait_for(r"^\[worker 0\] saved .*ckpt-50$")
   os.kill(job.task_pids()["worker 1"][0], signal.SIGKILL)
   code = job.finish(timeout=180)
   assert code == 0, job.output[-3000:]
@@ -174,7 +190,7 @@ def test_max_restarts_restarts_the_whole_job_which_resumes_from_its_checkpoint(l
   assert "worker 1 was killed by SIGKILL: stopped every task; restarting the job " \
          "(restart 1 of 1)" in out
   resumed = re.search(r"^\[worker 0\] resumed from .*ckpt-(\d+) at step (\d+)$", out, re.M)
-  assert resumed and resumed.group(1) == resumed.group(2) and int(resumed.group(1)) >= 100, out
+  assert resumed and resumed.group(1) == resumed.group(2) and int(resumed.group(1)) >= 50, out
   assert "tfpar.launch: job succeeded (2 tasks)" in out
   pids = job.task_pids()
   assert all(len(attempts) == 2 for attempts in pids.values()), pids  # every task restarted
@@ -182,7 +198,7 @@ def test_max_restarts_restarts_the_whole_job_which_resumes_from_its_checkpoint(l
     assert not any(group_alive(pid) for pid in attempts)
   # The resumed run logged every step after the checkpoint exactly once.
   steps = [r["step"] for r in read_metrics(str(tmp_path))]
-  assert steps == list(range(10, 401, 10)), steps
+  assert steps == list(range(10, 201, 10)), steps
   share = re.search(r"^\[worker 0\] tfpar: .* data: (\d+) of (\d+) \(this worker's share\) files, "
                     r".* file-level input sharding$", out, re.M)
   assert share and int(share.group(2)) // 2 == int(share.group(1)), out  # half the files each

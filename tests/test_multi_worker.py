@@ -24,6 +24,7 @@ import tensorflow as tf
 from conftest import TINY, make_config, read_metrics, run_module, train_in_process
 from tfpar import strategies
 from tfpar.cluster import Cluster
+from tfpar.config import ConfigError
 from tfpar.data import pipeline
 from tfpar.training.checkpoint import CanonicalCheckpointer, read_canonical, read_checkpoint
 from tfpar.training.engine import DataParallelEngine
@@ -56,7 +57,7 @@ def one_device_dir(tmp_path_factory):
 def two_workers(tmp_path_factory):
   """(model_dir, launcher output) of a 2-worker run that saves at steps 3 and 6."""
   model_dir = tmp_path_factory.mktemp("two_workers")
-  proc = run_module("tfpar.launch", TWO_WORKERS + [f"--model_dir={model_dir}",
+  proc = run_module("tfpar.launch", TWO_WORKERS + [f"--model_dir={model_dir}", "--collective=ring",
                                                    "--checkpoint_every=3"], timeout=300)
   return model_dir, proc.stdout + proc.stderr
 
@@ -103,6 +104,18 @@ def test_the_logs_are_prefixed_and_free_of_auto_shard_warnings(two_workers):
   for line in output.splitlines():
     if line:
       assert re.match(r"^(tfpar\.launch: |\[worker [01]\] )", line), line
+
+
+def test_multi_worker_without_tf_config_or_with_nccl_on_cpu_is_a_clear_error():
+  cfg = make_config(ARGS + ["--strategy=multi_worker_mirrored", "--model_dir=/tmp/unused"])
+  with pytest.raises(ConfigError, match="needs TF_CONFIG: start the job with python -m "
+                                        "tfpar.launch --num_workers=N"):
+    strategies.make_strategy(cfg.dist, Cluster())
+  nccl = make_config(ARGS + ["--strategy=multi_worker_mirrored", "--collective=nccl",
+                             "--model_dir=/tmp/unused"])
+  two = Cluster(spec={"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, task_type="worker")
+  with pytest.raises(ConfigError, match="--collective=nccl needs GPUs"):
+    strategies.make_strategy(nccl.dist, two)
 
 
 def restored_engine(strategy_args, checkpoint, model_dir):
