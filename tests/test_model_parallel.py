@@ -33,6 +33,8 @@ def assert_same_losses(model_dir, reference_dir):
   got, want = losses(model_dir), losses(reference_dir)
   assert len(got) == len(want) == STEPS
   np.testing.assert_allclose(got, want, rtol=1e-4)
+  norms = [[r["grad_norm"] for r in read_metrics(d)] for d in (model_dir, reference_dir)]
+  np.testing.assert_allclose(norms[0], norms[1], rtol=1e-3)  # The same (summed) gradient.
 
 
 def test_pipeline_matches_one_device(one_device, tmp_path):
@@ -43,10 +45,18 @@ def test_pipeline_matches_one_device(one_device, tmp_path):
   assert os.path.exists(os.path.join(model_dir, "plan.json"))
 
 
-def test_tensor_parallel_matches_one_device(one_device, tmp_path):
+def test_tensor_parallel_matches_one_device_and_resumes_as_a_pipeline(one_device, tmp_path):
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
   model_dir = str(tmp_path)
-  train_in_process(BASE + ["--num_cpu_devices=2", "--tensor_parallel=2",
+  train_in_process(BASE + ["--num_cpu_devices=2", "--tensor_parallel=2", "--checkpoint_every=3",
                            f"--model_dir={model_dir}"])
+  assert_same_losses(model_dir, one_device)
+  # Back to step 3, then on under another plan: steps 4 and 5 still match one device.
+  checkpoints = os.path.join(model_dir, "checkpoints")
+  tf.compat.v1.train.update_checkpoint_state(checkpoints, os.path.join(checkpoints, "ckpt-3"))
+  train_in_process(BASE + ["--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=2",
+                           f"--model_dir={model_dir}"])
+  assert [r["step"] for r in read_metrics(model_dir)] == [1, 2, 3, 4, 5]
   assert_same_losses(model_dir, one_device)
 
 
