@@ -36,8 +36,11 @@ def check_model_dir(cfg: config_lib.Config, is_chief: bool) -> None:
            f"({', '.join(diff)}): use the same flags to resume, or a new --model_dir")
   elif is_chief:
     os.makedirs(cfg.train.model_dir, exist_ok=True)
-    with open(path, "w") as f:
+    # Written whole, then renamed: other workers check the file at the same moment
+    # and must never read it half-written.
+    with open(path + ".tmp", "w") as f:
       json.dump(cfg.to_dict(), f, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 def main(argv):
