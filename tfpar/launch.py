@@ -195,8 +195,11 @@ class _Output:
     for raw in iter(pipe.readline, b""):
       line = raw.decode("utf-8", errors="replace").rstrip("\n")
       with self._lock:
-        out.write(prefix + line + "\n")
-        out.flush()
+        try:
+          out.write(prefix + line + "\n")
+          out.flush()
+        except (OSError, ValueError):
+          pass  # our reader is gone (`| head`): keep draining, or the task blocks on a full pipe
     pipe.close()
 
   def join(self, timeout: float = 5.0) -> None:
