@@ -13,12 +13,13 @@ with a `[worker 1] ` prefix. The launcher behaves like a Kubernetes job:
 - Multi-worker: the job succeeds when every worker exits 0. When any task
   fails, the others are terminated at once (a peer left in a collective would
   wait for the dead one), and the job fails with that task's status, unless
-  `--max_restarts` remain: then every task is started again on fresh ports, and
-  training resumes from the latest checkpoint in --model_dir.
-- Parameter server: worker and ps tasks are servers that never end by
-  themselves; the job ends when the chief (coordinator) exits, with its
-  status, and the servers are then terminated. A server that dies before the
-  chief is a task failure as above.
+  `--max_restarts` remain: then every task is started again (on fresh ports,
+  unless --port_base fixes them), and training resumes from the latest
+  checkpoint in --model_dir.
+- Parameter server: worker and ps tasks are servers for the chief; the job
+  ends when the chief (coordinator) exits, with its status, and the servers
+  are then terminated. A server that ends before the chief is a task failure
+  as above.
 - Ctrl-C or SIGTERM to the launcher stops every task; if the launcher itself is
   killed, the kernel kills each task (PR_SET_PDEATHSIG), so no task outlives it.
 
