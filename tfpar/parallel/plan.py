@@ -233,8 +233,8 @@ def make_plan(cfg: Config, devices: Sequence[str], *,
     d = p.data_parallel or max(1, n // (k * t))
     if d * k * t != n:
       raise ConfigError(f"--data_parallel x --pipeline_stages x --tensor_parallel = {d}x{k}x{t} "
-                        f"= {d * k * t} does not match the {n} devices (--num_cpu_devices="
-                        f"{n} or GPUs): make them equal")
+                        f"= {d * k * t} does not match the {n} device(s) this run has (GPUs, or "
+                        f"--num_cpu_devices logical CPUs): set --num_cpu_devices={d * k * t}")
     flat = list(devices)
   g = cfg.train.global_batch_size
   if g % d:
