@@ -94,6 +94,12 @@ def test_grid_not_matching_the_devices_fails_in_one_line():
   one_line_naming(error, "--pipeline_stages x --tensor_parallel")
 
 
+def test_remat_refuses_dropout():
+  with pytest.raises(ConfigError) as error:
+    plan_for(["--remat", "--dropout=0.1"], DEVICES[:1])
+  one_line_naming(error, "--remat")
+
+
 def test_microbatches_checked_against_the_per_replica_batch():
   # 8 sequences over D=2 replicas leaves 4 per replica: M=8 cannot split it.
   with pytest.raises(ConfigError) as error:

@@ -217,6 +217,10 @@ def make_plan(cfg: Config, devices: Sequence[str], *,
   if m.num_heads % t or m.d_ff % t:
     raise ConfigError(f"--tensor_parallel={t} must divide --num_heads={m.num_heads} and "
                       f"--d_ff={m.d_ff}: pick a T that divides both")
+  if p.remat and m.dropout > 0:
+    # Keras dropout draws from a stateful seed: the recomputed forward would get new masks.
+    raise ConfigError(f"--remat with --dropout={m.dropout} would recompute blocks with other "
+                      "dropout masks than the forward used: use --dropout=0 with --remat")
   if worker_devices is not None:
     d = len(worker_devices)
     if p.data_parallel not in (None, d):
