@@ -32,7 +32,8 @@ class Launched:
   """`python -m tfpar.launch ...` running in the background, its output read line by line."""
 
   def __init__(self, args):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO)
+    # TensorFlow's C++ warnings shown (tfpar.train would hide them): the logs are checked.
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", PYTHONPATH=REPO)
     self.proc = subprocess.Popen([sys.executable, "-m", "tfpar.launch", *args], cwd=REPO,
                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True)

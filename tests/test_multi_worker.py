@@ -57,8 +57,11 @@ def one_device_dir(tmp_path_factory):
 def two_workers(tmp_path_factory):
   """(model_dir, launcher output) of a 2-worker run that saves at steps 3 and 6."""
   model_dir = tmp_path_factory.mktemp("two_workers")
+  # TF_CPP_MIN_LOG_LEVEL=0: TensorFlow's C++ warnings (tf.data's auto-shard one among them)
+  # are shown, not hidden as tfpar.train does by default, since the logs are checked.
   proc = run_module("tfpar.launch", TWO_WORKERS + [f"--model_dir={model_dir}", "--collective=ring",
-                                                   "--checkpoint_every=3"], timeout=300)
+                                                   "--checkpoint_every=3"],
+                    env={"TF_CPP_MIN_LOG_LEVEL": "0"}, timeout=300)
   return model_dir, proc.stdout + proc.stderr
 
 
