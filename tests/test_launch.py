@@ -10,6 +10,7 @@ The model is tiny and --jit_compile=false: the launcher is under test here, not
 the step, and XLA would add ~30 s of compilation per process on 2 cores.
 """
 
+import json
 import os
 import queue
 import re
@@ -205,6 +206,17 @@ def test_max_restarts_restarts_the_whole_job_which_resumes_from_its_checkpoint(l
   assert share and int(share.group(2)) // 2 == int(share.group(1)), out  # half the files each
   assert not re.search(r"auto.?shard", out, re.I), "tf.distribute should not auto-shard our input"
   assert_every_line_prefixed(job)
+
+
+def test_bad_input_found_by_the_tasks_is_not_restarted(launch, tmp_path):
+  """Status 2 from a task (here: --model_dir holds another model) would only repeat."""
+  (tmp_path / "config.json").write_text(json.dumps({"model": {"d_model": 999}}))
+  job = launch("--num_workers=2", "--max_restarts=3", "--", *MWMS, f"--model_dir={tmp_path}")
+  assert job.finish(timeout=120) == 2, job.output[-3000:]
+  assert re.search(r"^\[worker \d\] tfpar\.train: error: --model_dir=.* holds a run with other "
+                   r"model flags \(d_model\)", job.output, re.M), job.output[-3000:]
+  assert "not restarted: it would fail again" in job.output
+  assert all(len(attempts) == 1 for attempts in job.task_pids().values())
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -15,7 +15,8 @@ with a `[worker 1] ` prefix. The launcher behaves like a Kubernetes job:
   wait for the dead one), and the job fails with that task's status, unless
   `--max_restarts` remain: then every task is started again (on fresh ports,
   unless --port_base fixes them), and training resumes from the latest
-  checkpoint in --model_dir.
+  checkpoint in --model_dir. A task that exits with status 2 (tfpar.train's
+  "bad input") is not restarted: it would fail again.
 - Parameter server: worker and ps tasks are servers for the chief; the job
   ends when the chief (coordinator) exits, with its status, and the servers
   are then terminated. A server that ends before the chief is a task failure
@@ -46,6 +47,9 @@ USAGE = ("python -m tfpar.launch --num_workers=N [--num_ps=P] [--max_restarts=R]
 # service catches it) and goes on waiting for its peers, so SIGTERM alone does
 # not end it; and a task whose peer died cannot finish a step or a save anyway.
 TERMINATE_GRACE = 5.0
+# tfpar.train's status for bad input (flags, data, a model_dir of another
+# model): restarting cannot help, as a Kubernetes podFailurePolicy would say.
+USAGE_ERROR = 2
 # Seconds the other workers get to finish once the chief of a multi-worker job
 # has succeeded (they only clean up by then), before they count as hung.
 FINISH_GRACE = 120.0
@@ -339,6 +343,11 @@ def launch(cfg: LaunchConfig) -> int:
         say(f"job succeeded ({len(job.tasks)} tasks)")
         return 0
       status = job_status(code)
+      if code == USAGE_ERROR:
+        say(f"{failed.label} {describe_status(code)} (bad input, see its error line): stopped "
+            f"every task; the job failed with status {status}, not restarted: it would fail "
+            "again")
+        return status
       if attempt < cfg.max_restarts:
         say(f"{failed.label} {describe_status(code)}: stopped every task; restarting the job "
             f"(restart {attempt + 1} of {cfg.max_restarts}), it resumes from the latest checkpoint")
