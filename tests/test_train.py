@@ -55,6 +55,8 @@ def test_mirrored_on_4_devices_matches_one_device(tmp_path, one_device_run):
   one = losses(one_device_run)
   assert len(set(one.tolist())) == 3  # the steps saw different batches and weights
   np.testing.assert_allclose(losses(four), one, rtol=1e-4)
+  np.testing.assert_allclose(read_metrics(four, "eval")[0]["loss"],
+                             read_metrics(one_device_run, "eval")[0]["loss"], rtol=1e-4)
   # Same updates, not just the same losses. Adam divides by sqrt(v), which magnifies
   # rounding in near-zero gradients, hence atol; a wrong gradient scale moves weights
   # by ~learning_rate (3e-3) per step.
@@ -64,7 +66,8 @@ def test_mirrored_on_4_devices_matches_one_device(tmp_path, one_device_run):
 
 def test_xla_and_no_xla_give_the_same_loss(tmp_path, one_device_run):
   xla = str(tmp_path / "xla")
-  train_in_process(TINY + ["--train_steps=2", "--jit_compile=true", f"--model_dir={xla}"])
+  train_in_process(TINY + ["--train_steps=2", "--jit_compile=true", "--eval_steps=0",
+                           f"--model_dir={xla}"])
   np.testing.assert_allclose(losses(xla), losses(one_device_run)[:2], rtol=1e-4)
 
 
@@ -99,7 +102,7 @@ def test_resume_continues_exactly(tmp_path):
 @pytest.mark.parametrize("precision", ["mixed_bfloat16", "mixed_float16"])
 def test_mixed_precision_trains(tmp_path, precision):
   model_dir = str(tmp_path / precision)
-  train_in_process(FAST + ["--train_steps=8", f"--precision={precision}",
+  train_in_process(FAST + ["--train_steps=8", "--eval_steps=0", f"--precision={precision}",
                            f"--model_dir={model_dir}"])
   values = losses(model_dir)
   assert len(values) == 8 and np.all(np.isfinite(values))
