@@ -29,7 +29,12 @@ All copies apply the same summed gradient, so they stay identical.
 
 The engine has the DataParallelEngine's surface (train, evaluate,
 train_iterator, eval_iterator, layouts, step, learning_rate, describe,
-num_replicas), so tfpar.training.loop drives it unchanged.
+num_replicas), so tfpar.training.loop drives it unchanged. `layouts` holds one
+canonical layout per model copy in this process (D on one host, one per worker
+across workers), so a checkpoint restores into every copy.
+
+XLA: none. A compiled cluster lives on one device and the step spans K x T
+(see tfpar.parallel.pipeline), so --jit_compile is ignored here.
 """
 
 import collections
