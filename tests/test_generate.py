@@ -2,7 +2,6 @@
 
 import os
 
-import keras
 import numpy as np
 import pytest
 
@@ -26,10 +25,13 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def next_logits(model_dir):
-  _, fn = generate.load_model(model_dir)
-  yield fn
-  keras.mixed_precision.set_global_policy("float32")
+def loaded(model_dir):
+  return generate.load_model(model_dir)  # (model, next_logits)
+
+
+@pytest.fixture
+def next_logits(loaded):
+  return loaded[1]
 
 
 def test_generates_the_requested_number_of_bytes(next_logits):
@@ -58,9 +60,9 @@ def test_greedy_ignores_the_seed_and_equals_top_1(next_logits):
   assert greedy[0][0] == int(np.argmax(next_logits(prompt[-SEQ_LEN:])))
 
 
-def test_padded_context_gives_the_unpadded_logits(model_dir, next_logits):
+def test_padded_context_gives_the_unpadded_logits(loaded):
   """next_logits pads short contexts to seq_len: causality must keep the padding out."""
-  model, _ = generate.load_model(model_dir)
+  model, next_logits = loaded
   short = corpus.encode("ab")
   direct = np.asarray(model(np.array([short], "int32")))[0, -1]
   np.testing.assert_allclose(next_logits(short), direct, rtol=1e-5, atol=1e-5)
