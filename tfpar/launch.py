@@ -370,6 +370,9 @@ def launch(cfg: LaunchConfig) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
+  if argv and argv[0] in ("-h", "--help"):
+    print(f"usage: {USAGE}\n{__doc__}")
+    return 0
   try:
     cfg = parse_args(argv)
   except LaunchError as e:
