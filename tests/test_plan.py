@@ -37,8 +37,9 @@ def test_stage_layers_override():
 
 
 def test_grid_bubble_and_plan_json(tmp_path):
-  plan = plan_for(["--strategy=mirrored", "--num_cpu_devices=8", "--data_parallel=2",
-                   "--pipeline_stages=2", "--tensor_parallel=2", "--microbatches=2"])
+  plan = plan_for(["--strategy=mirrored", "--num_cpu_devices=8", "--pipeline_stages=2",
+                   "--tensor_parallel=2", "--microbatches=2"])
+  assert plan.data_parallel == 2  # --data_parallel defaults to what the devices hold.
   assert plan.devices[1][0] == ("/device:CPU:4", "/device:CPU:5")
   assert plan.anchors == ["/device:CPU:0", "/device:CPU:4"]
   assert plan.bubble == pytest.approx(1 / 3)

@@ -234,7 +234,11 @@ def _validate_parallel(cfg: Config) -> None:
   if m.d_ff % p.tensor_parallel:
     raise ConfigError(f"--tensor_parallel={p.tensor_parallel} does not divide --d_ff={m.d_ff}: "
                       "pick a T that divides the MLP width")
-  dp = p.data_parallel or 1
+  # Default D: as many replicas as the devices hold (across workers, one per worker:
+  # tfpar.parallel.plan checks that once the cluster is known).
+  dp = p.data_parallel or max(1, s.num_cpu_devices // (p.pipeline_stages * p.tensor_parallel))
+  if s.strategy == "multi_worker_mirrored":
+    dp = p.data_parallel or 1
   if t.global_batch_size % dp:
     raise ConfigError(f"--global_batch_size={t.global_batch_size} does not divide over "
                       f"--data_parallel={dp} replicas: use a multiple of {dp}")
