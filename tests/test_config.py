@@ -1,7 +1,6 @@
 """Config validation: every rule names its flag; the CLI turns bad input into one line, exit 2."""
 
 import os
-import shutil
 
 import pytest
 
