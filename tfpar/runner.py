@@ -45,6 +45,7 @@ def run(cfg: Config, cluster: Cluster, check_model_dir=None) -> dict:
   elif cfg.dist.strategy == "parameter_server":
     from tfpar.parallel import parameter_server  # pylint: disable=import-outside-toplevel
     engine = parameter_server.ParameterServerEngine(cfg, strategy, corpus)
+    num_workers = engine.num_workers  # For the logs (the chief reads the data for all of them).
   else:
     engine = DataParallelEngine(cfg, strategy, corpus, sharding=sharding)
   if is_chief:
