@@ -108,7 +108,7 @@ def test_two_workers_one_ps_train_asynchronously(tmp_path):
   stale = sum(r["staleness"] >= 1 for r in records)
   assert stale >= 5, [r["staleness"] for r in records]
   print(f"steps per worker {per_worker}, overlapping pairs {overlapping_pairs(records)}, "
-        f"stale steps {stale}/{steps}, loss {first:.2f} (first 5 steps) -> eval {evals[-1]["loss"]:.2f}")
+        f"stale steps {stale}/{steps}, loss {first:.2f} (first 5 steps) -> eval {evals[-1]['loss']:.2f}")
   train = read_metrics(model_dir)
   assert train[-1]["workers"] == 2 and train[-1]["replicas"] == 2
 
