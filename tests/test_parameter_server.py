@@ -10,7 +10,8 @@ the asynchronous part).
 
 The checkpoint a PS job writes restores under one_device with the same
 weights: its held-out loss there equals the loss the chief measured on the
-ps-resident weights.
+ps-resident weights. With --ps_shards=2 over 2 ps, weights and AdamW slots are
+ShardedVariables, and a second job resumes from the checkpoint into them.
 
 --jit_compile=false keeps each job near a minute on 2 cores (XLA compiles the
 step once per worker process, ~20 s more each); the XLA path of
@@ -35,7 +36,7 @@ PS_FLAGS = TINY + ["--strategy=parameter_server", "--jit_compile=false", "--seq_
 
 
 def run_ps_job(model_dir, *, num_ps, train_steps, extra=()):
-  args = [f"--num_workers=2", f"--num_ps={num_ps}", "--",
+  args = ["--num_workers=2", f"--num_ps={num_ps}", "--",
           *PS_FLAGS, f"--model_dir={model_dir}", f"--train_steps={train_steps}", *extra]
   # run_module's timeout kills the launcher, whose tasks die with it (PDEATHSIG).
   return run_module("tfpar.launch", args, timeout=240)
@@ -118,19 +119,32 @@ def test_two_workers_one_ps_train_asynchronously(tmp_path):
   assert math.isclose(loss, evals[-1]["loss"], rel_tol=1e-5), (loss, evals[-1])
 
 
-def test_ps_shards_partition_variables_over_two_ps(tmp_path):
+def test_ps_shards_partition_variables_over_two_ps_and_resume(tmp_path):
   model_dir = str(tmp_path / "ps_shards")
-  steps = 20
-  proc = run_ps_job(model_dir, num_ps=2, train_steps=steps, extra=["--ps_shards=2"])
-  described = re.search(r"'sharded_variables': (\d+)", proc.stdout)
-  assert described and int(described.group(1)) > 0, proc.stdout[-2000:]
-  records = step_records(model_dir)
-  assert {r["worker"] for r in records} == {0, 1}
-  assert max(r["write_version"] for r in records) == steps
-  # ShardedVariables read and assign as full tensors: the canonical checkpoint
-  # holds full shapes and restores under one_device to the same eval loss.
+  flags = ["--ps_shards=2", "--learning_rate=3e-3"]
+  proc = run_ps_job(model_dir, num_ps=2, train_steps=20, extra=flags)
+  described = re.search(r"'sharded_variables': (\d+), 'sharded_slots': (\d+)", proc.stdout)
+  assert described, proc.stdout[-2000:]
+  # Every weight of rank >= 1 and its two AdamW slots are cut over the 2 ps.
+  assert int(described.group(1)) > 0 and int(described.group(2)) == 2 * int(described.group(1))
+  first_job = step_records(model_dir)
+  assert {r["worker"] for r in first_job} == {0, 1}
+  assert max(r["write_version"] for r in first_job) == 20
+
+  # Resuming assigns the full checkpoint tensors into the ShardedVariables.
+  proc = run_ps_job(model_dir, num_ps=2, train_steps=30, extra=flags)
+  assert "resumed from" in proc.stdout and "at step 20" in proc.stdout
+  resumed = step_records(model_dir)[len(first_job):]
+  assert len(resumed) == 10 and max(r["write_version"] for r in resumed) == 30
+  # The resumed steps go on from the trained weights (a mis-assigned shard
+  # would throw the loss back up): lower than the first job's start.
+  start_loss = np.mean([r["loss"] for r in first_job[:3]])
+  assert np.mean([r["loss"] for r in resumed[:3]]) < start_loss - 0.5
+
+  # ShardedVariables read as full tensors: the canonical checkpoint restores
+  # under one_device bit for bit, with the held-out loss the chief measured.
   step, loss = restored_one_device_eval(model_dir)
-  assert step == steps
+  assert step == 30
   assert math.isclose(loss, read_metrics(model_dir, "eval")[-1]["loss"], rel_tol=1e-5)
 
 
