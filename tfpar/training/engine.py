@@ -62,8 +62,9 @@ class DataParallelEngine:
         self.optimizer.build(self.model.trainable_variables)
     self.layouts = [model_layout(self.model, self.optimizer)]
     jit = cfg.train.jit_compile
+    # One replica: nothing runs between gradients and update, so XLA compiles both.
     self._train_step = TrainStep(self.model, self.optimizer, global_tokens=self.global_tokens,
-                                 jit_compile=jit)
+                                 jit_compile=jit, fuse_update=self.num_replicas == 1)
     self._eval_step = EvalStep(self.model, global_tokens=self.global_tokens, jit_compile=jit)
     self._train_fn = tf.function(self._train_steps)
     self._eval_fn = tf.function(self._eval_steps)
