@@ -16,6 +16,44 @@ def rotary(x, positions_first: int = 0):
   return ops.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
+# Causal attention computed in query blocks: block i (queries [i*S, (i+1)*S))
+# only needs keys [0, (i+1)*S), so the fully masked upper-right blocks of the
+# [T, T] scores are never computed. The result is the same softmax: a masked
+# score contributes exp(-1e9 - max) = 0 exactly. With 4 blocks the scores,
+# softmax and their gradients shrink to 10/16 of the full square; on CPU that
+# is a quarter less time in attention at T=256. Blocks of fewer than
+# MIN_QUERY_BLOCK queries cost more in small ops than they save.
+MIN_QUERY_BLOCK = 64
+MAX_QUERY_BLOCKS = 8
+
+
+def query_blocks(t) -> int:
+  """How many query blocks `causal_attention` splits a static length t into (1: none)."""
+  if t is None:
+    return 1
+  n = min(MAX_QUERY_BLOCKS, t // MIN_QUERY_BLOCK)
+  while n > 1 and t % n:
+    n -= 1
+  return max(n, 1)
+
+
+def causal_attention(q, k, v, num_blocks: int = 1):
+  """softmax(q k^T / sqrt(D) + causal mask) v over q, k, v [B, T, H, D] -> [B, T, H, D]."""
+  t = ops.shape(q)[1]
+  scale = ops.sqrt(ops.cast(ops.shape(q)[-1], q.dtype))
+  outputs = []
+  for i in range(num_blocks):
+    # Queries [lo, hi) attend to keys [0, hi); one block is the whole square.
+    lo, hi = (i * t // num_blocks, (i + 1) * t // num_blocks) if num_blocks > 1 else (0, t)
+    scores = ops.einsum("bqhd,bkhd->bhqk", q[:, lo:hi], k[:, :hi]) / scale  # [B, H, hi-lo, hi]
+    causal = ops.arange(hi)[None, :] <= ops.arange(lo, hi)[:, None]  # True where key <= query
+    # Softmax in float32: bfloat16/float16 logits lose the small probabilities.
+    scores = ops.where(causal[None, None], ops.cast(scores, "float32"), -1e9)
+    probs = ops.cast(ops.softmax(scores, axis=-1), v.dtype)
+    outputs.append(ops.einsum("bhqk,bkhd->bqhd", probs, v[:, :hi]))  # [B, hi-lo, H, D]
+  return outputs[0] if num_blocks == 1 else ops.concatenate(outputs, axis=1)
+
+
 class CausalSelfAttention(keras.layers.Layer):
   """Masked self-attention over `num_heads` heads, without the output bias.
 
@@ -64,12 +102,7 @@ class CausalSelfAttention(keras.layers.Layer):
     q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
     if self.rotary:
       q, k = rotary(q), rotary(k)
-    scores = ops.einsum("bqhd,bkhd->bhqk", q, k) / ops.sqrt(ops.cast(self.head_dim, q.dtype))
-    causal = ops.tril(ops.ones((t, t), dtype="bool"))  # [T, T], True where k <= q
-    # Softmax in float32: bfloat16/float16 logits lose the small probabilities.
-    scores = ops.where(causal[None, None], ops.cast(scores, "float32"), -1e9)
-    probs = ops.cast(ops.softmax(scores, axis=-1), v.dtype)  # [B, H, T, T]
-    y = ops.einsum("bhqk,bkhd->bqhd", probs, v)  # [B, T, H, D]
+    y = causal_attention(q, k, v, query_blocks(x.shape[1]))  # [B, T, H, D]
     return self.output_dense(ops.reshape(y, (b, t, self.num_heads * self.head_dim)))
 
   def get_config(self):
