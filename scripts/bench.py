@@ -1,6 +1,6 @@
 """Training throughput of tfpar beside keras-hub's GPT2Backbone, in one process.
 
-    python scripts/bench.py --steps=40 --warmup=10 --out=bench.json
+    python scripts/bench.py --steps=20 --rounds=3 --warmup=10 --out=bench.json
 
 Both systems train the same GPT (4 layers, d_model 256, 4 heads, d_ff 1024,
 seq 256, batch 16, byte vocabulary of 256, learned positions, output logits
@@ -20,8 +20,10 @@ also the output projection; the position table is counted too), the same
 rule for both models. MFU is the achieved FLOP/s over a peak measured in
 this run: the best of several XLA-compiled 2048x2048 float32 matmuls.
 
-Compilation and the first `--warmup` steps are excluded from the timing.
-Timings are only meaningful on an otherwise idle machine.
+Compilation and the first `--warmup` steps are excluded from the timing;
+then `--rounds` rounds of `--steps` steps run for each system in turn, and
+each system's best round counts. Timings are only meaningful on an
+otherwise idle machine; interleaving keeps the comparison fair when it is not.
 """
 
 import json
@@ -36,7 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("steps", 40, "Timed training steps per system.")
+flags.DEFINE_integer("steps", 20, "Timed training steps per system and round.")
+flags.DEFINE_integer("rounds", 3, "Timed rounds per system, interleaved; the best round counts.")
 flags.DEFINE_integer("warmup", 10, "Untimed steps first (the first one compiles).")
 flags.DEFINE_enum("only", None, ["tfpar", "kerashub"], "Run one system only.")
 flags.DEFINE_bool("quick", False, "Tiny shapes and a small matmul: a smoke test, not a benchmark.")
@@ -79,91 +82,92 @@ def tfpar_args(shape: dict, model_dir: str, steps: int) -> list:
           "--dropout=0", "--positions=learned", "--jit_compile=true"]
 
 
-def bench_tfpar(shape: dict, warmup: int, steps: int) -> dict:
+class TfparSystem:
   """tfpar's DataParallelEngine on one_device, fed by its own pipeline."""
-  from tfpar import config, strategies  # pylint: disable=import-outside-toplevel
-  from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
-  from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
-  from tfpar.data import pipeline  # pylint: disable=import-outside-toplevel
-  from tfpar.training.engine import DataParallelEngine  # pylint: disable=import-outside-toplevel
 
-  with tempfile.TemporaryDirectory() as model_dir:
-    cfg = config.from_flags(tfpar_flags.parse(tfpar_args(shape, model_dir, warmup + steps)))
-  strategy = strategies.make_strategy(cfg.dist, Cluster())
-  corpus = pipeline.load_corpus(cfg.data.data, seq_len=cfg.model.seq_len,
-                                eval_fraction=cfg.data.eval_fraction)
-  engine = DataParallelEngine(cfg, strategy, corpus)
-  iterator = engine.train_iterator(0)
+  def __init__(self, shape: dict, total_steps: int):
+    from tfpar import config, strategies  # pylint: disable=import-outside-toplevel
+    from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+    from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
+    from tfpar.data import pipeline  # pylint: disable=import-outside-toplevel
+    from tfpar.training.engine import DataParallelEngine  # pylint: disable=import-outside-toplevel
 
-  def run(n):
-    losses = []
-    while n > 0:
-      k = min(cfg.train.steps_per_call, n)
-      losses.extend(engine.train(iterator, k)[0].tolist())  # numpy: the steps have finished.
-      n -= k
-    return losses
+    with tempfile.TemporaryDirectory() as model_dir:
+      cfg = config.from_flags(tfpar_flags.parse(tfpar_args(shape, model_dir, total_steps)))
+    strategy = strategies.make_strategy(cfg.dist, Cluster())
+    corpus = pipeline.load_corpus(cfg.data.data, seq_len=cfg.model.seq_len,
+                                  eval_fraction=cfg.data.eval_fraction)
+    self.engine = DataParallelEngine(cfg, strategy, corpus)
+    self.iterator = self.engine.train_iterator(0)
+    self.steps_per_call = cfg.train.steps_per_call
+    self.name = f"tfpar (one_device, steps_per_call={self.steps_per_call})"
+    self.params = self.engine.describe()["parameters"]
+    self.last_loss = float("nan")
 
-  run(warmup)
-  start = time.perf_counter()
-  losses = run(steps)
-  elapsed = time.perf_counter() - start
-  return {"system": f"tfpar (one_device, steps_per_call={cfg.train.steps_per_call})",
-          "params": engine.describe()["parameters"], "seconds": elapsed, "steps": steps,
-          "last_loss": losses[-1]}
+  def run(self, steps: int) -> float:
+    """Trains `steps` steps; returns the seconds they took."""
+    start = time.perf_counter()
+    while steps > 0:
+      k = min(self.steps_per_call, steps)
+      losses, _ = self.engine.train(self.iterator, k)  # numpy: the steps have finished.
+      steps -= k
+    self.last_loss = float(losses[-1])
+    return time.perf_counter() - start
 
 
-def bench_kerashub(shape: dict, warmup: int, steps: int) -> dict:
+class KerasHubSystem:
   """keras-hub GPT2Backbone with its tied reverse-embedding head, model.fit(jit_compile=True)."""
-  import keras  # pylint: disable=import-outside-toplevel
-  import keras_hub  # pylint: disable=import-outside-toplevel
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tfpar import config  # pylint: disable=import-outside-toplevel
-  from tfpar.data import pipeline  # pylint: disable=import-outside-toplevel
-  from tfpar.training import optimizer as tfpar_optimizer  # pylint: disable=import-outside-toplevel
 
-  keras.utils.set_random_seed(0)
-  backbone = keras_hub.models.GPT2Backbone(
-      vocabulary_size=VOCAB, num_layers=shape["num_layers"], num_heads=shape["num_heads"],
-      hidden_dim=shape["d_model"], intermediate_dim=shape["d_ff"], dropout=0.0,
-      max_sequence_length=shape["seq_len"])
-  logits = backbone.token_embedding(backbone.output, reverse=True)  # Tied, as GPT2CausalLM.
-  model = keras.Model(backbone.input, logits)
-  # The same AdamW settings as tfpar's defaults (keras' own class: no tfpar override).
-  optim = config.OptimConfig()
-  opt = keras.optimizers.AdamW(
-      learning_rate=tfpar_optimizer.learning_rate_schedule(optim, warmup + steps),
-      weight_decay=optim.weight_decay, beta_1=0.9, beta_2=0.95, epsilon=1e-8,
-      global_clipnorm=optim.clip_norm)
-  opt.exclude_from_weight_decay(var_names=tfpar_optimizer.NO_DECAY)
-  model.compile(optimizer=opt,
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                jit_compile=True, steps_per_execution=FLAGS.steps_per_execution)
+  def __init__(self, shape: dict, total_steps: int):
+    import keras  # pylint: disable=import-outside-toplevel
+    import keras_hub  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from tfpar import config  # pylint: disable=import-outside-toplevel
+    from tfpar.data import pipeline  # pylint: disable=import-outside-toplevel
+    from tfpar.training import optimizer as tfpar_optimizer  # pylint: disable=import-outside-toplevel
 
-  corpus = pipeline.load_corpus(None, seq_len=shape["seq_len"], eval_fraction=0.05)
-  windows = pipeline.window_dataset(corpus.train, shape["seq_len"],
-                                    pipeline.Shard(shape["batch"]), seed=0)
-  data = windows.map(lambda x, y: ({"token_ids": x, "padding_mask": tf.ones_like(x)}, y))
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCAB, num_layers=shape["num_layers"], num_heads=shape["num_heads"],
+        hidden_dim=shape["d_model"], intermediate_dim=shape["d_ff"], dropout=0.0,
+        max_sequence_length=shape["seq_len"])
+    logits = backbone.token_embedding(backbone.output, reverse=True)  # Tied, as GPT2CausalLM.
+    self.model = keras.Model(backbone.input, logits)
+    # The same AdamW settings as tfpar's defaults (keras' own class: no tfpar override).
+    optim = config.OptimConfig()
+    opt = keras.optimizers.AdamW(
+        learning_rate=tfpar_optimizer.learning_rate_schedule(optim, total_steps),
+        weight_decay=optim.weight_decay, beta_1=0.9, beta_2=0.95, epsilon=1e-8,
+        global_clipnorm=optim.clip_norm)
+    opt.exclude_from_weight_decay(var_names=tfpar_optimizer.NO_DECAY)
+    self.spe = FLAGS.steps_per_execution
+    self.model.compile(optimizer=opt,
+                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                       jit_compile=True, steps_per_execution=self.spe)
+    corpus = pipeline.load_corpus(None, seq_len=shape["seq_len"], eval_fraction=0.05)
+    windows = pipeline.window_dataset(corpus.train, shape["seq_len"],
+                                      pipeline.Shard(shape["batch"]), seed=0)
+    self.data = windows.map(lambda x, y: ({"token_ids": x, "padding_mask": tf.ones_like(x)}, y))
+    self.name = "keras-hub GPT2Backbone (model.fit, jit_compile=True)"
+    self.params = int(sum(v.numpy().size for v in self.model.trainable_variables))
+    self.last_loss = float("nan")
 
-  class StepTimes(keras.callbacks.Callback):
-    def __init__(self):
-      super().__init__()
-      self.times, self.losses = [], []
+  def run(self, steps: int) -> float:
+    """One model.fit of one untimed execution + `steps` steps; returns the steps' seconds."""
+    import keras  # pylint: disable=import-outside-toplevel
 
-    def on_train_batch_end(self, batch, logs=None):
-      self.losses.append(float(logs["loss"]))  # Waits for the step to finish.
-      self.times.append(time.perf_counter())
+    ends = []
 
-  spe = FLAGS.steps_per_execution
-  warmup, steps = -(-warmup // spe) * spe, -(-steps // spe) * spe  # Whole executions.
-  timer = StepTimes()
-  model.fit(data, epochs=1, steps_per_epoch=warmup + steps, callbacks=[timer], verbose=0,
-            shuffle=False)
-  calls = len(timer.times)
-  first = warmup // spe - 1  # The last untimed execution ends here.
-  return {"system": "keras-hub GPT2Backbone (model.fit, jit_compile=True)",
-          "params": int(sum(v.numpy().size for v in model.trainable_variables)),
-          "seconds": timer.times[calls - 1] - timer.times[first], "steps": steps,
-          "last_loss": timer.losses[-1]}
+    class StepEnds(keras.callbacks.Callback):
+      def on_train_batch_end(self, batch, logs=None):
+        ends.append((time.perf_counter(), float(logs["loss"])))  # float(): the step finished.
+
+    executions = -(-steps // self.spe)  # Whole executions of steps_per_execution steps.
+    self.model.fit(self.data, epochs=1, steps_per_epoch=(executions + 1) * self.spe, verbose=0,
+                   shuffle=False, callbacks=[StepEnds()])
+    # Timed from the end of the first (untimed) execution: fit's own start-up is excluded.
+    self.last_loss = ends[-1][1]
+    return (ends[-1][0] - ends[0][0]) * steps / (executions * self.spe)
 
 
 def table(rows: list) -> str:
@@ -182,14 +186,25 @@ def main(argv):
     raise app.UsageError("--warmup must be at least 1 (the first step compiles)")
   shape = QUICK if FLAGS.quick else FULL
   tokens_per_step = shape["batch"] * shape["seq_len"]
-  peak = matmul_peak(shape["matmul"])
-  systems = {"tfpar": bench_tfpar, "kerashub": bench_kerashub}
+  peaks = [matmul_peak(shape["matmul"])]
+  systems = {"tfpar": TfparSystem, "kerashub": KerasHubSystem}
   if FLAGS.only:
     systems = {FLAGS.only: systems[FLAGS.only]}
+  total = FLAGS.warmup + (FLAGS.rounds + 1) * FLAGS.steps
+  built = {name: system(shape, total) for name, system in systems.items()}
+  for system in built.values():
+    system.run(FLAGS.warmup)  # Compiles, then runs a few steps untimed.
+  seconds = {name: [] for name in built}
+  for _ in range(FLAGS.rounds):  # Interleaved, so load drift hits every system alike.
+    for name, system in built.items():
+      seconds[name].append(system.run(FLAGS.steps))
+    peaks.append(matmul_peak(shape["matmul"]))  # The peak, too, under the same load.
+  peak = max(peaks)
   rows = []
-  for name, bench in systems.items():
-    r = bench(shape, FLAGS.warmup, FLAGS.steps)
-    r["key"] = name
+  for name, system in built.items():
+    best = min(seconds[name])
+    r = {"key": name, "system": system.name, "params": system.params, "steps": FLAGS.steps,
+         "seconds": best, "seconds_per_round": seconds[name], "last_loss": system.last_loss}
     r["flops_per_token"] = flops_per_token(r["params"], shape)
     r["tokens_per_sec"] = tokens_per_step * r["steps"] / r["seconds"]
     r["step_ms"] = 1000 * r["seconds"] / r["steps"]
@@ -200,8 +215,10 @@ def main(argv):
   if "kerashub" in by_key:
     for r in rows:
       r["vs_kerashub"] = r["tokens_per_sec"] / by_key["kerashub"]["tokens_per_sec"]
-  print(f"shapes: {shape}, vocab {VOCAB}, float32; {FLAGS.warmup} warmup + {FLAGS.steps} "
-        f"timed steps; matmul peak {peak / 1e9:.1f} GFLOP/s ({shape['matmul']}^2, XLA)")
+  print(f"shapes: {shape}, vocab {VOCAB}, float32; {FLAGS.warmup} warmup steps, then the best "
+        f"of {FLAGS.rounds} interleaved rounds of {FLAGS.steps} timed steps")
+  print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s (best XLA {shape['matmul']}^2 float32 matmul, "
+        f"measured before and after each round)")
   for r in rows:
     print(f"{r['key']}: N = {r['params']:,} parameters, {r['flops_per_token'] / 1e6:.2f} "
           f"MFLOP/token, last loss {r['last_loss']:.3f}")
@@ -210,7 +227,9 @@ def main(argv):
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:
       json.dump({"shape": shape, "vocab": VOCAB, "warmup": FLAGS.warmup, "steps": FLAGS.steps,
-                 "peak_gflops": peak / 1e9, "command": " ".join(["python"] + sys.argv),
+                 "rounds": FLAGS.rounds,
+                 "peak_gflops": peak / 1e9, "peaks_gflops": [p / 1e9 for p in peaks],
+                 "command": " ".join(["python"] + sys.argv),
                  "rows": rows}, f, indent=2)
 
 
