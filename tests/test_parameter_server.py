@@ -62,8 +62,7 @@ def restored_one_device_eval(model_dir):
   """The held-out loss of the latest checkpoint, restored into a one_device engine."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tfpar.data import pipeline  # pylint: disable=import-outside-toplevel
-  from tfpar.training.checkpoint import (CanonicalCheckpointer, read_canonical,  # pylint: disable=import-outside-toplevel
-                                         read_checkpoint)
+  from tfpar.training import checkpoint  # pylint: disable=import-outside-toplevel
   from tfpar.training.engine import DataParallelEngine  # pylint: disable=import-outside-toplevel
   with open(os.path.join(model_dir, "config.json")) as f:
     saved = json.load(f)
@@ -75,10 +74,11 @@ def restored_one_device_eval(model_dir):
                                 eval_fraction=cfg.data.eval_fraction)
   strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
   engine = DataParallelEngine(cfg, strategy, corpus)
-  checkpointer = CanonicalCheckpointer(engine.layouts, os.path.join(model_dir, "checkpoints"))
+  checkpointer = checkpoint.CanonicalCheckpointer(engine.layouts,
+                                                  os.path.join(model_dir, "checkpoints"))
   assert checkpointer.restore()
-  saved_values = read_checkpoint(checkpointer.latest)
-  restored = read_canonical(engine.layouts[0])
+  saved_values = checkpoint.read_checkpoint(checkpointer.latest)
+  restored = checkpoint.read_canonical(engine.layouts[0])
   assert set(saved_values) == set(restored)
   for name, value in saved_values.items():
     np.testing.assert_array_equal(restored[name], value, err_msg=name)  # Full shapes, bit-exact.
@@ -109,7 +109,8 @@ def test_two_workers_one_ps_train_asynchronously(tmp_path):
   stale = sum(r["staleness"] >= 1 for r in records)
   assert stale >= 5, [r["staleness"] for r in records]
   print(f"steps per worker {per_worker}, overlapping pairs {overlapping_pairs(records)}, "
-        f"stale steps {stale}/{steps}, loss {first:.2f} (first 5 steps) -> eval {evals[-1]['loss']:.2f}")
+        f"stale steps {stale}/{steps}, loss {first:.2f} (first 5 steps) -> "
+        f"eval {evals[-1]['loss']:.2f}")
   train = read_metrics(model_dir)
   assert train[-1]["workers"] == 2 and train[-1]["replicas"] == 2
 

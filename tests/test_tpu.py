@@ -67,7 +67,8 @@ def compile_and_run_tpu_step():
   loss, norm = compiled(inputs, targets)
   seconds = time.perf_counter() - start
   # The warmup starts at lr 0, so step 1 changes the AdamW slots, not yet the weights.
-  slots_changed = [bool(np.any(m.numpy() != 0)) for m in optimizer._momentums]  # pylint: disable=protected-access
+  momentums = optimizer._momentums  # pylint: disable=protected-access
+  slots_changed = [bool(np.any(m.numpy() != 0)) for m in momentums]
   print(json.dumps({"shapes": shapes, "loss": float(loss), "grad_norm": float(norm),
                     "iterations": int(optimizer.iterations.numpy()), "seconds": seconds,
                     "compute_dtype": model.blocks[0].compute_dtype,

@@ -92,10 +92,10 @@ import tensorflow as tf
 from tfpar.cluster import Cluster, ClusterError
 from tfpar.config import Config, ConfigError, DistConfig
 from tfpar.data import pipeline
+from tfpar.parallel.data_parallel import all_reduce_gradients
 from tfpar.training.checkpoint import model_layout
 from tfpar.training.engine import build_model
 from tfpar.training.optimizer import inner_optimizer, make_optimizer
-from tfpar.parallel.data_parallel import all_reduce_gradients
 from tfpar.training.step import token_loss
 
 # How often, and how many times in a row, a server checks that the chief is
@@ -204,14 +204,17 @@ def _make_step_counter_atomic(optimizer) -> None:
 
 
 def _is_sharded(variable) -> bool:
-  return isinstance(getattr(variable, "value", variable), tf.__internal__.distribute.ShardedVariable)
+  """True for a Keras variable (or tf variable) that is cut over several ps tasks."""
+  sharded = tf.__internal__.distribute.ShardedVariable
+  return isinstance(getattr(variable, "value", variable), sharded)
 
 
 def _update_sharded_variables_directly(optimizer) -> None:
   """Lets Keras 3's TF optimizer update ShardedVariables (--ps_shards > 1).
 
-  Call before the optimizer is built. Keras routes every update and the weight decay through
-  `strategy.extended.update(var, fn)`, which colocates `fn` with `var`, and a
+  Call before the optimizer is built. Keras routes every update and the
+  weight decay through `strategy.extended.update(var, fn)`, which colocates
+  `fn` with `var`, and a
   ShardedVariable "doesn't support being used as a reference" (it is several
   variables on several ps tasks). For those variables only, tfpar calls the
   same Keras `update_step` (and decay) directly: the AdamW math then reads the
@@ -328,8 +331,8 @@ class ParameterServerEngine:
         self.optimizer.build(self.model.trainable_variables)
     self.layouts = [model_layout(self.model, self.optimizer)]
     jit = cfg.train.jit_compile
-    self._train_step = RemoteVariableTrainStep(self.model, self.optimizer, global_tokens=self.global_tokens,
-                                 jit_compile=jit)
+    self._train_step = RemoteVariableTrainStep(self.model, self.optimizer,
+                                               global_tokens=self.global_tokens, jit_compile=jit)
     self._eval_loss = tf.function(self._stateless_eval_loss, jit_compile=jit)
     self._worker_fn = tf.function(self._worker_step)
     self._eval_fn = tf.function(self._eval_steps)
