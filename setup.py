@@ -16,8 +16,8 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest>=8"],
-        # The benchmark compares against keras-hub's GPT2Backbone.
+        # The tests run scripts/bench.py's smoke test, which trains keras-hub's GPT2Backbone.
+        "test": ["pytest>=8", "keras-hub>=0.32"],
         "bench": ["keras-hub>=0.32"],
     },
 )
