@@ -52,8 +52,8 @@ from tfpar.parallel import tensor
 from tfpar.parallel.data_parallel import all_reduce_gradients
 from tfpar.parallel.pipeline import Pipeline
 from tfpar.training.checkpoint import assign_canonical, model_layout, read_canonical
-from tfpar.training.engine import build_model
-from tfpar.training.optimizer import inner_optimizer, make_optimizer
+from tfpar.training.engine import Engine, build_model
+from tfpar.training.optimizer import make_optimizer
 
 
 class ModelCopy:
@@ -123,7 +123,7 @@ def all_reduce_by_device(grads, variables) -> List[tf.Tensor]:
   return out
 
 
-class ModelParallelEngine:
+class ModelParallelEngine(Engine):
   """Trains a GPT under a D x K x T plan (see the module docstring).
 
   Args:
@@ -260,21 +260,11 @@ class ModelParallelEngine:
       total += loss
     return total / tf.cast(num_steps, tf.float32)
 
-  def train(self, iterator, num_steps: int):
-    """Runs `num_steps` steps; returns per-step (losses, grad_norms) as numpy."""
-    losses, norms = self._train_fn(iterator, tf.constant(num_steps))
-    return np.asarray(losses), np.asarray(norms)
-
-  def evaluate(self, iterator, num_steps: int) -> float:
-    return float(self._eval_fn(iterator, tf.constant(num_steps)))
-
   # --- state ------------------------------------------------------------------
   @property
-  def step(self) -> int:
-    return int(inner_optimizer(self.copies[0].optimizer).iterations.numpy())
-
-  def learning_rate(self) -> float:
-    return float(np.asarray(inner_optimizer(self.copies[0].optimizer).learning_rate))
+  def optimizer(self):
+    """Copy 0's optimizer: every copy applies the same updates and counts the same steps."""
+    return self.copies[0].optimizer
 
   def measured_bytes(self) -> dict:
     return measured_bytes(self.copies)

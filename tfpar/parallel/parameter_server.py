@@ -94,7 +94,7 @@ from tfpar.config import Config, ConfigError, DistConfig
 from tfpar.data import pipeline
 from tfpar.parallel.data_parallel import all_reduce_gradients
 from tfpar.training.checkpoint import model_layout
-from tfpar.training.engine import build_model
+from tfpar.training.engine import Engine, build_model
 from tfpar.training.optimizer import inner_optimizer, make_optimizer
 from tfpar.training.step import token_loss
 
@@ -300,7 +300,7 @@ class RemoteVariableTrainStep:
     return loss, grad_norm
 
 
-class ParameterServerEngine:
+class ParameterServerEngine(Engine):
   """The coordinator's engine: schedules asynchronous steps on the workers.
 
   Same surface as `DataParallelEngine` (what tfpar.training.loop drives).
@@ -429,15 +429,7 @@ class ParameterServerEngine:
   def evaluate(self, iterator, num_steps: int) -> float:
     """Held-out loss, computed on the chief from the current ps weights (inline)."""
     self.coordinator.join()
-    return float(self._eval_fn(iterator, tf.constant(num_steps)))
-
-  # --- state ------------------------------------------------------------------
-  @property
-  def step(self) -> int:
-    return int(inner_optimizer(self.optimizer).iterations.numpy())
-
-  def learning_rate(self) -> float:
-    return float(np.asarray(inner_optimizer(self.optimizer).learning_rate))
+    return super().evaluate(iterator, num_steps)
 
   def describe(self) -> dict:
     return {"strategy": "ParameterServerStrategy (async)", "replicas": self.num_replicas,

@@ -34,7 +34,35 @@ def check_batch(global_batch_size: int, num_replicas: int) -> None:
                       f"{num_replicas} replicas: use a multiple of {num_replicas}")
 
 
-class DataParallelEngine:
+class Engine:
+  """What tfpar.training.loop drives; the surface every engine shares.
+
+  A subclass builds the model(s) and sets `optimizer` (whose step counter is
+  the run's step), `_train_fn(iterator, n) -> (losses[n], grad_norms[n])` and
+  `_eval_fn(iterator, n) -> mean loss`; it also provides `layouts`,
+  `num_replicas`, `train_iterator(start_step)`, `eval_iterator()` and `describe()`.
+  """
+
+  optimizer = None
+
+  def train(self, iterator, num_steps: int):
+    """Runs `num_steps` steps; returns per-step (losses, grad_norms) as numpy."""
+    losses, norms = self._train_fn(iterator, tf.constant(num_steps))
+    return np.asarray(losses), np.asarray(norms)
+
+  def evaluate(self, iterator, num_steps: int) -> float:
+    """Mean held-out loss over `num_steps` global batches."""
+    return float(self._eval_fn(iterator, tf.constant(num_steps)))
+
+  @property
+  def step(self) -> int:
+    return int(inner_optimizer(self.optimizer).iterations.numpy())
+
+  def learning_rate(self) -> float:
+    return float(np.asarray(inner_optimizer(self.optimizer).learning_rate))
+
+
+class DataParallelEngine(Engine):
   """One model replicated by a tf.distribute strategy.
 
   Args:
@@ -110,22 +138,6 @@ class DataParallelEngine:
       loss = self.strategy.run(self._eval_step, args=(inputs, targets))
       total += self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
     return total / tf.cast(num_steps, tf.float32)
-
-  def train(self, iterator, num_steps: int):
-    """Runs `num_steps` steps; returns per-step (losses, grad_norms) as numpy."""
-    losses, norms = self._train_fn(iterator, tf.constant(num_steps))
-    return np.asarray(losses), np.asarray(norms)
-
-  def evaluate(self, iterator, num_steps: int) -> float:
-    return float(self._eval_fn(iterator, tf.constant(num_steps)))
-
-  # --- state ------------------------------------------------------------------
-  @property
-  def step(self) -> int:
-    return int(inner_optimizer(self.optimizer).iterations.numpy())
-
-  def learning_rate(self) -> float:
-    return float(np.asarray(inner_optimizer(self.optimizer).learning_rate))
 
   def describe(self) -> dict:
     return {"strategy": type(self.strategy).__name__, "replicas": self.num_replicas,
