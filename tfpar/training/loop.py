@@ -15,6 +15,10 @@ from tfpar.training.checkpoint import CanonicalCheckpointer
 from tfpar.training.metrics import MetricsWriter, perplexity
 
 
+def _count(n: int, noun: str) -> str:
+  return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _next_boundary(step: int, cfg: Config) -> int:
   t = cfg.train
   nexts = [t.train_steps, (step // t.log_every + 1) * t.log_every,
@@ -68,7 +72,7 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
       metrics.write(record)
       metrics.progress(step, t.train_steps, record["loss"], record["tokens_per_sec"],
                        record["step_time"],
-                       f" | {engine.num_replicas} replicas on {num_workers} worker(s)")
+                       f" | {_count(engine.num_replicas, 'replica')} on {_count(num_workers, 'worker')}")
       last["train"] = record
       window_losses, window_norms, window_time = [], [], 0.0
     if t.eval_steps and ((t.eval_every and step % t.eval_every == 0) or done):
