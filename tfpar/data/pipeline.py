@@ -46,6 +46,21 @@ class Shard:
     return self.global_batch_size // self.num_replicas
 
 
+def shard_for_pipeline(ctx, global_batch_size: int, *, file_level: bool = False) -> Shard:
+  """The Shard one tf.distribute input pipeline reads (see the module docstring).
+
+  Args:
+    ctx: the tf.distribute.InputContext handed to a dataset function.
+    global_batch_size: G.
+    file_level: the pipeline reads its own files ('file' sharding): its
+      replicas take consecutive slices of its own G / num_pipelines batch.
+  """
+  local = ctx.num_replicas_in_sync // ctx.num_input_pipelines
+  if file_level:
+    return Shard(global_batch_size // ctx.num_input_pipelines, local, 0, local)
+  return Shard(global_batch_size, ctx.num_replicas_in_sync, ctx.input_pipeline_id * local, local)
+
+
 def split_tokens(tokens: np.ndarray, seq_len: int, eval_fraction: float
                  ) -> Tuple[np.ndarray, np.ndarray]:
   """Holds out the tail of the stream for evaluation; both parts hold whole windows."""

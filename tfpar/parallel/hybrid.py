@@ -189,12 +189,8 @@ class ModelParallelEngine(Engine):
                                           start_step=start_step, shuffle=shuffle)
 
     def dataset_fn(ctx: tf.distribute.InputContext):
-      local = ctx.num_replicas_in_sync // ctx.num_input_pipelines
-      if self.sharding == "file" and shuffle:
-        shard = data_pipeline.Shard(g // ctx.num_input_pipelines, local, 0, local)
-      else:
-        shard = data_pipeline.Shard(g, ctx.num_replicas_in_sync,
-                                    ctx.input_pipeline_id * local, local)
+      shard = data_pipeline.shard_for_pipeline(ctx, g,
+                                               file_level=self.sharding == "file" and shuffle)
       return data_pipeline.window_dataset(tokens, seq, shard, seed=seed, start_step=start_step,
                                           shuffle=shuffle)
 

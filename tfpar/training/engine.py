@@ -102,11 +102,7 @@ class DataParallelEngine(Engine):
     g = self.cfg.train.global_batch_size
 
     def dataset_fn(ctx: tf.distribute.InputContext):
-      local = ctx.num_replicas_in_sync // ctx.num_input_pipelines
-      if self.sharding == "file" and shuffle:
-        shard = pipeline.Shard(g // ctx.num_input_pipelines, local, 0, local)
-      else:
-        shard = pipeline.Shard(g, ctx.num_replicas_in_sync, ctx.input_pipeline_id * local, local)
+      shard = pipeline.shard_for_pipeline(ctx, g, file_level=self.sharding == "file" and shuffle)
       return pipeline.window_dataset(tokens, self.cfg.model.seq_len, shard,
                                      seed=self.cfg.train.seed, start_step=start_step,
                                      shuffle=shuffle)
