@@ -15,9 +15,11 @@ class Block(keras.layers.Layer):
   With `tensor_shards=T` the attention holds T `CausalSelfAttention` shards of
   num_heads / T heads and the MLP T shards of d_ff / T columns; their partial
   outputs are summed, then the single output bias is added (see those layers
-  for why the sum is exact). T=1 is the ordinary block. Where each shard runs
-  is not this layer's business: `tfpar.parallel.tensor` hands it a
-  `shard_scope(t)` that returns a context (a device scope) for shard t.
+  for why the sum is exact). T=1 is the ordinary block. Where and how each
+  shard runs is not this layer's business: `tfpar.parallel.tensor` hands it a
+  `shard_scope(t)` that returns a context (a device scope) for shard t, and a
+  `shard_fn(layer)` that returns the callable running that shard (an
+  XLA-compiled one under --jit_compile).
 
   Args:
     d_model: residual width.
@@ -36,6 +38,7 @@ class Block(keras.layers.Layer):
     self.dropout_rate, self.rotary, self.tensor_shards = dropout, rotary, tensor_shards
     self.seed = seed
     self.shard_scope = lambda t: contextlib.nullcontext()
+    self.shard_fn = lambda layer: layer
     self.ln_1 = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_1")
     self.ln_2 = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_2")
     self.attn = [CausalSelfAttention(num_heads=num_heads // tensor_shards,
@@ -62,7 +65,7 @@ class Block(keras.layers.Layer):
     partials = []
     for t, shard in enumerate(shards):
       with self.shard_scope(t):
-        partials.append(shard(h))
+        partials.append(self.shard_fn(shard)(h))
     # The one reduction per sub-block: a sum of T partial outputs.
     return partials[0] if len(partials) == 1 else ops.sum(ops.stack(partials), axis=0)
 

@@ -33,8 +33,10 @@ num_replicas), so tfpar.training.loop drives it unchanged. `layouts` holds one
 canonical layout per model copy in this process (D on one host, one per worker
 across workers), so a checkpoint restores into every copy.
 
-XLA: none. A compiled cluster lives on one device and the step spans K x T
-(see tfpar.parallel.pipeline), so --jit_compile is ignored here.
+XLA: a compiled cluster lives on one device and the step spans K x T, so
+under --jit_compile each stage's (or tensor shard's) forward and backward is
+compiled on its own device (tfpar.parallel.pipeline, tfpar.parallel.tensor);
+the send/recv, the all-reduce and the update run between those programs.
 """
 
 import collections
@@ -68,7 +70,7 @@ class ModelCopy:
     for stage in plan.stages:
       for i in stage.blocks:
         block = self.model.blocks[i]
-        tensor.place_shards(block, row[stage.index])
+        tensor.place_shards(block, row[stage.index], jit_compile=cfg.train.jit_compile)
         with tf.device(row[stage.index][0]):  # Unsplit weights: the stage's first device.
           block.build((None, cfg.model.seq_len, cfg.model.d_model))
     with tf.device(last):
@@ -80,7 +82,7 @@ class ModelCopy:
     self.pipeline = Pipeline(self.model, stage_blocks=[s.blocks for s in plan.stages],
                              stage_devices=[shards[0] for shards in row],
                              microbatches=plan.microbatches, global_tokens=global_tokens,
-                             remat=plan.remat)
+                             remat=plan.remat, jit_compile=cfg.train.jit_compile)
 
   @property
   def variables(self):
@@ -273,7 +275,8 @@ class ModelParallelEngine(Engine):
     return {"strategy": type(self.strategy).__name__ if self.strategy else "none (D=1)",
             "replicas": self.num_replicas,
             "plan": f"D={p.data_parallel} x K={p.pipeline_stages} x T={p.tensor_parallel}, "
-                    f"M={p.microbatches}, bubble {p.bubble:.1%}, remat {p.remat}, xla off",
+                    f"M={p.microbatches}, bubble {p.bubble:.1%}, remat {p.remat}, "
+                    f"xla {'per stage/shard' if self.cfg.train.jit_compile else 'off'}",
             "parameters": int(sum(np.prod(v.shape)
                                   for v in self.copies[0].model.trainable_variables)),
             "measured_bytes_per_device": per_device}

@@ -37,10 +37,17 @@ Memory: GPipe keeps every micro-batch's activations until its backward; with
 --remat each block keeps only its input and recomputes the rest in the
 backward pass (tf.recompute_grad), about one extra forward of compute.
 
-XLA: a compiled cluster lives on one device, and this step spans K x T, so it
-runs without XLA whatever --jit_compile says (per-stage jit would compile each
-stage's forward alone, but then its backward, built by tf.gradients around a
-compiled call, is not; left for later).
+XLA: a compiled cluster lives on one device and this step spans K x T, so
+under --jit_compile each stage's forward of one micro-batch is ONE XLA
+program, `tf.function(jit_compile=True)` called under the stage's device.
+tf.gradients differentiates a call of a compiled function into a call of a
+compiled forward (which also returns the intermediates the backward needs)
+and a call of a compiled backward, placed with the forward: so F(k, m) and
+B(k, m) each run compiled on stage k's device, and the send/recv between
+stages and the gradient sums over micro-batches run outside, as the diagram
+shows. A stage of tensor-parallel blocks spans T devices: there each shard's
+attention and MLP is the compiled unit (tfpar.parallel.tensor), and the
+stage's embedding and head are compiled alone.
 """
 
 from typing import List, Sequence
@@ -65,35 +72,65 @@ class Pipeline:
 
   def __init__(self, model, *, stage_blocks: Sequence[Sequence[int]],
                stage_devices: Sequence[str], microbatches: int, global_tokens: int,
-               remat: bool = False):
+               remat: bool = False, jit_compile: bool = False):
     self.model = model
     self.stage_blocks = [list(b) for b in stage_blocks]
     self.stage_devices = list(stage_devices)
     self.microbatches = microbatches
     self.global_tokens = global_tokens
     self.remat = remat
+    self.jit_compile = jit_compile
+    self._stages = {}
 
   def _block_fn(self, block, training):
     fn = lambda h: block(h, training=training)
     return tf.recompute_grad(fn) if self.remat and training else fn
 
+  def _stage(self, k: int, training: bool, per_microbatch):
+    """Stage k's forward of one micro-batch, (x or h, y) -> h (the last stage: its result).
+
+    Under --jit_compile a stage whose blocks are not split is ONE XLA program;
+    a stage of tensor-parallel blocks compiles its embedding and its head
+    alone, and tfpar.parallel.tensor compiles each block's shards.
+    """
+    key = (k, training, per_microbatch)
+    if key in self._stages:
+      return self._stages[key]
+    model, last = self.model, len(self.stage_devices) - 1
+    pieces = []  # ((h, y) -> h, not a block?), in order
+    if k == 0:
+      pieces.append((lambda x, y: model.embed(x, training=training), True))  # [B/M, S, d]
+    for i in self.stage_blocks[k]:
+      pieces.append((lambda h, y, fn=self._block_fn(model.blocks[i], training): fn(h), False))
+    if k == last:
+      pieces.append((lambda h, y: per_microbatch(model.head(h), y), True))
+    jit = lambda fn: tf.function(fn, jit_compile=True)
+    if not self.jit_compile:
+      fns = [fn for fn, _ in pieces]
+    elif not any(model.blocks[i].tensor_shards > 1 for i in self.stage_blocks[k]):
+      fns = [jit(_chain([fn for fn, _ in pieces]))]
+    else:  # Tensor-parallel blocks span devices: their shards are compiled one by one.
+      fns = [jit(fn) if alone else fn for fn, alone in pieces]
+    self._stages[key] = _chain(fns)
+    return self._stages[key]
+
   def loss(self, inputs, targets, training: bool = False):
     """Sum over micro-batches of token_loss: this replica's share of the global mean."""
-    model, devices = self.model, self.stage_devices
+    devices = self.stage_devices
     xs = tf.split(inputs, self.microbatches)  # M x [B/M, S]
     ys = tf.split(targets, self.microbatches)
     losses = []
     for x, y in zip(xs, ys):
-      with tf.device(devices[0]):
-        h = model.embed(x, training=training)  # [B/M, S, d]
-      for device, blocks in zip(devices, self.stage_blocks):
+      h = x
+      for k, device in enumerate(devices):
         with tf.device(device):  # The activation h crosses to this stage here.
-          for i in blocks:
-            h = self._block_fn(model.blocks[i], training)(h)
-      with tf.device(devices[-1]):
-        losses.append(token_loss(model.head(h), y, self.global_tokens))
+          h = self._stage(k, training, self._token_loss)(h, y if k == len(devices) - 1 else None)
+      losses.append(h)
     with tf.device(devices[-1]):
       return tf.add_n(losses)
+
+  def _token_loss(self, logits, targets):
+    return token_loss(logits, targets, self.global_tokens)
 
   def loss_and_grads(self, inputs, targets):
     """(loss, gradients of model.trainable_variables), gradients on their variables' devices."""
@@ -101,6 +138,15 @@ class Pipeline:
     variables = self.model.trainable_variables
     grads = tf.gradients(loss, variables)  # Each gradient op placed with its forward op.
     return loss, _dense(grads, variables)
+
+
+def _chain(fns):
+  """(h, y) -> fns[-1](...fns[1](fns[0](h, y), y)..., y)."""
+  def chained(h, y):
+    for fn in fns:
+      h = fn(h, y)
+    return h
+  return fns[0] if len(fns) == 1 else chained
 
 
 def _dense(grads, variables) -> List[tf.Tensor]:

@@ -28,9 +28,15 @@ the backward of the copy (a sum) and of the sum (an identity) come from the
 gradient graph, placed with the forward ops. The LayerNorms, output biases and
 residual stream stay on dev_0.
 
-This module only decides *where* each shard runs: it sets the block's
-`shard_scope` hook, which the block also uses while building, so shard t's
-weights are created on dev_t (see tfpar.parallel.plan for the bytes).
+This module only decides *where* and *how* each shard runs: it sets the
+block's `shard_scope` hook, which the block also uses while building, so
+shard t's weights are created on dev_t (see tfpar.parallel.plan for the
+bytes), and its `shard_fn` hook. Under --jit_compile each shard's attention
+and MLP is one XLA program on its own device (a compiled cluster lives on one
+device); TensorFlow differentiates a compiled function into a compiled
+forward (which also returns what the backward needs) and a compiled backward,
+placed with it, so the shard's backward runs compiled on dev_t too. The copy
+f, the sum g, the LayerNorms and the residual stay outside, on dev_0.
 """
 
 from typing import Sequence
@@ -38,9 +44,24 @@ from typing import Sequence
 import tensorflow as tf
 
 
-def place_shards(block, devices: Sequence[str]) -> None:
-  """Makes `block` run (and build) shard t under `tf.device(devices[t])`."""
+def place_shards(block, devices: Sequence[str], jit_compile: bool = False) -> None:
+  """Makes `block` run (and build) shard t under `tf.device(devices[t])`, compiled if asked."""
   if len(devices) != block.tensor_shards:
     raise ValueError(f"{block.name} has {block.tensor_shards} shards, got {len(devices)} devices")
   devices = list(devices)
   block.shard_scope = lambda t: tf.device(devices[t])
+  if jit_compile:
+    block.shard_fn = compiled_calls()
+
+
+def compiled_calls():
+  """layer -> its call as one XLA program (tf.function(jit_compile=True)), made once per layer."""
+  cache = {}
+
+  def compiled(layer):
+    if id(layer) not in cache:
+      cache[id(layer)] = tf.function(lambda *args, **kwargs: layer(*args, **kwargs),
+                                     jit_compile=True)
+    return cache[id(layer)]
+
+  return compiled
