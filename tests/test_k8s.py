@@ -451,3 +451,32 @@ def test_the_dockerfile_installs_the_package_and_runs_tini_as_pid_1():
   entrypoint = json.loads(dict(instructions)["ENTRYPOINT"])
   assert entrypoint == list(manifests.ENTRYPOINT[:2]) == ["tini", "--"]
   assert dict(instructions)["USER"] == str(manifests.UID)
+
+
+def documented_commands():
+  """Every `python -m tfpar.k8s render` command in README.md and docs/kubernetes.md."""
+  commands = []
+  for doc in ("README.md", "docs/kubernetes.md"):
+    with open(os.path.join(REPO, doc)) as f:
+      text = f.read().replace("\\\n", " ")
+    for line in text.splitlines():
+      if line.startswith("python -m tfpar.k8s render "):
+        commands.append((doc, line.split("|")[0].split()[3:]))
+  return commands
+
+
+def test_every_documented_command_renders_valid_manifests(crd_schemas):
+  commands = documented_commands()
+  kinds = {re.search(r"--kind=(\S+)", " ".join(argv)).group(1) for _, argv in commands}
+  assert kinds == {"tfjob", "jobset", "indexed-job"} and len(commands) >= 8, commands
+  for doc, argv in commands:
+    # Run from the repo root, as the docs do (flagfiles are relative to it).
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+      job = k8s_cli.parse(argv)
+    except k8s_cli.RenderError as e:
+      raise AssertionError(f"{doc}: python -m tfpar.k8s {' '.join(argv)}: {e}") from None
+    finally:
+      os.chdir(cwd)
+    validate(manifests.render(job), crd_schemas)
