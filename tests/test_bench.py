@@ -25,7 +25,7 @@ def test_bench_runs_each_system_in_its_own_process(tmp_path):
   proc = subprocess.run(
       [sys.executable, os.path.join(REPO, "scripts", "bench.py"), "--quick", "--rounds=1",
        "--steps=2", "--warmup=1", "--sections=peer", f"--out={out}"],
-      capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+      capture_output=True, text=True, env=env, cwd=REPO, timeout=1200)
   assert proc.returncode == 0, proc.stderr[-4000:]
   rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
   assert rows[0].startswith("| system | precision | tokens/s median | best | spread | step ms "
