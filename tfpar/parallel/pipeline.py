@@ -52,8 +52,10 @@ stage's embedding and head are compiled alone.
 
 from typing import List, Sequence
 
+import keras
 import tensorflow as tf
 
+from tfpar.parallel import plan as plan_lib
 from tfpar.training.step import token_loss
 
 
@@ -104,11 +106,14 @@ class Pipeline:
       pieces.append((lambda h, y, fn=self._block_fn(model.blocks[i], training): fn(h), False))
     if k == last:
       pieces.append((lambda h, y: per_microbatch(model.head(h), y), True))
-    jit = lambda fn: tf.function(fn, jit_compile=True)
+    jit = lambda fn: compile_on(fn, self.stage_devices[k], model.variables)
     if not self.jit_compile:
       fns = [fn for fn, _ in pieces]
     elif not any(model.blocks[i].tensor_shards > 1 for i in self.stage_blocks[k]):
-      fns = [jit(_chain([fn for fn, _ in pieces]))]
+      # One program, but the head (which may read a weight of another stage:
+      # the tied embedding) apart, so its foreign weights bind only there.
+      head = [jit(pieces.pop()[0])] if k == last else []
+      fns = ([jit(_chain([fn for fn, _ in pieces]))] if pieces else []) + head
     else:  # Tensor-parallel blocks span devices: their shards are compiled one by one.
       fns = [jit(fn) if alone else fn for fn, alone in pieces]
     self._stages[key] = _chain(fns)
@@ -138,6 +143,43 @@ class Pipeline:
     variables = self.model.trainable_variables
     grads = tf.gradients(loss, variables)  # Each gradient op placed with its forward op.
     return loss, _dense(grads, variables)
+
+
+def compile_on(fn, device: str, variables):
+  """fn(h, y) as one XLA program (tf.function(jit_compile=True)) to run on `device`.
+
+  A compiled program can only read variables on its own device. The weights
+  fn reads from other devices (the head on the last stage reads the tied token
+  embedding, which lives with the embedding on stage 0) come in as arguments,
+  read where they live and sent over like any activation, and are bound to
+  their variables inside by keras.StatelessScope; their gradients flow back
+  through those reads.
+  """
+  traced = tf.function(fn)
+  keras_variables = {id(v.value): v for v in variables}
+  here = plan_lib.device_key(device)
+  compiled = {}
+
+  def call(h, y):
+    if not compiled:  # The first call (at trace time) finds the foreign weights.
+      read = traced.get_concrete_function(h, y).variables
+      foreign = [keras_variables[id(v)] for v in read
+                 if id(v) in keras_variables and plan_lib.device_key(v.device) != here]
+
+      def bound(h, y, values):
+        with keras.StatelessScope(state_mapping=list(zip(foreign, values))):
+          return fn(h, y)
+
+      compiled["fn"] = tf.function(bound if foreign else lambda h, y, values: fn(h, y),
+                                   jit_compile=True)
+      compiled["foreign"] = foreign
+    values = []
+    for v in compiled["foreign"]:
+      with tf.device(v.value.device):
+        values.append(tf.identity(v.value))
+    return compiled["fn"](h, y, tuple(values))
+
+  return call
 
 
 def _chain(fns):
