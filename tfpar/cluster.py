@@ -14,6 +14,10 @@ class ClusterError(ValueError):
   """A TF_CONFIG that cannot work; the message says what to fix."""
 
 
+class PeerError(RuntimeError):
+  """A peer task stopped answering within its bound; the message names whom it waited for."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Cluster:
   """This task's place in the job.
