@@ -15,8 +15,8 @@ def test_held_out_canvases_use_only_held_out_digits(canvases):
   train, held_out = canvases
   train_digits, eval_digits = digit_canvas.split_digits(3, 0.2)
   assert not set(train_digits.ids) & set(eval_digits.ids)
-  used_train = set(train.digit_ids[train.digit_ids >= 0])
-  used_eval = set(held_out.digit_ids[held_out.digit_ids >= 0])
+  used_train = set(train.source_ids[train.source_ids >= 0])
+  used_eval = set(held_out.source_ids[held_out.source_ids >= 0])
   assert used_train <= set(train_digits.ids)
   assert used_eval <= set(eval_digits.ids)
   assert not used_train & used_eval
@@ -27,7 +27,7 @@ def test_digits_do_not_overlap_and_labels_match_the_ink(canvases):
   source = load_digits()
   for c in canvases:
     assert c.images.shape == (len(c.images), 48, 48, 1) and c.masks.shape == (len(c.images), 48, 48)
-    assert 0 <= c.images.min() and c.images.max() <= 1
+    assert c.images.dtype == np.uint8 and c.images.max() == 255
     for n in range(len(c.images)):
       real = c.classes[n] >= 0
       assert 1 <= real.sum() <= 4
@@ -36,7 +36,7 @@ def test_digits_do_not_overlap_and_labels_match_the_ink(canvases):
         for j in range(i + 1, len(boxes)):
           (a0, b0, a1, b1), (c0, d0, c1, d1) = boxes[i], boxes[j]
           assert min(a1, c1) <= max(a0, c0) or min(b1, d1) <= max(b0, d0)
-      for box, cls, digit in zip(boxes, c.classes[n][real], c.digit_ids[n][real]):
+      for box, cls, digit in zip(boxes, c.classes[n][real], c.source_ids[n][real]):
         assert source.target[digit] == cls
         y0, x0, y1, x1 = box.astype(int)
         inside = c.masks[n, y0:y1, x0:x1]
@@ -48,7 +48,7 @@ def test_digits_do_not_overlap_and_labels_match_the_ink(canvases):
       for y0, x0, y1, x1 in boxes.astype(int):
         covered[y0:y1, x0:x1] = True
       assert (c.masks[n][~covered] == 0).all()
-      assert (c.images[n, ..., 0][c.masks[n] > 0] >= digit_canvas.INK_THRESHOLD / 16).all()
+      assert (c.images[n, ..., 0][c.masks[n] > 0] >= digit_canvas.INK_THRESHOLD * 255 / 16 - 1).all()
 
 
 def test_canvases_are_a_function_of_the_seed():

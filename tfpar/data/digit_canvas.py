@@ -6,15 +6,17 @@ image on which several digits, each upscaled `scale` times (nearest
 neighbour), are placed at random positions whose cells never overlap. It
 carries:
 
-- `images` [N, S, S, 1] float32 in [0, 1] (ink / 16);
+- `images` [N, S, S, 1] uint8 (ink 0..16 scaled to 0..255);
 - `boxes` [N, M, 4] float32, each digit's tight box around its ink, in pixels,
   `(ymin, xmin, ymax, xmax)` with the max edge exclusive (TensorFlow's order);
 - `classes` [N, M] int32, the digit (0..9), -1 where a canvas has fewer than M
   digits (its boxes there are zeros);
 - `masks` [N, S, S] int32, each pixel's class: 0 background, 1 + digit where
   the digit's ink is at least `INK_THRESHOLD`;
-- `digit_ids` [N, M] int32, which source digit (index into `load_digits()`)
+- `source_ids` [N, M] int32, which source digit (index into `load_digits()`)
   each placed digit is, -1 for padding (so a test can check the split).
+
+Canvases come as a `tfpar.data.images.ImageSet`, like the images users bring.
 
 The digits are split once, by a seeded permutation, into a training and a
 held-out part; held-out canvases are built only from held-out digits, so no
@@ -27,6 +29,8 @@ from typing import Tuple
 
 import numpy as np
 
+from tfpar.data.images import ImageSet
+
 INK_THRESHOLD = 4  # Of 16: fainter pixels are scanner blur, not stroke (~1/4 of full ink).
 DIGIT_SIZE = 8
 NUM_DIGIT_CLASSES = 10
@@ -38,16 +42,6 @@ class DigitSplit:
   images: np.ndarray
   labels: np.ndarray
   ids: np.ndarray
-
-
-@dataclasses.dataclass(frozen=True)
-class Canvases:
-  """A set of canvases (see the module docstring for each field)."""
-  images: np.ndarray
-  boxes: np.ndarray
-  classes: np.ndarray
-  masks: np.ndarray
-  digit_ids: np.ndarray
 
 
 def split_digits(seed: int = 0, eval_fraction: float = 0.2) -> Tuple[DigitSplit, DigitSplit]:
@@ -77,7 +71,7 @@ def _place(rng: np.random.Generator, count: int, cell: int, size: int, tries: in
 
 def make_canvases(digits: DigitSplit, num_canvases: int, *, canvas_size: int = 48,
                   scale: int = 2, min_digits: int = 1, max_digits: int = 4,
-                  seed: int = 0) -> Canvases:
+                  seed: int = 0) -> ImageSet:
   """Builds `num_canvases` canvases from the scans of `digits` only.
 
   Args:
@@ -96,28 +90,28 @@ def make_canvases(digits: DigitSplit, num_canvases: int, *, canvas_size: int = 4
     raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
   rng = np.random.default_rng(seed)
   m = max_digits
-  images = np.zeros((num_canvases, canvas_size, canvas_size, 1), np.float32)
+  images = np.zeros((num_canvases, canvas_size, canvas_size, 1), np.uint8)
   boxes = np.zeros((num_canvases, m, 4), np.float32)
   classes = np.full((num_canvases, m), -1, np.int32)
   masks = np.zeros((num_canvases, canvas_size, canvas_size), np.int32)
-  digit_ids = np.full((num_canvases, m), -1, np.int32)
+  source_ids = np.full((num_canvases, m), -1, np.int32)
   for n in range(num_canvases):
     corners = _place(rng, int(rng.integers(min_digits, max_digits + 1)), cell, canvas_size)
     for j, (y, x) in enumerate(corners):
       k = int(rng.integers(len(digits.labels)))
       scan = np.kron(digits.images[k], np.ones((scale, scale), np.uint8))  # [cell, cell]
       ink = scan >= INK_THRESHOLD
-      images[n, y:y + cell, x:x + cell, 0] = scan / 16.0
+      images[n, y:y + cell, x:x + cell, 0] = np.round(scan * (255 / 16))
       masks[n, y:y + cell, x:x + cell][ink] = digits.labels[k] + 1
       rows, cols = np.nonzero(ink)
       boxes[n, j] = (y + rows.min(), x + cols.min(), y + rows.max() + 1, x + cols.max() + 1)
       classes[n, j] = digits.labels[k]
-      digit_ids[n, j] = digits.ids[k]
-  return Canvases(images, boxes, classes, masks, digit_ids)
+      source_ids[n, j] = digits.ids[k]
+  return ImageSet(images, boxes=boxes, classes=classes, masks=masks, source_ids=source_ids)
 
 
 def digit_canvases(num_train: int, num_eval: int, *, seed: int = 0, eval_fraction: float = 0.2,
-                   **kwargs) -> Tuple[Canvases, Canvases]:
+                   **kwargs) -> Tuple[ImageSet, ImageSet]:
   """(train, held_out) canvases; held-out ones only from held-out digits, other seeds."""
   train_digits, eval_digits = split_digits(seed, eval_fraction)
   train = make_canvases(train_digits, num_train, seed=seed * 2 + 1, **kwargs)
