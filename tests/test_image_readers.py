@@ -150,19 +150,28 @@ def _example_with_box():
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_crop_moves_boxes_and_masks_with_the_pixels(seed):
-  out = augment.random_crop(_example_with_box(), tf.constant([seed, 7]), min_scale=0.6,
-                            min_visible=0.0)
+  out = augment.random_crop(_example_with_box(), tf.constant([seed, 7]), max_shift=6)
   ink = out["image"].numpy()[..., 0] > 0.5
   rows, cols = np.nonzero(ink)
-  if out["classes"][0] >= 0:
-    ymin, xmin, ymax, xmax = out["boxes"][0].numpy()
-    # The box still encloses the rectangle's pixels, to within a resampled pixel.
-    assert abs(rows.min() - ymin) <= 1.5 and abs(rows.max() + 1 - ymax) <= 1.5
-    assert abs(cols.min() - xmin) <= 1.5 and abs(cols.max() + 1 - xmax) <= 1.5
+  # The box still encloses exactly the rectangle's pixels, and the mask covers them.
+  assert out["classes"][0] == 3
+  np.testing.assert_array_equal(out["boxes"][0], [rows.min(), cols.min(), rows.max() + 1,
+                                                  cols.max() + 1])
   assert out["classes"][1] == -1  # padding stays padding
-  mask = out["mask"].numpy()
-  assert set(np.unique(mask)) <= {0, 3}
-  assert np.mean((mask == 3) == ink) > 0.95
+  np.testing.assert_array_equal(out["mask"].numpy() == 3, ink)
+  assert out["image"].shape == (32, 32, 1)
+
+
+def test_crop_drops_a_box_mostly_cut_away():
+  example = _example_with_box()
+  example["boxes"] = tf.constant([[0., 0., 4., 4.], [10., 10., 20., 20.]])
+  example["classes"] = tf.constant([1, 2])
+  kept = []
+  for seed in range(20):
+    out = augment.random_crop(example, tf.constant([seed, 0]), max_shift=3)
+    kept.append(int(out["classes"][0]))
+    assert out["classes"][1] == 2  # the inner box is never cut
+  assert -1 in kept and 1 in kept  # shifted up-left by 3, only 1 x 1 of 4 x 4 is left
 
 
 def test_flip_mirrors_boxes_and_masks_and_is_a_function_of_the_seed():
@@ -174,15 +183,15 @@ def test_flip_mirrors_boxes_and_masks_and_is_a_function_of_the_seed():
   np.testing.assert_array_equal(f["boxes"][0], [8, 4, 20, 20])
   np.testing.assert_array_equal(f["mask"], example["mask"].numpy()[:, ::-1])
   np.testing.assert_array_equal(f["boxes"][1], [0, 0, 0, 0])
-  again = augment.augment(example, tf.constant([5, 5]), crop=True, flip=True)
+  again = augment.augment(example, tf.constant([5, 5]), max_shift=2, flip=True)
   np.testing.assert_array_equal(again["image"],
-                                augment.augment(example, tf.constant([5, 5]), crop=True,
+                                augment.augment(example, tf.constant([5, 5]), max_shift=2,
                                                 flip=True)["image"])
 
 
 def test_augment_runs_in_tf_data():
   ds = tf.data.Dataset.from_tensors(_example_with_box()).repeat(3).enumerate().map(
-      lambda i, e: augment.augment(e, tf.stack([i, tf.constant(0, tf.int64)]), crop=True,
+      lambda i, e: augment.augment(e, tf.stack([i, tf.constant(0, tf.int64)]), max_shift=2,
                                    flip=True))
   for e in ds:
     assert e["image"].shape == (32, 32, 1) and e["mask"].shape == (32, 32)

@@ -5,11 +5,12 @@ Both transforms take one example (a dict: `image` [S, S, C] float; optionally
 `mask` [S, S] int) and a stateless seed [2], so an example's augmentation is a
 pure function of (seed, position) and a resumed run sees the same images.
 
-- `random_crop`: a square window of side `scale * S`, `scale ~ U[min_scale, 1]`,
-  at a random offset, resized back to S x S (bilinear for the image, nearest
-  for the mask). Boxes move and scale with it and are clipped to the image; a
-  box with less than `min_visible` of its area left in the window is dropped
-  (class -1), as its object is mostly cut away.
+- `random_crop`: pad the image by `max_shift` pixels on every side (zeros:
+  black, background) and crop a window of the original size at a random
+  offset: the image moves by up to `max_shift` pixels each way. Boxes move with
+  it and are clipped to the image; a box with less than `min_visible` of its
+  area left is dropped (class -1): its object is mostly cut away. Masks move
+  the same way, the uncovered border labelled background (0).
 - `random_flip`: left-right with probability 1/2; boxes mirror, masks flip.
   Only where the labels allow it: a mirrored digit is not the same digit, so
   the digit tasks crop but do not flip.
@@ -20,30 +21,28 @@ from typing import Dict
 import tensorflow as tf
 
 
-def random_crop(example: Dict[str, tf.Tensor], seed, *, min_scale: float = 0.8,
+def random_crop(example: Dict[str, tf.Tensor], seed, *, max_shift: int,
                 min_visible: float = 0.5) -> Dict[str, tf.Tensor]:
-  """A random square crop resized back to the image's size (see the module docstring)."""
+  """Pad by max_shift, crop back at a random offset (see the module docstring)."""
   image = example["image"]
-  size = image.shape[0]
-  seeds = tf.random.experimental.stateless_split(tf.cast(seed, tf.int64), 2)
-  scale = tf.random.stateless_uniform([], seeds[0], min_scale, 1.0)
-  side = tf.maximum(1, tf.cast(tf.round(scale * size), tf.int32))
-  offset = tf.random.stateless_uniform([2], seeds[1], 0, size - side + 1, dtype=tf.int32)
-  oy, ox = offset[0], offset[1]
+  size, k = image.shape[0], max_shift
+  offset = tf.random.stateless_uniform([2], tf.cast(seed, tf.int64), 0, 2 * k + 1, dtype=tf.int32)
+  oy, ox = offset[0], offset[1]  # The window's corner in the padded image.
+  pad = [[k, k], [k, k]]
   out = dict(example)
-  window = image[oy:oy + side, ox:ox + side]
-  out["image"] = tf.cast(tf.image.resize(window, [size, size]), image.dtype)
+  out["image"] = tf.ensure_shape(tf.pad(image, pad + [[0, 0]])[oy:oy + size, ox:ox + size],
+                                 image.shape)
   if "mask" in example:
-    mask = example["mask"][oy:oy + side, ox:ox + side, None]
-    out["mask"] = tf.image.resize(mask, [size, size], method="nearest")[..., 0]
+    out["mask"] = tf.ensure_shape(tf.pad(example["mask"], pad)[oy:oy + size, ox:ox + size],
+                                  example["mask"].shape)
   if "boxes" in example:
-    zoom = size / tf.cast(side, tf.float32)
-    shift = tf.cast(tf.stack([oy, ox, oy, ox]), tf.float32)
-    moved = (tf.cast(example["boxes"], tf.float32) - shift) * zoom
+    # A pixel at y moves to y + k - oy.
+    shift = tf.cast(tf.stack([k - oy, k - ox, k - oy, k - ox]), tf.float32)
+    moved = tf.cast(example["boxes"], tf.float32) + shift
     clipped = tf.clip_by_value(moved, 0.0, float(size))
     area = lambda b: (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
-    visible = area(clipped) >= min_visible * area(moved)
-    keep = visible & (example["classes"] >= 0) & (area(clipped) > 0)
+    keep = ((area(clipped) >= min_visible * area(moved)) & (area(clipped) > 0)
+            & (example["classes"] >= 0))
     out["boxes"] = tf.where(keep[:, None], clipped, 0.0)
     out["classes"] = tf.where(keep, example["classes"], -1)
   return out
@@ -65,12 +64,12 @@ def random_flip(example: Dict[str, tf.Tensor], seed) -> Dict[str, tf.Tensor]:
   return out
 
 
-def augment(example: Dict[str, tf.Tensor], seed, *, crop: bool, flip: bool,
-            min_scale: float = 0.8) -> Dict[str, tf.Tensor]:
-  """Crop then flip, each when asked, from one seed [2]."""
+def augment(example: Dict[str, tf.Tensor], seed, *, max_shift: int,
+            flip: bool) -> Dict[str, tf.Tensor]:
+  """Random crop (when max_shift > 0) then flip (when asked), from one seed [2]."""
   seeds = tf.random.experimental.stateless_split(tf.cast(seed, tf.int64), 2)
-  if crop:
-    example = random_crop(example, seeds[0], min_scale=min_scale)
+  if max_shift > 0:
+    example = random_crop(example, seeds[0], max_shift=max_shift)
   if flip:
     example = random_flip(example, seeds[1])
   return example
