@@ -17,10 +17,12 @@ setup(
         "scikit-learn",  # The handwritten digits (sklearn.datasets.load_digits): vision data built in.
         "pycocotools",  # COCO mAP of detections, by the reference implementation.
         "pillow",  # PNG masks (palette indices) and predict's overlays.
+        "pyyaml",  # python -m tfpar.k8s render prints YAML.
     ],
     extras_require={
         # The tests run scripts/bench.py's smoke test, which trains keras-hub's GPT2Backbone.
-        "test": ["pytest>=8", "keras-hub>=0.32"],
+        # kubernetes and jsonschema validate the rendered manifests offline.
+        "test": ["pytest>=8", "keras-hub>=0.32", "kubernetes", "jsonschema"],
         "bench": ["keras-hub>=0.32"],
     },
 )
