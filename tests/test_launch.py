@@ -191,7 +191,7 @@ def test_max_restarts_restarts_the_whole_job_which_resumes_from_its_checkpoint(l
                f"--model_dir={tmp_path}",
                "--train_steps=200", "--checkpoint_every=50", "--steps_per_call=10",
                "--log_every=10")
-  job.wait_for(r"^\[worker 0\] saved .*ckpt-50$")
+  job.wait_for(r"^\[worker 0\] saved .*ckpt-50$", timeout=300)
   os.kill(job.task_pids()["worker 1"][0], signal.SIGKILL)
   code = job.finish(timeout=180)
   assert code == 0, job.output[-3000:]

@@ -85,7 +85,7 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
       window_losses, window_norms, window_time = [], [], 0.0
     if preempted:  # Before eval: the grace period is for saving.
       path = checkpointer.save(step)
-      who = "" if num_workers == 1 else f"worker {worker_index}: "
+      who = "" if is_chief else f"worker {worker_index}: "
       print(f"tfpar: {who}preempted (SIGTERM), saved {path or 'its part'} at step {step}; "
             f"the next start resumes at step {step + 1}", flush=True)
       raise preemption.Preempted(step)
