@@ -193,7 +193,7 @@ def test_max_restarts_restarts_the_whole_job_which_resumes_from_its_checkpoint(l
                "--log_every=10")
   job.wait_for(r"^\[worker 0\] saved .*ckpt-50$", timeout=300)
   os.kill(job.task_pids()["worker 1"][0], signal.SIGKILL)
-  code = job.finish(timeout=180)
+  code = job.finish(timeout=400)
   assert code == 0, job.output[-3000:]
   out = job.output
   assert "worker 1 was killed by SIGKILL: stopped every task; restarting the job " \
