@@ -93,12 +93,13 @@ def hostnames(job: Job) -> Dict[str, List[str]]:
   return spec
 
 
-def _container(job: Job, role: str) -> dict:
+def _container(job: Job, role: Optional[str]) -> dict:
   requests = {"cpu": job.cpu, "memory": job.memory}
   limits = {"memory": job.memory}
-  if role == "worker" and job.gpus_per_worker:
+  computes = role in ("worker", None)  # None: one template for every task type.
+  if computes and job.gpus_per_worker:
     limits["nvidia.com/gpu"] = str(job.gpus_per_worker)
-  if role == "worker" and job.tpu_topology:
+  if computes and job.tpu_topology:
     limits["google.com/tpu"] = str(job.tpus_per_worker)
   container = {
       "name": CONTAINER,
@@ -121,7 +122,8 @@ def _container(job: Job, role: str) -> dict:
   return container
 
 
-def _pod_template(job: Job, role: str) -> dict:
+def _pod_template(job: Job, role: Optional[str]) -> dict:
+  """The pods of task type `role` (None: one template for every task type)."""
   spec = {
       "containers": [_container(job, role)],
       # Time from SIGTERM (eviction, preemption) to SIGKILL: enough to save a checkpoint.
@@ -139,10 +141,11 @@ def _pod_template(job: Job, role: str) -> dict:
   if job.pvc:
     spec["volumes"] = [{"name": "model-dir",
                         "persistentVolumeClaim": {"claimName": job.pvc}}]
-  if role == "worker" and job.tpu_topology:
+  if role in ("worker", None) and job.tpu_topology:
     spec["nodeSelector"] = {"cloud.google.com/gke-tpu-accelerator": job.tpu_accelerator,
                             "cloud.google.com/gke-tpu-topology": job.tpu_topology}
-  return {"metadata": {"labels": dict(job.labels, **{"tfpar/task-type": role})}, "spec": spec}
+  labels = dict(job.labels, **({"tfpar/task-type": role} if role else {}))
+  return {"metadata": {"labels": labels}, "spec": spec}
 
 
 def _metadata(job: Job, name: Optional[str] = None) -> dict:
@@ -171,7 +174,7 @@ def tfjob(job: Job) -> dict:
   }
 
 
-def _indexed_job_spec(job: Job, role: str, count: int) -> dict:
+def _indexed_job_spec(job: Job, role: Optional[str], count: int) -> dict:
   return {
       "completionMode": "Indexed",
       "completions": count,
@@ -210,13 +213,13 @@ def jobset(job: Job) -> dict:
 def indexed_job(job: Job) -> dict:
   """One Indexed Job holding every task; pod i is task i of chief, workers, ps."""
   total = sum(count for _, count in job.roles)
-  spec = _indexed_job_spec(job, "worker", total)
+  # With parameter servers, one pod template serves every task type: they all
+  # get the worker's resources.
+  spec = _indexed_job_spec(job, None if job.ps else "worker", total)
   if job.ps:
     # Servers never finish on their own: the Job succeeds when the chief does,
     # and Kubernetes then ends the remaining pods.
     spec["successPolicy"] = {"rules": [{"succeededIndexes": "0"}]}
-    # One pod template for every task: they all get the worker's resources.
-    spec["template"]["metadata"]["labels"].pop("tfpar/task-type")
   return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _metadata(job), "spec": spec}
 
 
