@@ -12,8 +12,10 @@ on every interface. What differs is who writes TF_CONFIG and who restarts:
   coordinator survives a lost worker, restart pods on failure.
 - JobSet (`jobset.x-k8s.io/v1alpha2`): one replicated job per task type; any
   failed Job restarts the whole JobSet (`failurePolicy.maxRestarts`), except
-  exit status 2 (bad input), which fails it at once. Pods build TF_CONFIG with
-  `tfpar.cluster` from their index and the hostnames in `TFPAR_CLUSTER`.
+  exit status 2 (bad input), which fails it at once, and 75 (preempted, every
+  worker saved), which restarts it without using up a restart. Pods build
+  TF_CONFIG with `tfpar.cluster` from their index and the hostnames in
+  `TFPAR_CLUSTER`.
 - Indexed Job + headless Service: one Job of every task (chief, workers, ps by
   completion index); a failure fails the Job (no group restarts). With
   parameter servers the Job succeeds when the chief (index 0) does.
@@ -32,6 +34,7 @@ PORT_NAME = "tfjob-port"  # The port name TFJob's operator reads the TF port fro
 ENTRYPOINT = ("tini", "--", "python", "-m", "tfpar.train")
 UID = 1000  # The Dockerfile's unprivileged user.
 USAGE_ERROR = 2  # tfpar.train's status for bad input: restarting cannot help.
+PREEMPTED = 75  # tfpar.train's status after saving on SIGTERM: restart to resume.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,10 +183,12 @@ def _indexed_job_spec(job: Job, role: Optional[str], count: int) -> dict:
       "completions": count,
       "parallelism": count,
       "backoffLimit": 0,  # One failed pod fails the Job: the JobSet (or you) restart the group.
-      "podFailurePolicy": {"rules": [{
-          "action": "FailJob",
-          "onExitCodes": {"containerName": CONTAINER, "operator": "In",
-                          "values": [USAGE_ERROR]}}]},
+      # The Job's failure message then names the exit code, which the JobSet's
+      # failure policy reads.
+      "podFailurePolicy": {"rules": [
+          {"action": "FailJob",
+           "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [code]}}
+          for code in (USAGE_ERROR, PREEMPTED)]},
       "template": _pod_template(job, role),
   }
 
@@ -194,10 +199,18 @@ def jobset(job: Job) -> dict:
       "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
       "failurePolicy": {
           "maxRestarts": job.max_restarts,
-          # Exit status 2 is bad input (PodFailurePolicy in the Job): fail, do not
-          # restart. Any other failure restarts every Job of the set.
-          "rules": [{"name": "BadInput", "action": "FailJobSet",
-                     "onJobFailureReasons": ["PodFailurePolicy"]}],
+          # Bad input fails the set; a preempted job (every worker saved) restarts
+          # without using up a restart; any other failure restarts every Job of
+          # the set. The Job controller's message reads "Container tensorflow for
+          # pod NS/POD failed with exit code N matching FailJob rule at index I".
+          "rules": [
+              {"name": "BadInput", "action": "FailJobSet",
+               "onJobFailureReasons": ["PodFailurePolicy"],
+               "onJobFailureMessagePatterns": [f"failed with exit code {USAGE_ERROR} matching"]},
+              {"name": "Preempted", "action": "RestartJobSetAndIgnoreMaxRestarts",
+               "onJobFailureReasons": ["PodFailurePolicy"],
+               "onJobFailureMessagePatterns": [f"failed with exit code {PREEMPTED} matching"]},
+          ],
       },
       # Parameter servers and workers serve until the chief is done.
       "successPolicy": ({"operator": "Any", "targetReplicatedJobs": ["chief"]} if job.ps
