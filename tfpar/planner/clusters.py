@@ -164,19 +164,12 @@ def from_yaml(path: str) -> Cluster:
   if unknown:
     raise ClusterError(f"--cluster={path} has unknown field(s) {', '.join(unknown)}: the fields "
                        f"are {', '.join(REQUIRED)}, name, kind, efficiency")
-  numbers = {}
-  for key in REQUIRED:
-    if key == "peak_flops":
-      continue
-    value = raw[key]
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-      raise ClusterError(f"--cluster={path}: {key}={value!r} must be a positive number")
-    numbers[key] = value
+  numbers = {key: _positive(path, key, raw[key]) for key in REQUIRED if key != "peak_flops"}
   peak = raw["peak_flops"]
-  if not isinstance(peak, dict) or not peak or not all(
-      isinstance(v, (int, float)) and v > 0 for v in peak.values()):
+  if not isinstance(peak, dict) or not peak:
     raise ClusterError(f"--cluster={path}: peak_flops must map dtypes to positive FLOP/s, "
                        "e.g. {float32: 19.5e12, bfloat16: 312e12}")
+  peak = {str(k): _positive(path, f"peak_flops.{k}", v) for k, v in peak.items()}
   kind = raw.get("kind", "gpu")
   if kind not in ("gpu", "tpu", "cpu"):
     raise ClusterError(f"--cluster={path}: kind={kind!r} must be gpu, tpu or cpu")
@@ -184,13 +177,28 @@ def from_yaml(path: str) -> Cluster:
   known = {f.name for f in dataclasses.fields(Efficiency)}
   if not isinstance(eff, dict) or set(eff) - known:
     raise ClusterError(f"--cluster={path}: efficiency may only set {', '.join(sorted(known))}")
+  try:
+    eff = {k: float(v) for k, v in eff.items()}
+  except (TypeError, ValueError):
+    raise ClusterError(f"--cluster={path}: efficiency values must be numbers") from None
   return Cluster(name=str(raw.get("name", os.path.basename(path))), kind=kind,
                  devices=int(numbers["devices"]), memory_bytes=float(numbers["memory_bytes"]),
                  memory_bandwidth=float(numbers["memory_bandwidth"]),
-                 peak_flops={str(k): float(v) for k, v in peak.items()},
+                 peak_flops=peak,
                  devices_per_node=int(numbers["devices_per_node"]),
                  intra_bandwidth=float(numbers["intra_bandwidth"]),
                  intra_latency=float(numbers["intra_latency"]),
                  inter_bandwidth=float(numbers["inter_bandwidth"]),
                  inter_latency=float(numbers["inter_latency"]),
-                 efficiency=Efficiency(**{k: float(v) for k, v in eff.items()}))
+                 efficiency=Efficiency(**eff))
+
+
+def _positive(path: str, key: str, value) -> float:
+  """A positive number; YAML 1.1 reads 1e-5 (no dot) as a string, so strings are parsed too."""
+  try:
+    number = float(value) if not isinstance(value, bool) else float("nan")
+  except (TypeError, ValueError):
+    number = float("nan")
+  if not number > 0:
+    raise ClusterError(f"--cluster={path}: {key}={value!r} must be a positive number")
+  return number

@@ -265,8 +265,9 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
       out[part][idx] = st.params[worst] * bytes_per
     out["activations"][idx] = acts[rows, worst]
     out["pipeline_buffers"][idx] = np.where(k > 1, 2 * b[idx] * s * h * act, 0.0)
+    # The device holding the most parameters (its gradients are the largest all-reduce).
     out["params_per_device"] = out.get("params_per_device", np.zeros(n))
-    out["params_per_device"][idx] = st.params[worst]
+    out["params_per_device"][idx] = st.params.max()
   # Pipeline: activations to the next stage and gradients back, per micro-batch.
   p2p = np.where(K > 1, 2 * p2p_seconds(b * s * h * act, bw(K * T), lat(K * T)), 0.0)
   out["pipeline_comm"] = M * p2p

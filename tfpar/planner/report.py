@@ -112,9 +112,9 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
       f"  logits FLOPs/sequence = 2shV = 2*{s}*{h}*{V} = {cost.logits_flops(m):.4g}",
       f"  step FLOPs = G((3 + r)L layer + 3 logits) = {g}*((3 + {rc})*{L}*layer + 3*logits) = "
       f"{cost.step_flops(m, g, bool(rc)):.4g}",
-      f"  parameters on the busiest device = {r['params_per_device'][i]:,.0f}; bytes/parameter "
-      f"= weights {bpp[0]} + gradients {bpp[1]} + optimizer {bpp[2]} = {sum(bpp)} -> "
-      f"{r['params_per_device'][i] * sum(bpp) / GIB:.3f} GiB",
+      f"  parameters on the device holding most = {r['params_per_device'][i]:,.0f}; "
+      f"bytes/parameter = weights {bpp[0]} + gradients {bpp[1]} + optimizer {bpp[2]} = "
+      f"{sum(bpp)} -> {r['params_per_device'][i] * sum(bpp) / GIB:.3f} GiB",
       f"  activations per block and micro-batch = "
       + (f"2sbh x {act}/2 = 2*{s}*{b}*{h}*{act / 2:g}" if rc else
          f"sbh(10 + 24/T + 5as/(hT)) x {act}/2 = {s}*{b}*{h}*(10 + 24/{T} + 5*{a}*{s}/({h}*{T}))"
