@@ -168,7 +168,7 @@ def test_emitted_plan_trains(emitted):
   text = open(flagfile).read()
   best = out["plans"][0]
   assert f"--pipeline_stages=2\n" in text and f"--microbatches={best['microbatches']}\n" in text
-  run_module("tfpar.train", [f"--flagfile={flagfile}"], timeout=300)
+  run_module("tfpar.train", [f"--flagfile={flagfile}"])
   records = read_metrics(model_dir)
   assert [r["step"] for r in records] == [1, 2, 3] and np.isfinite(records[-1]["loss"])
   plan = json.load(open(os.path.join(model_dir, "plan.json")))

@@ -69,14 +69,12 @@ class Comparison:
     return cost.narayanan_flops(self.row.model, self.row.batch) / \
         self.published["step_seconds"] / self.row.gpus / 1e12
 
-  @property
-  def picked_tflops(self) -> float:
-    return cost.narayanan_flops(self.row.model, self.row.batch) / \
-        self.picked["step_seconds"] / self.row.gpus / 1e12
 
+def compare(row: Row, efficiency: clusters.Efficiency = None, search_own: bool = True) -> Comparison:
+  """Evaluates the published plan and (search_own) searches the planner's own.
 
-def compare(row: Row, efficiency: clusters.Efficiency = None) -> Comparison:
-  """Evaluates the published plan and searches the model's own (efficiency: to fit constants)."""
+  `efficiency` replaces the cluster's constants (scripts/planner_table.py --fit).
+  """
   cluster = clusters.parse(f"a100-80gb:{row.gpus}")
   if efficiency is not None:
     cluster = dataclasses.replace(cluster, efficiency=efficiency)
@@ -84,30 +82,34 @@ def compare(row: Row, efficiency: clusters.Efficiency = None) -> Comparison:
   published = search.candidates(row.model, cluster, row.batch, cost.MEGATRON,
                                 data_parallel=row.dp, pipeline_stages=row.pp,
                                 tensor_parallel=row.tp, remat=True)
-  free = search.candidates(row.model, cluster, row.batch, cost.MEGATRON)
   ranked_published = search.rank(row.model, cluster, published, **kwargs)
+  published_best = ranked_published.row(ranked_published.order[0])
+  if not search_own:
+    return Comparison(row=row, published=published_best, picked=published_best)
+  free = search.candidates(row.model, cluster, row.batch, cost.MEGATRON)
   ranked_free = search.rank(row.model, cluster, free, **kwargs)
-  return Comparison(row=row, published=ranked_published.row(ranked_published.order[0]),
-                    picked=ranked_free.row(ranked_free.order[0]))
+  return Comparison(row=row, published=published_best, picked=ranked_free.row(ranked_free.order[0]))
 
 
-def compare_all(efficiency: clusters.Efficiency = None) -> List[Comparison]:
-  return [compare(row, efficiency) for row in TABLE_1]
+def compare_all(efficiency: clusters.Efficiency = None, search_own: bool = True) -> List[Comparison]:
+  return [compare(row, efficiency, search_own) for row in TABLE_1]
 
 
 def table(comparisons: List[Comparison]) -> str:
   """The docs/planner.md table: published, predicted, picked."""
   lines = ["| params (B) | GPUs | batch | published TP x PP | published TFLOP/s | predicted "
-           "(same plan) | error | memory GiB | picked D x K x T, b, remat | picked TFLOP/s | "
-           "picked memory GiB |",
-           "|---:|---:|---:|---|---:|---:|---:|---:|---|---:|---:|"]
+           "TFLOP/s (published plan) | error | GiB/GPU | step s | picked D x K x T, micro-batch, "
+           "recompute | picked step s | speed-up | picked GiB/GPU |",
+           "|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
   for c in comparisons:
     r, p, k = c.row, c.published, c.picked
     err = c.predicted_tflops / r.tflops - 1
     lines.append(
         f"| {r.params_billion} | {r.gpus} | {r.batch} | {r.tp} x {r.pp} | {r.tflops:.0f} | "
         f"{c.predicted_tflops:.1f} | {err:+.1%} | {p['memory_bytes_per_device'] / 2 ** 30:.1f} | "
+        f"{p['step_seconds']:.2f} | "
         f"{k['data_parallel']} x {k['pipeline_stages']} x {k['tensor_parallel']}, "
-        f"b={k['microbatch_size']}, {'on' if k['remat'] else 'off'} | {c.picked_tflops:.1f} | "
+        f"{k['microbatch_size']}, {'on' if k['remat'] else 'off'} | {k['step_seconds']:.2f} | "
+        f"{p['step_seconds'] / k['step_seconds']:.2f}x | "
         f"{k['memory_bytes_per_device'] / 2 ** 30:.1f} |")
   return "\n".join(lines)

@@ -9,7 +9,8 @@ GIB = 2 ** 30
 
 def degrees(row: dict) -> str:
   return (f"D={row['data_parallel']} x K={row['pipeline_stages']} x T={row['tensor_parallel']}, "
-          f"{row['microbatches']} micro-batches of {row['microbatch_size']}, "
+          f"{row['microbatches']} micro-batch{'es' if row['microbatches'] > 1 else ''} of "
+          f"{row['microbatch_size']}, "
           f"remat {'on' if row['remat'] else 'off'}")
 
 
