@@ -130,14 +130,12 @@ def main(argv):
     if FLAGS.explain:
       print(report.explain(m, cluster, ranked, FLAGS.precision, system))
   if FLAGS.emit_flags:
-    path = report.write_flagfile(FLAGS.emit_flags, FLAGS, best, cluster,
-                                 skip=PLAN_FLAGS + tuple(_plan_only_flags()))
+    # The user's training flags as given; the plan sets its own (planner flags are not copied).
+    training = tfpar_flags.define_flags(flags.FlagValues())
+    given = [FLAGS[name].serialize() for name in training
+             if name not in PLAN_FLAGS and FLAGS[name].present]
+    path = report.write_flagfile(FLAGS.emit_flags, given, best, cluster)
     print(f"wrote {path}: python -m tfpar.train --flagfile={path}", file=sys.stderr)
-
-
-def _plan_only_flags():
-  plan_only = set(tfpar_flags.define_plan_flags(flags.FlagValues()))
-  return plan_only - set(tfpar_flags.define_flags(flags.FlagValues()))
 
 
 def parse_flags(argv):

@@ -19,9 +19,9 @@ Sources of the built-in numbers:
 TPUs have no float32 matmul unit: float32 runs as three bf16 passes
 (XLA's precision HIGH), a third of the bf16 peak. Latencies (5 us inside a
 node, 10 us across) are typical NCCL/ICI figures, not measurements.
-- cpu:N is this kind of host split into N logical CPU devices that share its
-  cores: the peak is a placeholder to be replaced by a measured one
-  (scripts/planner_calibrate.py writes a YAML with it).
+- cpu:N is one host split into N logical CPU devices that share its cores
+  (each gets 1/N of a 50 GFLOP/s host): a placeholder for tests and small
+  plans; tfpar.planner.calibrate builds one from a measured matmul rate.
 """
 
 import dataclasses
@@ -141,6 +141,9 @@ def parse(spec: str) -> Cluster:
   fields = dict(BUILT_IN[name])
   if name in ("tpu-v4", "tpu-v5p"):
     fields["devices_per_node"] = min(fields["devices_per_node"], n)
+  if name == "cpu":  # Logical devices share the host's cores and memory bandwidth.
+    fields["peak_flops"] = {k: v / n for k, v in fields["peak_flops"].items()}
+    fields["memory_bandwidth"] /= n
   return Cluster(name=f"{name}:{n}", devices=n, **fields)
 
 

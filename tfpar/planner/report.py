@@ -161,13 +161,9 @@ def plan_flags(row: dict, cluster) -> list:
   return out
 
 
-def write_flagfile(path: str, fv, row: dict, cluster, skip) -> str:
-  """The user's training flags as given, then the plan's, as a flagfile tfpar.train reads."""
+def write_flagfile(path: str, given, row: dict, cluster) -> str:
+  """The user's training flags as given (`--name=value` lines), then the plan's, as a flagfile."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel  # gfile: gs:// works too.
-  from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
-  train_names = list(tfpar_flags.define_flags(__import__("absl.flags").flags.FlagValues()))
-  given = [fv[name].serialize() for name in train_names
-           if name not in skip and fv[name].present]
   n = row["data_parallel"] * row["pipeline_stages"] * row["tensor_parallel"]
   header = [f"# Written by python -m tfpar.plan for {cluster.name}: {degrees(row)}.",
             f"# Predicted: {row['memory_bytes_per_device'] / GIB:.2f} GiB per device, "
@@ -176,5 +172,5 @@ def write_flagfile(path: str, fv, row: dict, cluster, skip) -> str:
     header.append(f"# Launch {row['data_parallel']} workers (TF_CONFIG), each with "
                   f"{row['pipeline_stages'] * row['tensor_parallel']} devices.")
   with tf.io.gfile.GFile(path, "w") as f:
-    f.write("\n".join(header + given + plan_flags(row, cluster)) + "\n")
+    f.write("\n".join(header + list(given) + plan_flags(row, cluster)) + "\n")
   return path
