@@ -11,6 +11,8 @@ import os
 from typing import Optional, Tuple
 
 VOCAB_SIZE = 256  # Byte-level tokens: no vocabulary file, nothing to download.
+# --task=classify's built-in data, scikit-learn's digits: 8x8 greyscale scans of 0-9.
+DIGITS_IMAGE_SIZE, DIGITS_CHANNELS, DIGITS_CLASSES = 8, 1, 10
 
 
 class ConfigError(ValueError):
@@ -19,6 +21,7 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+  task: str = "lm"  # What is learned (tfpar.tasks): it decides the model, data and loss.
   vocab_size: int = VOCAB_SIZE
   seq_len: int = 128
   num_layers: int = 4
@@ -27,6 +30,16 @@ class ModelConfig:
   d_ff: int = 512
   dropout: float = 0.0
   positions: str = "learned"
+  # Vision tasks (a ViT on image patches; unused by --task=lm).
+  image_size: int = 8
+  patch_size: int = 2
+  num_channels: int = 1
+  num_classes: int = 10
+  pooling: str = "cls"
+
+  @property
+  def num_patches(self) -> int:
+    return (self.image_size // self.patch_size) ** 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +48,8 @@ class DataConfig:
   tfrecord_key: str = "text"
   eval_fraction: float = 0.05
   input_sharding: str = "auto"
+  max_shift: int = 1  # Images: random shift of up to this many pixels in training.
+  random_flip: bool = False  # Images: random left-right flips in training.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,11 +136,14 @@ def from_flags(f) -> Config:
   if not f.model_dir:
     raise ConfigError("--model_dir is not set: pass --model_dir=DIR for checkpoints and metrics")
   cfg = Config(
-      model=ModelConfig(seq_len=f.seq_len, num_layers=f.num_layers, d_model=f.d_model,
+      model=ModelConfig(task=f.task, seq_len=f.seq_len, num_layers=f.num_layers, d_model=f.d_model,
                         num_heads=f.num_heads, d_ff=d_ff, dropout=f.dropout,
-                        positions=f.positions),
+                        positions=f.positions, image_size=f.image_size,
+                        patch_size=f.patch_size, num_channels=f.num_channels,
+                        num_classes=f.num_classes, pooling=f.pooling),
       data=DataConfig(data=f.data, tfrecord_key=f.tfrecord_key, eval_fraction=f.eval_fraction,
-                      input_sharding=f.input_sharding),
+                      input_sharding=f.input_sharding, max_shift=f.max_shift,
+                      random_flip=f.random_flip),
       optim=OptimConfig(learning_rate=f.learning_rate, warmup_steps=warmup,
                         min_lr_ratio=f.min_lr_ratio, weight_decay=f.weight_decay,
                         clip_norm=f.clip_norm),
@@ -181,8 +199,12 @@ def validate(cfg: Config) -> None:
   if m.positions == "rotary" and (m.d_model // m.num_heads) % 2:
     raise ConfigError(f"--positions=rotary needs an even head size, got "
                       f"d_model/num_heads={m.d_model // m.num_heads}: change --num_heads")
+  if m.task != "lm":
+    _validate_vision(m, d)
   if not 0.0 <= m.dropout < 1.0:
     raise ConfigError(f"--dropout={m.dropout} must be in [0, 1): e.g. --dropout=0.1")
+  if d.max_shift < 0:
+    raise ConfigError(f"--max_shift={d.max_shift} must be >= 0 (0: no shifts)")
   if not 0.0 < d.eval_fraction < 0.5:
     raise ConfigError(f"--eval_fraction={d.eval_fraction} must be in (0, 0.5): e.g. 0.05")
   if d.data is not None:
@@ -207,6 +229,28 @@ def validate(cfg: Config) -> None:
   if t.precision == "mixed_float16" and s.strategy == "tpu":
     raise ConfigError("--precision=mixed_float16 is not for TPUs: use --precision=mixed_bfloat16")
   _validate_parallel(cfg)
+
+
+def _validate_vision(m: ModelConfig, d: DataConfig) -> None:
+  for value, flag in ((m.image_size, "image_size"), (m.patch_size, "patch_size"),
+                      (m.num_channels, "num_channels"), (m.num_classes, "num_classes")):
+    _positive(value, flag)
+  if m.image_size % m.patch_size:
+    raise ConfigError(f"--image_size={m.image_size} is not divisible by --patch_size="
+                      f"{m.patch_size}: pick a patch size that divides the image size "
+                      f"(e.g. --patch_size=2 for --image_size=8)")
+  if m.positions != "learned":
+    raise ConfigError(f"--positions={m.positions} is for --task=lm: a ViT learns its patch "
+                      "positions; drop the flag")
+  if m.task == "classify" and d.data is None:  # The built-in digits.
+    if (m.image_size, m.num_channels) != (DIGITS_IMAGE_SIZE, DIGITS_CHANNELS):
+      raise ConfigError(f"--image_size={m.image_size} --num_channels={m.num_channels} do not fit "
+                        f"the built-in digits ({DIGITS_IMAGE_SIZE}x{DIGITS_IMAGE_SIZE} "
+                        f"greyscale): use --image_size={DIGITS_IMAGE_SIZE} --num_channels="
+                        f"{DIGITS_CHANNELS}, or pass --data")
+    if m.num_classes < DIGITS_CLASSES:
+      raise ConfigError(f"--num_classes={m.num_classes} cannot hold the built-in digits' class "
+                        f"ids 0..{DIGITS_CLASSES - 1}: use --num_classes={DIGITS_CLASSES}")
 
 
 def _validate_parallel(cfg: Config) -> None:

@@ -7,6 +7,8 @@ TensorFlow initialises; nothing below the entry point reads `FLAGS`.
 
 from absl import flags
 
+from tfpar import tasks
+
 
 def _define(define, flag_values, *args, **kwargs):
   define(*args, flag_values=flag_values, **kwargs)
@@ -20,6 +22,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   if "train_steps" in flag_values:
     return flag_values
   fv = flag_values
+  # What is learned.
+  _define(flags.DEFINE_enum, fv, "task", "lm", list(tasks.NAMES),
+          "What to train: 'lm' a byte-level GPT on text; 'classify' a ViT on images "
+          "(the model, data, loss and metrics come from tfpar.tasks).")
   # Data.
   _define(flags.DEFINE_string, fv, 
       "data", None,
@@ -33,6 +39,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
       "How workers split the input: 'data' gives each worker its slice of every global batch "
       "(step-for-step identical to one device); 'file' gives each worker its own files; "
       "'auto' picks 'file' when there are at least 4 files per worker, else 'data'.")
+  _define(flags.DEFINE_integer, fv, "max_shift", 1,
+          "Images: in training, shift each image by up to this many pixels (0: off).")
+  _define(flags.DEFINE_bool, fv, "random_flip", False,
+          "Images: in training, flip left-right at random (off: a mirrored digit is another digit).")
   # Output.
   _define(flags.DEFINE_string, fv, "model_dir", None, "Where checkpoints, summaries and metrics.jsonl go.")
   # Model.
@@ -43,6 +53,13 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   _define(flags.DEFINE_integer, fv, "d_ff", None, "MLP hidden width (default 4 * d_model).")
   _define(flags.DEFINE_float, fv, "dropout", 0.0, "Dropout rate (0 for pretraining-style runs, as nanoGPT).")
   _define(flags.DEFINE_enum, fv, "positions", "learned", ["learned", "rotary"], "Position encoding.")
+  # Vision model (--task=classify).
+  _define(flags.DEFINE_integer, fv, "image_size", 8, "Image height and width in pixels (square).")
+  _define(flags.DEFINE_integer, fv, "patch_size", 2, "ViT patch height and width; must divide --image_size.")
+  _define(flags.DEFINE_integer, fv, "num_channels", 1, "Image channels (1 grey, 3 RGB).")
+  _define(flags.DEFINE_integer, fv, "num_classes", 10, "Classes of the task's labels (ids 0..num_classes-1).")
+  _define(flags.DEFINE_enum, fv, "pooling", "cls", ["cls", "mean"],
+          "How the ViT pools patches for the classifier: a class token, or the mean of patches.")
   # Optimisation.
   _define(flags.DEFINE_integer, fv, "train_steps", 200, "Optimizer steps in total (a resumed run stops here too).")
   _define(flags.DEFINE_integer, fv, "global_batch_size", 16, "Sequences per step, summed over all replicas.")

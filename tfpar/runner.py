@@ -1,14 +1,13 @@
-"""Builds a run from a validated config: devices, strategy, data, engine, loop."""
+"""Builds a run from a validated config: devices, strategy, task and its data, engine, loop."""
 
 import keras
 from absl import logging as absl_logging
 import tensorflow as tf
 
-from tfpar import strategies
+from tfpar import strategies, tasks
 from tfpar.cluster import Cluster, ClusterError
 from tfpar.config import Config, ConfigError
 from tfpar.data import corpus as corpus_lib
-from tfpar.data import pipeline
 from tfpar.training import loop
 from tfpar.training.checkpoint import CheckpointMismatchError
 from tfpar.training.engine import DataParallelEngine
@@ -33,25 +32,19 @@ def run(cfg: Config, cluster: Cluster, check_model_dir=None) -> dict:
     check_model_dir(cfg, is_chief)
   num_workers = cluster.num_workers if cfg.dist.strategy == "multi_worker_mirrored" else 1
   worker_index = cluster.worker_index if num_workers > 1 else 0
-  files = corpus_lib.list_files(cfg.data.data)
-  sharding = pipeline.choose_sharding(cfg.data.input_sharding, len(files), num_workers)
-  corpus = pipeline.load_corpus(cfg.data.data, seq_len=cfg.model.seq_len,
-                                eval_fraction=cfg.data.eval_fraction,
-                                tfrecord_key=cfg.data.tfrecord_key, worker_index=worker_index,
-                                num_workers=num_workers, sharding=sharding)
+  task = tasks.make(cfg)
+  data, sharding = task.load_data(worker_index=worker_index, num_workers=num_workers)
   if cfg.parallel.model_parallel:
     from tfpar.parallel import hybrid  # pylint: disable=import-outside-toplevel
-    engine = hybrid.ModelParallelEngine(cfg, strategy, corpus, sharding=sharding)
+    engine = hybrid.ModelParallelEngine(cfg, strategy, data, sharding=sharding, task=task)
   elif cfg.dist.strategy == "parameter_server":
     from tfpar.parallel import parameter_server  # pylint: disable=import-outside-toplevel
-    engine = parameter_server.ParameterServerEngine(cfg, strategy, corpus)
+    engine = parameter_server.ParameterServerEngine(cfg, strategy, data, task=task)
     num_workers = engine.num_workers  # For the logs (the chief reads the data for all of them).
   else:
-    engine = DataParallelEngine(cfg, strategy, corpus, sharding=sharding)
+    engine = DataParallelEngine(cfg, strategy, data, sharding=sharding, task=task)
   if is_chief:
-    share = "" if len(corpus.files) == len(files) else f" of {len(files)} (this worker's share)"
-    print(f"tfpar: {engine.describe()} | data: {len(corpus.files)}{share} files, "
-          f"{len(corpus.train):,} train / {len(corpus.eval):,} held-out bytes, "
+    print(f"tfpar: {engine.describe()} | data: {task.describe_data(data)}, "
           f"{sharding}-level input sharding", flush=True)
   return loop.run(cfg, engine, is_chief=is_chief, worker_index=worker_index,
                   num_workers=num_workers)

@@ -5,6 +5,7 @@ starts), resolve the cluster, make the strategy, build the engine under it,
 run the loop. Bad input ends with one line on stderr and exit status 2.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -30,6 +31,8 @@ def check_model_dir(cfg: config_lib.Config, is_chief: bool) -> None:
   if os.path.exists(path):
     with open(path) as f:
       saved = json.load(f).get("model")
+    if saved is not None:  # A field added since the run started has its default there.
+      saved = {**dataclasses.asdict(config_lib.ModelConfig()), **saved}
     if saved is not None and saved != cfg.to_dict()["model"]:
       diff = sorted(k for k in saved if saved.get(k) != cfg.to_dict()["model"].get(k))
       fail(f"--model_dir={cfg.train.model_dir} holds a run with other model flags "

@@ -89,6 +89,7 @@ from typing import Dict, List
 import numpy as np
 import tensorflow as tf
 
+from tfpar import tasks
 from tfpar.cluster import Cluster, ClusterError
 from tfpar.config import Config, ConfigError, DistConfig
 from tfpar.data import pipeline
@@ -96,7 +97,6 @@ from tfpar.parallel.data_parallel import all_reduce_gradients
 from tfpar.training.checkpoint import model_layout
 from tfpar.training.engine import Engine, build_model
 from tfpar.training.optimizer import inner_optimizer, make_optimizer
-from tfpar.training.step import token_loss
 
 # How often, and how many times in a row, a server checks that the chief is
 # still there before it exits (the ps and worker servers have no other end).
@@ -260,7 +260,7 @@ def _update_sharded_variables_directly(optimizer) -> None:
 class RemoteVariableTrainStep:
   """tfpar's TrainStep for variables that live on other tasks (the ps).
 
-  The same step as `tfpar.training.step.TrainStep` (token_loss, gradient
+  The same step as `tfpar.training.step.TrainStep` (the task's loss, gradient
   reduction, true norm under loss scaling, AdamW apply), split so that XLA can
   compile it: XLA reads a resource variable only on the device its cluster
   runs on ("Trying to access resource wte/embeddings/0 located in device
@@ -270,13 +270,13 @@ class RemoteVariableTrainStep:
   `stateless_call`. The update then runs on the ps, outside XLA.
 
   Args:
-    model, optimizer, global_tokens, jit_compile: as for TrainStep.
+    model, optimizer, loss_fn, jit_compile: as for TrainStep.
   """
 
-  def __init__(self, model, optimizer, *, global_tokens: int, jit_compile: bool):
+  def __init__(self, model, optimizer, *, loss_fn, jit_compile: bool):
     self.model = model
     self.optimizer = optimizer
-    self.global_tokens = global_tokens
+    self.loss_fn = loss_fn
     self.scaled = hasattr(optimizer, "inner_optimizer")  # mixed_float16 loss scaling
     self._grads = tf.function(self._loss_and_grads, jit_compile=jit_compile)
 
@@ -284,7 +284,7 @@ class RemoteVariableTrainStep:
     with tf.GradientTape() as tape:
       tape.watch(trainable)
       logits, _ = self.model.stateless_call(trainable, non_trainable, inputs, training=True)
-      loss = token_loss(logits, targets, self.global_tokens)
+      loss = self.loss_fn(logits, targets)
       scaled = self.optimizer.scale_loss(loss) if self.scaled else loss
     return loss, tape.gradient(scaled, trainable)
 
@@ -308,21 +308,22 @@ class ParameterServerEngine(Engine):
   Args:
     cfg: the run's config.
     strategy: a ParameterServerStrategy (from `make_strategy`).
-    corpus: the token streams (every worker reads its own part of them).
+    data: the task's data (every worker reads its own part of `data.train`).
+    task: what is trained (default: the task cfg names).
   """
 
-  def __init__(self, cfg: Config, strategy, corpus: pipeline.Corpus):
+  def __init__(self, cfg: Config, strategy, data, *, task=None):
     self.cfg = cfg
+    self.task = task or tasks.make(cfg)
     self.strategy = strategy
-    self.corpus = corpus
+    self.data = data
     self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     self.num_workers = strategy.extended._num_workers  # pylint: disable=protected-access
     self.num_ps = strategy.extended._num_ps  # pylint: disable=protected-access
     # Replicas training at once (each on its own, asynchronously).
     self.num_replicas = self.num_workers
-    self.global_tokens = cfg.train.global_batch_size * cfg.model.seq_len
     with strategy.scope():
-      self.model = build_model(cfg)
+      self.model = build_model(cfg, task=self.task)
       self.optimizer = make_optimizer(cfg.optim, cfg.train.train_steps, cfg.train.precision)
       _make_step_counter_atomic(inner_optimizer(self.optimizer))
       _update_sharded_variables_directly(inner_optimizer(self.optimizer))
@@ -332,26 +333,24 @@ class ParameterServerEngine(Engine):
     self.layouts = [model_layout(self.model, self.optimizer)]
     jit = cfg.train.jit_compile
     self._train_step = RemoteVariableTrainStep(self.model, self.optimizer,
-                                               global_tokens=self.global_tokens, jit_compile=jit)
-    self._eval_loss = tf.function(self._stateless_eval_loss, jit_compile=jit)
+                                               loss_fn=self.task.loss, jit_compile=jit)
+    self._eval_outputs = tf.function(self._stateless_eval_outputs, jit_compile=jit)
     self._worker_fn = tf.function(self._worker_step)
-    self._eval_fn = tf.function(self._eval_steps)
+    self._eval_fn = tf.function(self._eval_batch)
     self.records: List[Dict] = []
     self._records_path = os.path.join(cfg.train.model_dir, "ps_steps.jsonl")
 
   # --- data -------------------------------------------------------------------
   def train_iterator(self, start_step: int):
     """Per-worker iterators: worker w reads batches w, W + w, 2W + w, ... of the data order."""
-    g, w, seq_len, seed = (self.cfg.train.global_batch_size, self.num_workers,
-                           self.cfg.model.seq_len, self.cfg.train.seed)
-    tokens = self.corpus.train
+    g, w, task = self.cfg.train.global_batch_size, self.num_workers, self.task
+    split = self.data.train
 
     def dataset_fn(_):
       worker = tf.distribute.coordinator.experimental_get_current_worker_index()  # int64 []
       # W "replicas" of a G*W batch, this worker being replica `worker`.
       shard = pipeline.Shard(g * w, w, worker, 1)
-      return pipeline.window_dataset(tokens, seq_len, shard, seed=seed,
-                                     start_step=start_step // w, shuffle=True)
+      return task.dataset(split, shard, start_step=start_step // w, shuffle=True)
 
     @tf.function
     def per_worker_dataset_fn():
@@ -362,8 +361,7 @@ class ParameterServerEngine(Engine):
   def eval_iterator(self):
     """The held-out batches, read on the chief (evaluation runs there, inline)."""
     shard = pipeline.Shard(self.cfg.train.global_batch_size)
-    return iter(pipeline.window_dataset(self.corpus.eval, self.cfg.model.seq_len, shard,
-                                        seed=self.cfg.train.seed, shuffle=False))
+    return iter(self.task.dataset(self.data.eval, shard, shuffle=False))
 
   # --- steps ------------------------------------------------------------------
   def _worker_step(self, iterator):
@@ -411,25 +409,22 @@ class ParameterServerEngine(Engine):
       for r in records:
         f.write(json.dumps(r) + "\n")
 
-  def _stateless_eval_loss(self, trainable, non_trainable, inputs, targets):
-    logits, _ = self.model.stateless_call(trainable, non_trainable, inputs, training=False)
-    return token_loss(logits, targets, self.global_tokens)
+  def _stateless_eval_outputs(self, trainable, non_trainable, inputs, targets):
+    outputs, _ = self.model.stateless_call(trainable, non_trainable, inputs, training=False)
+    return self.task.eval_outputs(outputs, targets)
 
-  def _eval_steps(self, iterator, num_steps):
-    # The weights are read from the ps once, then used as plain tensors (as
-    # in training: no ShardedVariable reaches the layers' code).
+  def _eval_batch(self, iterator):
+    # The weights are read from the ps, then used as plain tensors (as in
+    # training: no ShardedVariable reaches the layers' code).
     trainable = [tf.convert_to_tensor(v.value) for v in self.model.trainable_variables]
     non_trainable = [tf.convert_to_tensor(v.value) for v in self.model.non_trainable_variables]
-    total = tf.constant(0.0)
-    for _ in tf.range(num_steps):
-      inputs, targets = next(iterator)
-      total += self._eval_loss(trainable, non_trainable, inputs, targets)
-    return total / tf.cast(num_steps, tf.float32)
+    inputs, targets = next(iterator)
+    return self._eval_outputs(trainable, non_trainable, inputs, targets)
 
-  def evaluate(self, iterator, num_steps: int) -> float:
-    """Held-out loss, computed on the chief from the current ps weights (inline)."""
+  def eval_metrics(self, iterator, num_steps: int):
+    """Held-out metrics, computed on the chief from the current ps weights (inline)."""
     self.coordinator.join()
-    return super().evaluate(iterator, num_steps)
+    return super().eval_metrics(iterator, num_steps)
 
   def describe(self) -> dict:
     return {"strategy": "ParameterServerStrategy (async)", "replicas": self.num_replicas,

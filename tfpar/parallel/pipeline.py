@@ -28,7 +28,7 @@ the same dependencies, scheduled greedily. Activations move between stages by
 send/recv.
 
 Gradient accumulation: the step's loss is the sum of the M micro-batch losses,
-each already divided by the GLOBAL token count (tfpar.training.step.token_loss),
+each already divided by the GLOBAL batch's count (the task's loss, tfpar.tasks.task),
 so the gradient of that sum is the sum of the micro-batch gradients (one AddN
 per variable, on its device) and equals the full-batch gradient. One optimizer
 update follows, after the data-parallel reduction (tfpar.parallel.hybrid).
@@ -47,42 +47,44 @@ from typing import List, Sequence
 
 import tensorflow as tf
 
-from tfpar.training.step import token_loss
+from tfpar.parallel.data_parallel import combine_outputs
 
 
 class Pipeline:
   """The micro-batched forward and backward of one model copy over its stages.
 
   Args:
-    model: a GPT whose weights already live on their stages' devices.
+    model: a task's model (embed, blocks, head) whose weights already live
+      on their stages' devices.
     stage_blocks: block indices of each stage, e.g. [(0, 1), (2, 3)].
     stage_devices: each stage's first device (its residual stream and
       unsplit weights); tensor shards are placed by tfpar.parallel.tensor.
     microbatches: M.
-    global_tokens: tokens in the GLOBAL batch (the loss divisor).
+    loss_fn: (outputs, targets) -> a share of the GLOBAL mean loss (the task's `loss`).
+    eval_fn: (outputs, targets) -> dict of eval outputs (the task's `eval_outputs`).
     remat: recompute each block's activations in the backward pass.
   """
 
   def __init__(self, model, *, stage_blocks: Sequence[Sequence[int]],
-               stage_devices: Sequence[str], microbatches: int, global_tokens: int,
+               stage_devices: Sequence[str], microbatches: int, loss_fn, eval_fn=None,
                remat: bool = False):
     self.model = model
     self.stage_blocks = [list(b) for b in stage_blocks]
     self.stage_devices = list(stage_devices)
     self.microbatches = microbatches
-    self.global_tokens = global_tokens
+    self.loss_fn = loss_fn
+    self.eval_fn = eval_fn
     self.remat = remat
 
   def _block_fn(self, block, training):
     fn = lambda h: block(h, training=training)
     return tf.recompute_grad(fn) if self.remat and training else fn
 
-  def loss(self, inputs, targets, training: bool = False):
-    """Sum over micro-batches of token_loss: this replica's share of the global mean."""
+  def _forward(self, inputs, targets, per_microbatch, training: bool):
+    """per_microbatch(outputs, targets) of every micro-batch, on the last stage."""
     model, devices = self.model, self.stage_devices
-    xs = tf.split(inputs, self.microbatches)  # M x [B/M, S]
-    ys = tf.split(targets, self.microbatches)
-    losses = []
+    xs, ys = _split(inputs, self.microbatches), _split(targets, self.microbatches)  # M x [B/M, ...]
+    results = []
     for x, y in zip(xs, ys):
       with tf.device(devices[0]):
         h = model.embed(x, training=training)  # [B/M, S, d]
@@ -91,9 +93,20 @@ class Pipeline:
           for i in blocks:
             h = self._block_fn(model.blocks[i], training)(h)
       with tf.device(devices[-1]):
-        losses.append(token_loss(model.head(h), y, self.global_tokens))
-    with tf.device(devices[-1]):
+        results.append(per_microbatch(model.head(h), y))
+    return results
+
+  def loss(self, inputs, targets, training: bool = False):
+    """Sum over micro-batches of the task's loss: this replica's share of the global mean."""
+    losses = self._forward(inputs, targets, self.loss_fn, training)
+    with tf.device(self.stage_devices[-1]):
       return tf.add_n(losses)
+
+  def eval_outputs(self, inputs, targets):
+    """The task's eval outputs of this replica's batch (micro-batches combined)."""
+    parts = self._forward(inputs, targets, self.eval_fn, training=False)
+    with tf.device(self.stage_devices[-1]):
+      return combine_outputs(parts)
 
   def loss_and_grads(self, inputs, targets):
     """(loss, gradients of model.trainable_variables), gradients on their variables' devices."""
@@ -101,6 +114,12 @@ class Pipeline:
     variables = self.model.trainable_variables
     grads = tf.gradients(loss, variables)  # Each gradient op placed with its forward op.
     return loss, _dense(grads, variables)
+
+
+def _split(batch, m: int) -> list:
+  """A batch (a tensor or a nest of them, e.g. a dict of targets) as m micro-batches."""
+  parts = [tf.split(t, m) for t in tf.nest.flatten(batch)]
+  return [tf.nest.pack_sequence_as(batch, [p[i] for p in parts]) for i in range(m)]
 
 
 def _dense(grads, variables) -> List[tf.Tensor]:

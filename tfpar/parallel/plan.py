@@ -27,6 +27,7 @@ import json
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from tfpar import tasks
 from tfpar.config import Config, ConfigError, ModelConfig
 
 BYTES_PER_PARAM = 4  # Variables stay float32 under every precision policy (fp32 masters).
@@ -37,8 +38,8 @@ STEP_COUNTER_BYTES = 8  # AdamW's int64 iteration count.
 @dataclasses.dataclass(frozen=True)
 class ParamCounts:
   """Parameters of each part of the model, per tensor-parallel shard where split."""
-  embedding: int  # token (+ learned position) tables: stage 0, device t=0
-  head: int  # final LayerNorm: stage K-1, device t=0
+  embedding: int  # the model's embed part (GPT: token + position tables): stage 0, device t=0
+  head: int  # the model's head part (GPT: final LayerNorm): stage K-1, device t=0
   block_unsplit: int  # LayerNorms + attention/MLP output biases: device t=0 of its stage
   block_shard: int  # one shard's attention (H/T heads) + MLP (d_ff/T columns)
   shards: int = 1  # T
@@ -49,13 +50,14 @@ class ParamCounts:
 
 
 def count_params(m: ModelConfig, tensor_parallel: int = 1) -> ParamCounts:
-  """Parameter counts from the shapes of tfpar.layers (no TensorFlow needed)."""
+  """Parameter counts from the shapes alone: the blocks (tfpar.layers.Block, the
+  same in every model) counted here, the embedding and head by the task."""
   d, t = m.d_model, tensor_parallel
   width, hidden = d // t, m.d_ff // t  # This shard's attention width and MLP width.
   attn = 3 * (d * width + width) + width * d  # q, k, v kernels + biases; output rows
   mlp = d * hidden + hidden + hidden * d  # fc_in kernel + bias; fc_out rows
-  embedding = m.vocab_size * d + (m.seq_len * d if m.positions == "learned" else 0)
-  return ParamCounts(embedding=embedding, head=2 * d, block_unsplit=2 * 2 * d + 2 * d,
+  embedding, head = tasks.get(m.task).embed_head_params(m)
+  return ParamCounts(embedding=embedding, head=head, block_unsplit=2 * 2 * d + 2 * d,
                      block_shard=attn + mlp, shards=t)
 
 

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from tfpar.layers import CausalSelfAttention, MLP
+from tfpar.layers import SelfAttention, MLP
 from tfpar.training.optimizer import inner_optimizer
 
 _SHARD = re.compile(r"/(attn|mlp)_shard_(\d+)/(.+)$")
@@ -31,7 +31,7 @@ _SHARD = re.compile(r"/(attn|mlp)_shard_(\d+)/(.+)$")
 # ('seed_generator_7/seed_generator_state'), so the name depends on what was
 # built before: the canonical name is the state's rank within the model instead.
 _SEED_STATE = re.compile(r"(^|/)seed_generator(_\d+)?/seed_generator_state$")
-_AXES = {"attn": CausalSelfAttention.SHARD_AXES, "mlp": MLP.SHARD_AXES}
+_AXES = {"attn": SelfAttention.SHARD_AXES, "mlp": MLP.SHARD_AXES}
 
 
 class CheckpointMismatchError(ValueError):

@@ -12,7 +12,7 @@ import numpy as np
 
 from tfpar.config import Config
 from tfpar.training.checkpoint import CanonicalCheckpointer
-from tfpar.training.metrics import MetricsWriter, perplexity
+from tfpar.training.metrics import MetricsWriter
 
 
 def _count(n: int, noun: str) -> str:
@@ -32,7 +32,8 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
         num_workers: int = 1) -> dict:
   """Trains until cfg.train.train_steps, resuming from the latest checkpoint.
 
-  Returns the last train and eval records.
+  The engine's task names the throughput unit (`<unit>_per_sec`, e.g.
+  tokens_per_sec) and the held-out metrics. Returns the last train and eval records.
   """
   t = cfg.train
   metrics = MetricsWriter(t.model_dir, enabled=is_chief)
@@ -47,7 +48,8 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
     metrics.say(f"already trained to step {step} (--train_steps={t.train_steps}): nothing to do")
     return {}
   iterator = engine.train_iterator(step)
-  tokens_per_step = t.global_batch_size * cfg.model.seq_len
+  task = engine.task
+  rate_key = f"{task.unit}_per_sec"
   window_losses, window_norms, window_time = [], [], 0.0
   last = {}
   while step < t.train_steps:
@@ -66,21 +68,21 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
       k = len(window_losses)
       record = {"kind": "train", "step": step, "loss": float(np.mean(window_losses)),
                 "learning_rate": engine.learning_rate(), "grad_norm": float(np.mean(window_norms)),
-                "tokens_per_sec": tokens_per_step * k / window_time,
+                rate_key: task.units_per_step * k / window_time,
                 "step_time": window_time / k, "replicas": engine.num_replicas,
                 "workers": num_workers}
       metrics.write(record)
-      metrics.progress(step, t.train_steps, record["loss"], record["tokens_per_sec"],
+      metrics.progress(step, t.train_steps, record["loss"], record[rate_key], task.unit,
                        record["step_time"],
                        f" | {_count(engine.num_replicas, 'replica')} on {_count(num_workers, 'worker')}")
       last["train"] = record
       window_losses, window_norms, window_time = [], [], 0.0
     if t.eval_steps and ((t.eval_every and step % t.eval_every == 0) or done):
-      loss = engine.evaluate(engine.eval_iterator(), t.eval_steps)
-      record = {"kind": "eval", "step": step, "loss": loss, "perplexity": perplexity(loss)}
+      values = engine.eval_metrics(engine.eval_iterator(), t.eval_steps)
+      record = {"kind": "eval", "step": step, **values}
       metrics.write(record)
-      metrics.say(f"eval   {step:>6}/{t.train_steps} | loss {loss:.4f} | "
-                  f"perplexity {record['perplexity']:.2f}")
+      metrics.say(f"eval   {step:>6}/{t.train_steps} | " +
+                  " | ".join(f"{name} {value:.4f}" for name, value in values.items()))
       last["eval"] = record
     if step % t.checkpoint_every == 0 or done:
       path = checkpointer.save(step)

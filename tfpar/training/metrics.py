@@ -1,8 +1,10 @@
 """Where a run reports: metrics.jsonl, TensorBoard summaries, and a console line.
 
 Only the chief writes. `metrics.jsonl` holds one JSON object per line:
-  {"kind": "train", "step", "loss", "learning_rate", "tokens_per_sec", "step_time", ...}
-  {"kind": "eval", "step", "loss", "perplexity"}
+  {"kind": "train", "step", "loss", "learning_rate", "<unit>_per_sec", "step_time", ...}
+  {"kind": "eval", "step", "loss", <the task's held-out metrics>}
+where <unit> is the task's throughput unit (tokens_per_sec, images_per_sec) and the
+held-out metrics are, e.g., "perplexity" (--task=lm) or "accuracy" (--task=classify).
 """
 
 import datetime
@@ -11,6 +13,9 @@ import math
 import os
 import sys
 import time
+
+
+_SHORT = {"tokens": "tok", "images": "img"}  # Units as the console line writes them.
 
 
 class MetricsWriter:
@@ -69,12 +74,14 @@ class MetricsWriter:
             self._tf.summary.scalar(key, value)
       writer.flush()
 
-  def progress(self, step: int, total: int, loss: float, tokens_per_sec: float,
+  def progress(self, step: int, total: int, loss: float, rate: float, unit: str,
                step_time: float, extra: str = "") -> None:
+    """One console line; `rate` is `unit`s per second (tokens -> 'tok/s', images -> 'img/s')."""
     if not self.enabled:
       return
     eta = datetime.timedelta(seconds=int(step_time * (total - step)))
-    line = (f"step {step:>6}/{total} | loss {loss:.4f} | {tokens_per_sec:>9,.0f} tok/s | "
+    unit = _SHORT.get(unit, unit)
+    line = (f"step {step:>6}/{total} | loss {loss:.4f} | {rate:>9,.0f} {unit}/s | "
             f"{step_time * 1000:7.1f} ms/step | ETA {eta}{extra}")
     print(line, flush=True)
 

@@ -1,25 +1,16 @@
 """The replica step: loss, gradients, reduction, update. Apart from the loop.
 
 `TrainStep` is the function each replica runs under `strategy.run`. The loss
-scaling by the global batch happens in `token_loss`, and only there.
+is the task's (tfpar.tasks.task.Task.loss), already divided by the GLOBAL
+batch's count of labelled units: the task module says why, in one place.
 """
+
+import functools
 
 import tensorflow as tf
 
 from tfpar.parallel.data_parallel import all_reduce_gradients
-
-
-def token_loss(logits, targets, global_tokens):
-  """Next-token cross-entropy summed over this replica's tokens / tokens in the GLOBAL batch.
-
-  Dividing by the global count (not this replica's) is what makes data
-  parallelism exact: gradients are summed, not averaged, across replicas, so
-  the sum of the R replica losses (and of their gradients) is the mean over the
-  whole global batch, the same number one device computes. The same holds for
-  micro-batches, which are summed too.
-  """
-  ce = tf.nn.sparse_softmax_cross_entropy_with_logits(targets, tf.cast(logits, tf.float32))
-  return tf.reduce_sum(ce) / tf.cast(global_tokens, tf.float32)
+from tfpar.tasks.task import cross_entropy
 
 
 class TrainStep:
@@ -33,19 +24,22 @@ class TrainStep:
   the all-reduce runs between the compiled gradients and the update.
 
   Args:
-    model: a GPT (or any Keras model tokens -> logits).
+    model: the task's Keras model (inputs -> outputs).
     optimizer: tfpar AdamW (optionally inside a LossScaleOptimizer).
-    global_tokens: global batch size x sequence length.
+    loss_fn: (outputs, targets) -> this replica's share of the global mean
+      loss (a task's `loss`).
+    global_tokens: instead of loss_fn, the cross-entropy over this many
+      labels in the global batch (the language model's loss).
     jit_compile: compile the forward and backward pass with XLA.
     fuse_update: also compile the update into the same XLA program (only
       valid when one replica is in sync; needs jit_compile).
   """
 
-  def __init__(self, model, optimizer, *, global_tokens: int, jit_compile: bool,
-               fuse_update: bool = False):
+  def __init__(self, model, optimizer, *, loss_fn=None, global_tokens: int = None,
+               jit_compile: bool, fuse_update: bool = False):
     self.model = model
     self.optimizer = optimizer
-    self.global_tokens = global_tokens
+    self.loss_fn = loss_fn or functools.partial(cross_entropy, global_count=global_tokens)
     self.scaled = hasattr(optimizer, "inner_optimizer")  # mixed_float16 loss scaling
     self.fused = jit_compile and fuse_update
     if self.fused:
@@ -56,7 +50,7 @@ class TrainStep:
   def _loss_and_grads(self, inputs, targets):
     variables = self.model.trainable_variables
     with tf.GradientTape() as tape:
-      loss = token_loss(self.model(inputs, training=True), targets, self.global_tokens)
+      loss = self.loss_fn(self.model(inputs, training=True), targets)
       scaled = self.optimizer.scale_loss(loss) if self.scaled else loss
     return loss, tape.gradient(scaled, variables)
 
@@ -80,15 +74,21 @@ class TrainStep:
 
 
 class EvalStep:
-  """Held-out loss on one replica's batch (scaled by the global token count, like training)."""
+  """A task's eval outputs on one replica's held-out batch (the loss scaled as in training).
 
-  def __init__(self, model, *, global_tokens: int, jit_compile: bool):
+  Args:
+    model: the task's Keras model.
+    eval_fn: (outputs, targets) -> dict of tensors (a task's `eval_outputs`).
+    jit_compile: compile with XLA.
+  """
+
+  def __init__(self, model, eval_fn, *, jit_compile: bool):
     self.model = model
-    self.global_tokens = global_tokens
-    self._loss = tf.function(self._eval_loss, jit_compile=jit_compile)
+    self.eval_fn = eval_fn
+    self._outputs = tf.function(self._eval_outputs, jit_compile=jit_compile)
 
-  def _eval_loss(self, inputs, targets):
-    return token_loss(self.model(inputs, training=False), targets, self.global_tokens)
+  def _eval_outputs(self, inputs, targets):
+    return self.eval_fn(self.model(inputs, training=False), targets)
 
   def __call__(self, inputs, targets):
-    return self._loss(inputs, targets)
+    return self._outputs(inputs, targets)
