@@ -14,6 +14,7 @@ setup(
         "absl-py>=2.1",
         "tensorboard",  # tf.summary writes through it; TF 2.21 no longer pulls it in.
         "numpy",
+        "scikit-learn>=1.3",  # --task=classify's default data: its bundled handwritten digits.
     ],
     extras_require={
         # The tests run scripts/bench.py's smoke test, which trains keras-hub's GPT2Backbone.
