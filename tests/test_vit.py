@@ -129,11 +129,9 @@ def test_accuracy_counts_each_held_out_image_once():
 
 
 def test_bad_image_size_and_class_ids_are_one_line_errors(tmp_path):
+  from PIL import Image  # pylint: disable=import-outside-toplevel
   from test_config import assert_one_line_error  # pylint: disable=import-outside-toplevel
   from tfpar.config import ConfigError  # pylint: disable=import-outside-toplevel
-  from tfpar.data.corpus import DataError  # pylint: disable=import-outside-toplevel
-  from tfpar.data import digits  # pylint: disable=import-outside-toplevel
-  from tfpar.tasks import classify  # pylint: disable=import-outside-toplevel
   with pytest.raises(ConfigError, match="--image_size=10 is not divisible by --patch_size=4"):
     make_config(VIT + ["--model_dir=/tmp/unused", "--image_size=10", "--patch_size=4",
                        "--data=/tmp"])
@@ -143,7 +141,11 @@ def test_bad_image_size_and_class_ids_are_one_line_errors(tmp_path):
                       check=False)
     assert_one_line_error(proc, flag)
     assert not (tmp_path / "run").exists()
-  # Labels read from a user's data are checked against --num_classes when read.
-  images = digits.Images(np.zeros([3, 8, 8, 1], np.float32), np.array([0, 7, 2], np.int32))
-  with pytest.raises(DataError, match="class id 7, outside --num_classes=5"):
-    classify.check_images(images, image_size=8, num_channels=1, num_classes=5, where="my data")
+  # A user's image folder with 3 classes, trained with --num_classes=2.
+  for name in ("cat", "dog", "eel"):
+    (tmp_path / "images" / name).mkdir(parents=True)
+    Image.new("L", (8, 8), 200).save(tmp_path / "images" / name / "0.png")
+  proc = run_module("tfpar.train", VIT + ["--num_classes=2", f"--data={tmp_path / 'images'}",
+                                          f"--model_dir={tmp_path / 'user'}"], check=False)
+  line = assert_one_line_error(proc, "num_classes")
+  assert "class id 2" in line

@@ -1,18 +1,22 @@
 """--task=classify: a Vision Transformer over image patches, one class per image.
 
 Data (nothing to download): by default scikit-learn's handwritten digits,
-1,438 training and 359 held-out 8x8 scans, always the same split
-(tfpar.data.digits).
+1,438 training and 359 held-out 8x8 scans, always the same split (seed 0,
+whatever --seed says: tfpar.data.digit_canvas.split_digits), ink 0..16 scaled
+to 0..255; or a user's images (--data: a folder with one sub-directory per
+class, or TFRecord shards; tfpar.data.images, which checks every class id
+against --num_classes), their tail --eval_fraction held out.
 
 Order: example position p reads image `index_at(p)` of tfpar.data.pipeline,
 the same pure function of (seed, p) the text windows use, so replicas, a
 resumed run and one device see the same examples at the same step.
 
-Augmentation (training only): each image moves by up to --max_shift pixels in
-each direction (zero-padded, then randomly cropped back; background is 0 ink),
-drawn from (seed, p), so it is the same on any number of replicas. Flips are
-off unless --random_flip: a mirrored digit is not the same digit (a flipped 2
-is no 2, and an upside-down 6 is a 9), so flipping would teach wrong labels.
+Augmentation (training only; tfpar.data.augment): each image moves by up to
+--max_shift pixels in each direction (zero-padded, then cropped back;
+background is 0 ink), drawn from (seed, p), so it is the same on any number of
+replicas. Flips are off unless --random_flip: a mirrored digit is not the
+same digit (a flipped 2 is no 2, a 7 becomes a mirror glyph no scan shows),
+so flipping the digits would teach labels the images no longer carry.
 
 Metrics: the held-out loss and `accuracy`, over distinct held-out images
 (each eval batch carries the images' indices, so a batch that wraps around the
@@ -25,33 +29,29 @@ from typing import Dict, List
 import numpy as np
 import tensorflow as tf
 
-from tfpar.data import pipeline
-from tfpar.data.corpus import DataError
-from tfpar.data.digits import Images, load_digits_split
+from tfpar.data import augment, digit_canvas, images, pipeline
 from tfpar.models import ViT
 from tfpar.tasks.task import Task, cross_entropy
+
+DIGITS_SPLIT_SEED = 0  # The digits' held-out split never moves.
+DIGITS_EVAL_FRACTION = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
 class ImageData:
-  """The training and held-out images, and where they came from."""
-  train: Images
-  eval: Images
+  """The training and held-out images (tfpar.data.images.ImageSet), and where they came from."""
+  train: images.ImageSet
+  eval: images.ImageSet
   source: str
 
 
-def check_images(data: Images, *, image_size: int, num_channels: int, num_classes: int,
-                 where: str) -> None:
-  """Raises DataError (one line: what is wrong and the flag that fixes it)."""
-  shape = data.images.shape[1:]
-  if shape != (image_size, image_size, num_channels):
-    raise DataError(f"{where} has images of shape {shape}, the model takes "
-                    f"({image_size}, {image_size}, {num_channels}): set --image_size and "
-                    "--num_channels to match the data")
-  bad = data.labels[(data.labels < 0) | (data.labels >= num_classes)]
-  if bad.size:
-    raise DataError(f"{where} has class id {int(bad[0])}, outside --num_classes={num_classes} "
-                    f"(ids 0..{num_classes - 1}): raise --num_classes or fix the labels")
+def load_digits() -> ImageData:
+  """scikit-learn's digits as ImageSets of [N, 8, 8, 1] uint8, split once."""
+  def image_set(d):
+    pixels = np.round(d.images * (255 / 16)).astype(np.uint8)[..., None]  # Ink 0..16 -> 0..255.
+    return images.ImageSet(pixels, labels=d.labels, source_ids=d.ids)
+  train, held_out = digit_canvas.split_digits(DIGITS_SPLIT_SEED, DIGITS_EVAL_FRACTION)
+  return ImageData(image_set(train), image_set(held_out), "scikit-learn load_digits")
 
 
 class Classification(Task):
@@ -86,15 +86,14 @@ class Classification(Task):
 
   # --- data ---------------------------------------------------------------------
   def load_data(self, *, worker_index: int = 0, num_workers: int = 1):
-    m = self.cfg.model
-    if self.cfg.data.data is not None:
-      raise DataError(f"--data={self.cfg.data.data}: --task=classify reads only the built-in "
-                      "digits so far; drop --data")
-    train, held_out = load_digits_split()
-    data = ImageData(train, held_out, "scikit-learn load_digits")
-    for split, where in ((train, "the training set"), (held_out, "the held-out set")):
-      check_images(split, image_size=m.image_size, num_channels=m.num_channels,
-                   num_classes=m.num_classes, where=f"{data.source}: {where}")
+    m, d = self.cfg.model, self.cfg.data
+    if d.data is None:
+      data = load_digits()  # config.validate checked --image_size/--num_classes against them.
+    else:
+      found = images.read_images(d.data, "classify", image_size=m.image_size,
+                                 channels=m.num_channels, num_classes=m.num_classes)
+      train, held_out = images.split(found, d.eval_fraction, seed=DIGITS_SPLIT_SEED)
+      data = ImageData(train, held_out, f"--data={d.data}")
     return data, "data"  # In memory: every worker reads its slice of each global batch.
 
   def describe_data(self, data) -> str:
@@ -104,14 +103,16 @@ class Classification(Task):
 
   def dataset(self, split, shard, *, start_step: int = 0, shuffle: bool = True):
     seed, n, d = self.cfg.train.seed, len(split), self.cfg.data
-    images, labels = tf.constant(split.images), tf.constant(split.labels)
-    augment = shuffle and (d.max_shift > 0 or d.random_flip)
+    pixels, labels = tf.constant(split.images), tf.constant(split.labels)
+    augmented = shuffle and (d.max_shift > 0 or d.random_flip)
 
     def example(position):
       i = pipeline.index_at(position, n, seed=seed, shuffle=shuffle)
-      image = images[i]
-      if augment:
-        image = self._augment(image, tf.stack([tf.constant(seed, tf.int64), position]))
+      image = tf.cast(pixels[i], tf.float32) / 255.0  # [S, S, C] in [0, 1]
+      if augmented:
+        seeds = tf.stack([tf.constant(seed, tf.int64), position])
+        image = augment.augment({"image": image}, seeds, max_shift=d.max_shift,
+                                flip=d.random_flip)["image"]
       return image, {"label": labels[i], "index": i}
 
     ds = pipeline.sample_positions(shard, start_step=start_step).unbatch()
@@ -122,18 +123,6 @@ class Classification(Task):
     # We shard by construction (tfpar.data.pipeline): tell tf.distribute not to.
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
-
-  def _augment(self, image, seed):
-    """A random shift of up to --max_shift pixels (and a left-right flip with --random_flip)."""
-    d, s = self.cfg.data, self.cfg.model.image_size
-    if d.max_shift > 0:
-      k = d.max_shift
-      padded = tf.pad(image, [[k, k], [k, k], [0, 0]])
-      image = tf.image.stateless_random_crop(padded, tf.shape(image), seed=seed)
-      image = tf.ensure_shape(image, (s, s, self.cfg.model.num_channels))
-    if d.random_flip:
-      image = tf.image.stateless_random_flip_left_right(image, seed=seed[::-1])
-    return image
 
   # --- loss and metrics ------------------------------------------------------------
   def loss(self, outputs, targets):
