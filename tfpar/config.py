@@ -251,6 +251,17 @@ def _validate_vision(m: ModelConfig, d: DataConfig) -> None:
     if m.num_classes < DIGITS_CLASSES:
       raise ConfigError(f"--num_classes={m.num_classes} cannot hold the built-in digits' class "
                         f"ids 0..{DIGITS_CLASSES - 1}: use --num_classes={DIGITS_CLASSES}")
+  if m.task in ("detect", "segment") and d.data is None:  # Canvases of the built-in digits.
+    if m.num_channels != DIGITS_CHANNELS or m.image_size < 2 * DIGITS_IMAGE_SIZE:
+      raise ConfigError(f"--image_size={m.image_size} --num_channels={m.num_channels} do not fit "
+                        f"the built-in digit canvases (greyscale, several {DIGITS_IMAGE_SIZE}-pixel "
+                        f"digits): use --num_channels={DIGITS_CHANNELS} and --image_size of at "
+                        "least 16 (e.g. 48), or pass --data")
+    # Segmentation labels the background 0 and a digit's ink 1 + digit.
+    needed = DIGITS_CLASSES + (m.task == "segment")
+    if m.num_classes != needed:
+      raise ConfigError(f"--num_classes={m.num_classes} does not fit the digit canvases' "
+                        f"{needed} classes for --task={m.task}: use --num_classes={needed}")
 
 
 def _validate_parallel(cfg: Config) -> None:

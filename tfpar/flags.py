@@ -24,7 +24,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   fv = flag_values
   # What is learned.
   _define(flags.DEFINE_enum, fv, "task", "lm", list(tasks.NAMES),
-          "What to train: 'lm' a byte-level GPT on text; 'classify' a ViT on images "
+          "What to train: 'lm' a byte-level GPT on text; with a ViT on images, 'classify' "
+          "(a class per image), 'detect' (boxes and classes) or 'segment' (a class per pixel) "
           "(the model, data, loss and metrics come from tfpar.tasks).")
   # Data.
   _define(flags.DEFINE_string, fv, 
@@ -53,7 +54,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   _define(flags.DEFINE_integer, fv, "d_ff", None, "MLP hidden width (default 4 * d_model).")
   _define(flags.DEFINE_float, fv, "dropout", 0.0, "Dropout rate (0 for pretraining-style runs, as nanoGPT).")
   _define(flags.DEFINE_enum, fv, "positions", "learned", ["learned", "rotary"], "Position encoding.")
-  # Vision model (--task=classify).
+  # Vision model (--task=classify, detect, segment).
   _define(flags.DEFINE_integer, fv, "image_size", 8, "Image height and width in pixels (square).")
   _define(flags.DEFINE_integer, fv, "patch_size", 2, "ViT patch height and width; must divide --image_size.")
   _define(flags.DEFINE_integer, fv, "num_channels", 1, "Image channels (1 grey, 3 RGB).")

@@ -16,6 +16,8 @@ import importlib
 _MODULES = {
     "lm": "tfpar.tasks.lm",
     "classify": "tfpar.tasks.classify",
+    "detect": "tfpar.tasks.detect",
+    "segment": "tfpar.tasks.segment",
 }
 NAMES = tuple(_MODULES)
 
