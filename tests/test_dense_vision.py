@@ -121,7 +121,7 @@ def test_predict_prints_boxes_and_writes_masks(detect_runs, tmp_path):
 
 def test_predict_writes_a_mask_png(tmp_path):
   model_dir = str(tmp_path / "seg")
-  _train([*SEGMENT, f"--model_dir={model_dir}", "--train_steps=1", "--eval_steps=0"])
+  _train([*SEGMENT, f"--model_dir={model_dir}", "--train_steps=2", "--eval_steps=0"])
   image = str(tmp_path / "canvas.png")
   _canvas_png(image)
   out = run_module("tfpar.predict", [f"--model_dir={model_dir}", f"--image={tmp_path}"]).stdout
@@ -147,10 +147,12 @@ def test_bad_input_ends_with_one_line_and_status_2(detect_runs, tmp_path):
   (tmp_path / "coco.json").write_text(json.dumps(coco))
   (tmp_path / "empty" / "images").mkdir(parents=True)
   (tmp_path / "empty" / "masks").mkdir()
-  common = [f"--model_dir={tmp_path / 'run'}", "--num_channels=3", "--train_steps=2"]
-  line = _fails("tfpar.train", [*DETECT, *common, f"--data={tmp_path / 'coco.json'}"])
+  common = ["--num_channels=3", "--train_steps=2"]
+  line = _fails("tfpar.train", [*DETECT, *common, f"--data={tmp_path / 'coco.json'}",
+                                f"--model_dir={tmp_path / 'run0'}"])
   assert "outside its 16x16 image" in line and "fix the box" in line
-  line = _fails("tfpar.train", [*SEGMENT, *common, f"--data={tmp_path / 'empty'}"])
+  line = _fails("tfpar.train", [*SEGMENT, *common, f"--data={tmp_path / 'empty'}",
+                                f"--model_dir={tmp_path / 'run1'}"])
   assert "holds no images" in line
   line = _fails("tfpar.train", ["--task=segment", "--num_classes=5", *VISION,
                                 f"--model_dir={tmp_path / 'run2'}", "--train_steps=2"])

@@ -175,15 +175,15 @@ def predict(task, model, paths: Sequence[str], *, output_dir: str, overlay: bool
     batch = pixels[start:start + batch_size].astype(np.float32) / 255.0
     outputs = model(batch, training=False)
     if kind == "detect":
-      found = task.detect(outputs)
+      found = task.detect(outputs, score_threshold=score_threshold)
     for i, path in enumerate(paths[start:start + batch_size]):
       h, w = (int(v) for v in sizes[start + i])
       stem = os.path.join(output_dir, os.path.splitext(os.path.basename(path))[0])
       drawing = _original(path) if overlay else None
       if kind == "detect":
         n = int(found.num_detections[i])
-        keep = [k for k in range(n) if found.scores[i, k] >= score_threshold]
-        lines.append(f"{path}: {len(keep)} boxes")
+        keep = range(n)  # NMS kept only boxes scoring at least score_threshold.
+        lines.append(f"{path}: {n} boxes")
         scale = np.array([h, w, h, w], np.float32) / m.image_size
         for k in keep:
           box = found.boxes[i, k].numpy() * scale

@@ -77,12 +77,13 @@ class Detection(DenseVisionTask):
     return {"loss": self.loss(outputs, targets), "outputs": outputs, "boxes": targets["boxes"],
             "classes": targets["classes"], "index": targets["index"]}
 
-  def detect(self, outputs) -> box_lib.Detections:
+  def detect(self, outputs, score_threshold: float = 0.05) -> box_lib.Detections:
     """Decoded detections of a batch of head outputs [B, G, G, C + 4]."""
     m = self.cfg.model
     outputs = tf.convert_to_tensor(outputs, tf.float32)
     return box_lib.decode(tf.sigmoid(outputs[..., :m.num_classes]), outputs[..., m.num_classes:],
-                          image_size=m.image_size, patch_size=m.patch_size)
+                          image_size=m.image_size, patch_size=m.patch_size,
+                          score_threshold=score_threshold)
 
   def eval_metrics(self, batches: List[Dict[str, np.ndarray]]) -> Dict[str, float]:
     outputs, true_boxes, true_classes = self.distinct(batches, "outputs", "boxes", "classes")
