@@ -90,13 +90,13 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar.cluster import Cluster, ClusterError
-from tfpar.config import Config, ConfigError, DistConfig
+from tfpar.config import CompressionConfig, Config, ConfigError, DistConfig
 from tfpar.data import pipeline
-from tfpar.parallel.data_parallel import all_reduce_gradients
+from tfpar.parallel.compression import GradientReducer
 from tfpar.training.checkpoint import model_layout
 from tfpar.training.engine import Engine, build_model
 from tfpar.training.optimizer import inner_optimizer, make_optimizer
-from tfpar.training.step import token_loss
+from tfpar.training.step import apply_gradients, reduce_gradients, token_loss
 
 # How often, and how many times in a row, a server checks that the chief is
 # still there before it exits (the ps and worker servers have no other end).
@@ -278,6 +278,7 @@ class RemoteVariableTrainStep:
     self.optimizer = optimizer
     self.global_tokens = global_tokens
     self.scaled = hasattr(optimizer, "inner_optimizer")  # mixed_float16 loss scaling
+    self.reducer = GradientReducer(CompressionConfig(), model.trainable_variables, num_replicas=1)
     self._grads = tf.function(self._loss_and_grads, jit_compile=jit_compile)
 
   def _loss_and_grads(self, trainable, non_trainable, inputs, targets):
@@ -292,12 +293,10 @@ class RemoteVariableTrainStep:
     trainable = [tf.convert_to_tensor(v.value) for v in self.model.trainable_variables]
     non_trainable = [tf.convert_to_tensor(v.value) for v in self.model.non_trainable_variables]
     loss, grads = self._grads(trainable, non_trainable, inputs, targets)
-    grads = all_reduce_gradients(grads)  # One replica per worker: the identity.
-    grad_norm = tf.linalg.global_norm(grads)
-    if self.scaled:  # Report the true norm, not the loss-scaled one.
-      grad_norm = grad_norm / tf.cast(self.optimizer.scale_loss(1.0), grad_norm.dtype)
-    self.optimizer.apply(grads, self.model.trainable_variables)
-    return loss, grad_norm
+    # One replica per worker: the reduction is the identity (the config refuses
+    # compression here: nothing is all-reduced), then the same clip and apply.
+    grads = reduce_gradients(self.reducer, grads, densify=False)
+    return loss, apply_gradients(self.optimizer, grads, self.model.trainable_variables)
 
 
 class ParameterServerEngine(Engine):

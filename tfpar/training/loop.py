@@ -19,6 +19,14 @@ def _count(n: int, noun: str) -> str:
   return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
+def _comm(record: dict) -> str:
+  """' | comm 12.3 of 394.0 KiB/step (32.0x)': gradient bytes per replica, sent of float32."""
+  sent, full = record["comm_bytes"], record["comm_bytes_uncompressed"]
+  if not full:
+    return ""
+  return f" | comm {sent / 1024:,.1f} of {full / 1024:,.1f} KiB/step ({full / sent:.1f}x)"
+
+
 def _next_boundary(step: int, cfg: Config) -> int:
   t = cfg.train
   nexts = [t.train_steps, (step // t.log_every + 1) * t.log_every,
@@ -48,7 +56,7 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
     return {}
   iterator = engine.train_iterator(step)
   tokens_per_step = t.global_batch_size * cfg.model.seq_len
-  window_losses, window_norms, window_time = [], [], 0.0
+  window_losses, window_norms, window_traffic, window_time = [], [], [], 0.0
   last = {}
   while step < t.train_steps:
     n = min(t.steps_per_call, _next_boundary(step, cfg) - step)
@@ -58,6 +66,7 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
     step += n
     window_losses.extend(losses.tolist())
     window_norms.extend(norms.tolist())
+    window_traffic.extend(engine.traffic(s) for s in range(step - n + 1, step + 1))
     window_time += elapsed
     if not np.all(np.isfinite(losses)):
       metrics.say(f"warning: non-finite loss at step {step}")
@@ -68,13 +77,17 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
                 "learning_rate": engine.learning_rate(), "grad_norm": float(np.mean(window_norms)),
                 "tokens_per_sec": tokens_per_step * k / window_time,
                 "step_time": window_time / k, "replicas": engine.num_replicas,
-                "workers": num_workers}
+                "workers": num_workers,
+                # Per replica per step, handed to the gradient collectives.
+                "comm_bytes": float(np.mean([x.bytes for x in window_traffic])),
+                "comm_bytes_uncompressed": float(np.mean([x.uncompressed for x in window_traffic]))}
       metrics.write(record)
       metrics.progress(step, t.train_steps, record["loss"], record["tokens_per_sec"],
                        record["step_time"],
-                       f" | {_count(engine.num_replicas, 'replica')} on {_count(num_workers, 'worker')}")
+                       _comm(record) + f" | {_count(engine.num_replicas, 'replica')} on "
+                       f"{_count(num_workers, 'worker')}")
       last["train"] = record
-      window_losses, window_norms, window_time = [], [], 0.0
+      window_losses, window_norms, window_traffic, window_time = [], [], [], 0.0
     if t.eval_steps and ((t.eval_every and step % t.eval_every == 0) or done):
       loss = engine.evaluate(engine.eval_iterator(), t.eval_steps)
       record = {"kind": "eval", "step": step, "loss": loss, "perplexity": perplexity(loss)}
