@@ -50,8 +50,8 @@ powersgd (Vogels, Karimireddy and Jaggi, NeurIPS 2019)
   matrices below `min_size` are summed uncompressed, in all-reduce #1.
   The first `warmup_steps` steps are uncompressed (no residual builds up).
   The per-replica state (e_r, Q) lives on the replica's device, outside any
-  strategy scope; `checkpoint_entries` puts it in the canonical checkpoint,
-  e_r stacked over all replicas ([R, m, n]), Q once.
+  strategy scope; `checkpoint_entries` puts it in the canonical checkpoint:
+  every replica's residuals (gathered across workers at save), Q once.
 
 Bytes (per replica per step, those handed to the collectives, counted at
 trace time from the tensors actually passed to them; a ring all-reduce puts
@@ -331,59 +331,62 @@ class GradientReducer:
   def checkpoint_entries(self, strategy=None) -> dict:
     """Layout entries (tfpar.training.checkpoint) for the PowerSGD state of every replica.
 
-    `name@error` holds the residuals of all replicas stacked in replica order
-    ([R, m, n], gathered across workers at save); `name@q` holds Q once (it
-    is the same on every replica).
+    `compression/powersgd@error` holds every residual of every replica,
+    flattened and concatenated in variable order, stacked in replica order
+    ([R, sum m n]: one all-gather across workers at save);
+    `compression/powersgd@q` holds every Q once (the same on every replica).
     """
     if not self.stateful:
       return {}
     ids = _replica_ids(strategy, len(self.q))
-    out = {}
-    for i in sorted(self.q[0]):
-      out[f"compression/{self.names[i]}@q"] = (None, [_Shared([q[i] for q in self.q])])
-      out[f"compression/{self.names[i]}@error"] = (
-          None, [_ReplicaStack([e[i] for e in self.error], ids, self.num_replicas, strategy)])
-    return out
+    order = sorted(self.q[0])
+    return {
+        "compression/powersgd@q": (None, [_Flat([[q[i] for i in order] for q in self.q])]),
+        "compression/powersgd@error": (None, [_Flat([[e[i] for i in order] for e in self.error],
+                                                    ids, self.num_replicas, strategy)]),
+    }
 
 
-class _Shared:
-  """A checkpoint entry for state that is the same on every local replica: read one, set all."""
+class _Flat:
+  """A checkpoint entry: per-replica lists of variables, each list flattened into one vector.
 
-  def __init__(self, variables):
-    self.variables = variables
-    self.shape, self.dtype = variables[0].shape, variables[0].dtype
+  Without `replica_ids` the lists hold the same values (read the first, set
+  all): shape [n]. With them, every replica's vector, in replica order: [R, n].
+  """
 
-  @property
-  def value(self):
-    return self.variables[0].read_value()
+  def __init__(self, per_replica, replica_ids=None, num_replicas=None, strategy=None):
+    self.per_replica, self.ids, self.strategy = per_replica, replica_ids, strategy
+    self.sizes = [int(np.prod(v.shape)) for v in per_replica[0]]
+    self.dtype = per_replica[0][0].dtype
+    n = sum(self.sizes)
+    self.shape = tf.TensorShape([n] if replica_ids is None else [num_replicas, n])
 
-  def assign(self, value):
-    for v in self.variables:
-      v.assign(value)
-
-
-class _ReplicaStack:
-  """A checkpoint entry holding one per-replica variable of every replica, as [R, ...]."""
-
-  def __init__(self, variables, replica_ids, num_replicas, strategy):
-    self.variables, self.ids, self.strategy = variables, replica_ids, strategy
-    self.shape = tf.TensorShape([num_replicas] + list(variables[0].shape))
-    self.dtype = variables[0].dtype
+  def _vector(self, variables):
+    return tf.concat([tf.reshape(v.read_value(), [-1]) for v in variables], axis=0)
 
   @property
   def value(self):
-    if len(self.variables) == self.shape[0]:  # Every replica is in this process.
-      order = np.argsort(self.ids)
+    if self.ids is None:
+      return self._vector(self.per_replica[0])
+    if len(self.per_replica) == self.shape[0]:  # Every replica is in this process.
       with tf.device("/cpu:0"):
-        return tf.stack([self.variables[j].read_value() for j in order])
-    local = {r: v for r, v in zip(self.ids, self.variables)}
+        return tf.stack([self._vector(self.per_replica[j]) for j in np.argsort(self.ids)])
+    local = dict(zip(self.ids, self.per_replica))
     values = self.strategy.experimental_distribute_values_from_function(
-        lambda ctx: local[ctx.replica_id_in_sync_group].read_value()[None])
-    return self.strategy.gather(values, axis=0)  # Collective: every worker calls it.
+        lambda ctx: self._vector(local[ctx.replica_id_in_sync_group])[None])
+    return self.strategy.gather(values, axis=0)  # A collective: every worker saves.
+
+  def _assign(self, variables, vector):
+    for v, part in zip(variables, np.split(np.asarray(vector), np.cumsum(self.sizes)[:-1])):
+      v.assign(part.reshape(v.shape))
 
   def assign(self, value):
-    for r, v in zip(self.ids, self.variables):
-      v.assign(value[r])
+    if self.ids is None:
+      for variables in self.per_replica:
+        self._assign(variables, value)
+    else:
+      for r, variables in zip(self.ids, self.per_replica):
+        self._assign(variables, value[r])
 
 
 def _replica_ids(strategy, local: int) -> List[int]:

@@ -34,6 +34,15 @@ _SEED_STATE = re.compile(r"(^|/)seed_generator(_\d+)?/seed_generator_state$")
 _AXES = {"attn": CausalSelfAttention.SHARD_AXES, "mlp": MLP.SHARD_AXES}
 
 
+# Entries a checkpoint may lack (see CanonicalCheckpointer.restore).
+OPTIONAL_PREFIX = "compression/"
+
+
+def _checkpoint_key(name: str) -> str:
+  """The key tf.train.Checkpoint stores host variable `state[name]` under."""
+  return f"state/{name.replace('.', '..').replace('/', '.S')}/.ATTRIBUTES/VARIABLE_VALUE"
+
+
 class CheckpointMismatchError(ValueError):
   """The checkpoint in --model_dir was written for another model."""
 
@@ -161,15 +170,26 @@ class CanonicalCheckpointer:
     path = path or self.latest
     if path is None:
       return False
+    # Gradient-compression state (tfpar.parallel.compression) is optional: a
+    # checkpoint written without it, or for another replica count, restores the
+    # model and optimizer and leaves that state at its start (residuals zero).
+    stored = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+    fresh = [name for name, var in self._host.items() if name.startswith(OPTIONAL_PREFIX)
+             and stored.get(_checkpoint_key(name)) != list(var.shape)]
+    checkpoint = self._checkpoint if not fresh else tf.train.Checkpoint(
+        state={name: var for name, var in self._host.items() if name not in fresh})
     try:
-      self._checkpoint.restore(path).assert_existing_objects_matched()
+      checkpoint.restore(path).assert_existing_objects_matched()
     except (AssertionError, ValueError) as e:
       raise CheckpointMismatchError(
           f"the checkpoint {path} does not fit this model ({str(e).splitlines()[0][:200]}): use "
           "the model flags the run was started with, or a new --model_dir") from None
-    values = {name: var.numpy() for name, var in self._host.items()}
+    values = {name: var.numpy() for name, var in self._host.items() if name not in fresh}
     for layout in self.layouts:
-      assign_canonical(layout, values)
+      assign_canonical({k: v for k, v in layout.items() if k not in fresh}, values)
+    if fresh and self.is_chief:
+      print(f"tfpar: {path} holds no gradient-compression state for this run "
+            f"({', '.join(fresh)}): it starts afresh", flush=True)
     return True
 
 

@@ -150,7 +150,7 @@ class DataParallelEngine(Engine):
   # --- steps ------------------------------------------------------------------
   def _replica_train(self, inputs, targets, compressed):
     replica = 0
-    if self.reducer.stateful:  # Which of this process's replicas runs this function.
+    if self.reducer.stateful and len(self._local_devices) > 1:  # Which local replica runs this.
       device = tf.nest.flatten(tf.distribute.get_replica_context().devices)[0]
       replica = self._replica_of_device[plan_lib.device_key(device)]
     return self._train_step(inputs, targets, replica=replica, compressed=compressed)
