@@ -1,6 +1,10 @@
 """Training throughput of tfpar beside keras-hub's GPT2Backbone, in one process.
 
     python scripts/bench.py --steps=20 --rounds=3 --warmup=10 --out=bench.json
+    python scripts/bench.py --section=data_parallel --steps=60 --rounds=2 --out=bench_dp.json
+
+The data_parallel section (scaling and gradient compression) is
+scripts/bench_dp.py; the rest of this docstring is about the default section.
 
 Both systems train the same GPT (4 layers, d_model 256, 4 heads, d_ff 1024,
 seq 256, batch 16, byte vocabulary of 256, learned positions, output logits
@@ -46,6 +50,12 @@ flags.DEFINE_bool("quick", False, "Tiny shapes and a small matmul: a smoke test,
 flags.DEFINE_integer("steps_per_call", 10, "tfpar's --steps_per_call.")
 flags.DEFINE_integer("steps_per_execution", 1, "keras-hub's compile(steps_per_execution=...).")
 flags.DEFINE_string("out", None, "Also write the results here as JSON.")
+flags.DEFINE_enum("section", "systems", ["systems", "data_parallel"],
+                  "systems: tfpar beside keras-hub (this file); data_parallel: mirrored and "
+                  "multi_worker_mirrored against one device, per gradient compression "
+                  "(scripts/bench_dp.py; --steps, --rounds, --quick, --out apply).")
+flags.DEFINE_string("dp_only", None, "data_parallel: only configurations starting with this "
+                    "(e.g. mirrored), besides one_device.")
 
 # The benchmark shapes (issue 2), and tiny ones for --quick.
 FULL = dict(num_layers=4, d_model=256, num_heads=4, d_ff=1024, seq_len=256, batch=16,
@@ -182,6 +192,11 @@ def table(rows: list) -> str:
 
 def main(argv):
   del argv
+  if FLAGS.section == "data_parallel":
+    import bench_dp  # pylint: disable=import-outside-toplevel
+    bench_dp.run(steps=FLAGS.steps, rounds=FLAGS.rounds, log_every=max(1, FLAGS.steps // 6),
+                 quick=FLAGS.quick, out=FLAGS.out, only=FLAGS.dp_only)
+    return
   if FLAGS.warmup < 1:
     raise app.UsageError("--warmup must be at least 1 (the first step compiles)")
   shape = QUICK if FLAGS.quick else FULL
