@@ -54,8 +54,8 @@ flags.DEFINE_enum("section", "systems", ["systems", "data_parallel"],
                   "systems: tfpar beside keras-hub (this file); data_parallel: mirrored and "
                   "multi_worker_mirrored against one device, per gradient compression "
                   "(scripts/bench_dp.py; --steps, --rounds, --quick, --out apply).")
-flags.DEFINE_string("dp_only", None, "data_parallel: only configurations starting with this "
-                    "(e.g. mirrored), besides one_device.")
+flags.DEFINE_string("dp_only", None, "data_parallel: only these configurations, comma-separated "
+                    "(e.g. mirrored/none,mirrored/powersgd4), besides one_device/none.")
 
 # The benchmark shapes (issue 2), and tiny ones for --quick.
 FULL = dict(num_layers=4, d_model=256, num_heads=4, d_ff=1024, seq_len=256, batch=16,

@@ -83,8 +83,12 @@ def run(*, steps: int, rounds: int, log_every: int, quick: bool, out: str,
       f"--warmup_steps={max(1, steps // 10)}", "--eval_steps=0", f"--checkpoint_every={steps}",
       "--input_sharding=data", "--seed=0"]
   configs = configurations()
-  if only:
-    configs = {k: v for k, v in configs.items() if k.startswith(only) or k == "one_device/none"}
+  if only:  # A comma-separated list of configuration names (one_device/none always runs).
+    wanted = set(only.split(",")) | {"one_device/none"}
+    unknown = wanted - set(configs)
+    if unknown:
+      raise ValueError(f"unknown configurations {sorted(unknown)}: pick from {list(configs)}")
+    configs = {k: v for k, v in configs.items() if k in wanted}
   names = list(configs)
   results: Dict[str, List[dict]] = {n: [] for n in names}
   work = tempfile.mkdtemp(prefix="tfpar_bench_dp_")

@@ -255,14 +255,14 @@ class GradientReducer:
       replica: which local replica this is (picks the PowerSGD state).
       compressed: False during the warmup steps (plain float32 SUM).
     """
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:  # Nothing to exchange.
+      self.traffic[compressed] = Traffic(0, 0)
+      return list(grads)
     # Static shapes (a traced gradient's may be unknown): the bytes are counted from them.
     grads = [tf.ensure_shape(g, s) for g, s in zip(grads, self.shapes)]
     devices = self.state_devices[replica] if self.pack_by_device else None
     uncompressed = _nbytes(grads)
-    ctx = tf.distribute.get_replica_context()
-    if ctx is None or ctx.num_replicas_in_sync == 1:
-      self.traffic[compressed] = Traffic(0, 0)
-      return grads
     method = self.method if compressed else "none"
     if method == "none":
       handed = [grads]
