@@ -187,7 +187,7 @@ class GradientReducer:
 
   Args:
     compression: the method and its settings.
-    variables: one replica's trainable variables (shapes, names, devices).
+    variables: one replica's trainable variables (their shapes and devices).
     num_replicas: replicas in sync (all workers).
     state_devices: for each replica in this process, the device of each
       variable's gradient there: where its PowerSGD state lives and, with
@@ -205,7 +205,6 @@ class GradientReducer:
     self.method = compression.method
     self.num_replicas = num_replicas
     self.shapes = [tuple(int(d) for d in v.shape) for v in variables]
-    self.names = [_state_name(v) for v in variables]
     if state_devices is None and (pack_by_device or self.method == "powersgd"):
       state_devices = [[_device(v) for v in variables]]
     self.state_devices = state_devices
@@ -400,13 +399,3 @@ def _replica_ids(strategy, local: int) -> List[int]:
 
 def _device(variable) -> str:
   return getattr(variable, "value", variable).device
-
-
-def _state_name(variable) -> str:
-  path = getattr(variable, "path", variable.name)
-  return path.split("/", 1)[1] if path.startswith("gpt/") else path
-
-
-def make_reducer(compression: CompressionConfig, variables, **kwargs) -> GradientReducer:
-  """The run's reducer (see GradientReducer for the arguments)."""
-  return GradientReducer(compression, variables, **kwargs)

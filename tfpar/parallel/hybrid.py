@@ -57,7 +57,7 @@ from tfpar.data import pipeline as data_pipeline
 from tfpar.models import GPT
 from tfpar.parallel import plan as plan_lib
 from tfpar.parallel import tensor
-from tfpar.parallel.compression import make_reducer
+from tfpar.parallel.compression import GradientReducer
 from tfpar.parallel.pipeline import Pipeline
 from tfpar.training.checkpoint import assign_canonical, model_layout, read_canonical
 from tfpar.training.engine import Engine, build_model
@@ -150,7 +150,7 @@ class ModelParallelEngine(Engine):
     self._copy_of_anchor = {plan_lib.device_key(self.plan.devices[r][0][0]): i
                             for i, r in enumerate(rows)}
     self._initialise_like_one_device()
-    self.reducer = make_reducer(
+    self.reducer = GradientReducer(
         cfg.compression, self.copies[0].model.trainable_variables, num_replicas=self.num_replicas,
         state_devices=[[v.value.device for v in c.model.trainable_variables]
                        for c in self.copies],

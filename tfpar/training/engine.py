@@ -16,7 +16,7 @@ from tfpar.config import Config, ConfigError
 from tfpar.data import pipeline
 from tfpar.models import GPT
 from tfpar.parallel import plan as plan_lib
-from tfpar.parallel.compression import Traffic, make_reducer
+from tfpar.parallel.compression import GradientReducer, Traffic
 from tfpar.training.checkpoint import model_layout
 from tfpar.training.optimizer import make_optimizer, inner_optimizer
 from tfpar.training.step import EvalStep, TrainStep
@@ -115,7 +115,7 @@ class DataParallelEngine(Engine):
     self._local_devices = list(strategy.extended.worker_devices)
     self._replica_of_device = {plan_lib.device_key(d): i
                                for i, d in enumerate(self._local_devices)}
-    self.reducer = make_reducer(cfg.compression, variables, num_replicas=self.num_replicas,
+    self.reducer = GradientReducer(cfg.compression, variables, num_replicas=self.num_replicas,
                                 state_devices=[[d] * len(variables) for d in self._local_devices],
                                 seed=cfg.train.seed)
     self.layouts = [{**model_layout(self.model, self.optimizer),
