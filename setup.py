@@ -14,10 +14,15 @@ setup(
         "absl-py>=2.1",
         "tensorboard",  # tf.summary writes through it; TF 2.21 no longer pulls it in.
         "numpy",
+        "scikit-learn",  # The handwritten digits (sklearn.datasets.load_digits): vision data built in.
+        "pycocotools",  # COCO mAP of detections, by the reference implementation.
+        "pillow",  # PNG masks (palette indices) and predict's overlays.
+        "pyyaml",  # python -m tfpar.k8s render prints YAML.
     ],
     extras_require={
         # The tests run scripts/bench.py's smoke test, which trains keras-hub's GPT2Backbone.
-        "test": ["pytest>=8", "keras-hub>=0.32"],
+        # kubernetes and jsonschema validate the rendered manifests offline.
+        "test": ["pytest>=8", "keras-hub>=0.32", "kubernetes", "jsonschema"],
         "bench": ["keras-hub>=0.32"],
     },
 )

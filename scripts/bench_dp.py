@@ -1,6 +1,6 @@
-"""Data-parallel scaling and gradient compression: `python scripts/bench.py --section=data_parallel`.
+"""Data-parallel scaling and gradient compression: `python scripts/bench.py --sections=data_parallel`.
 
-    python scripts/bench.py --section=data_parallel --rounds=2 --out=bench_dp.json
+    python scripts/bench.py --sections=data_parallel --steps=12 --rounds=1 --out=bench_dp.json
 
 Each configuration trains the benchmark GPT (4 layers, d_model 256, 4 heads,
 d_ff 1024, seq 256, global batch 16; `--quick`: TINY shapes) with the real
@@ -18,8 +18,10 @@ counts. Throughput is the run's own `tokens_per_sec` (metrics.jsonl) over
 its log windows after the first (which holds the XLA compile); bytes per
 step are the run's `comm_bytes` (per replica, handed to the collectives)
 and the loss is the training loss of the last window (deterministic: the
-same in every round). Writes JSON (`--out`) and a PNG beside it: loss
-against step per compression, and bytes per step.
+same in every round). bench.py writes the report into its JSON (`--out`),
+and a PNG beside it (`<out>_data_parallel.png`): loss against step per
+configuration, and bytes per step. `--systems` picks configurations by name
+(e.g. mirrored/none,mirrored/powersgd4); one_device/none always runs.
 
 Logical CPUs and local workers share the machine's cores: these numbers say
 what the exchange costs here, not what more hardware would gain.
@@ -75,16 +77,16 @@ def run_one(command: List[str], shared: List[str], model_dir: str, timeout: int)
           "loss_curve": [(r["step"], r["loss"]) for r in train]}
 
 
-def run(*, steps: int, rounds: int, log_every: int, quick: bool, out: str,
-        only: str = None) -> dict:
-  """Runs every configuration `rounds` times, alternated; writes JSON + PNG; returns the report."""
+def run(*, steps: int, rounds: int, log_every: int, quick: bool, only: List[str] = None,
+        png: str = None) -> dict:
+  """Runs every configuration `rounds` times, alternated; plots to `png`; returns the report."""
   shared = (QUICK if quick else FULL) + [
       f"--train_steps={steps}", f"--log_every={log_every}", f"--steps_per_call={log_every}",
       f"--warmup_steps={max(1, steps // 10)}", "--eval_steps=0", f"--checkpoint_every={steps}",
       "--input_sharding=data", "--seed=0"]
   configs = configurations()
-  if only:  # A comma-separated list of configuration names (one_device/none always runs).
-    wanted = set(only.split(",")) | {"one_device/none"}
+  if only:  # Configuration names (one_device/none always runs).
+    wanted = set(only) | {"one_device/none"}
     unknown = wanted - set(configs)
     if unknown:
       raise ValueError(f"unknown configurations {sorted(unknown)}: pick from {list(configs)}")
@@ -117,11 +119,9 @@ def run(*, steps: int, rounds: int, log_every: int, quick: bool, out: str,
                  "final_loss": best["final_loss"], "loss_curve": best["loss_curve"]})
   report = {"shape": QUICK if quick else FULL, "steps": steps, "rounds": rounds,
             "command": " ".join(["python"] + sys.argv), "load": _load(), "rows": rows}
-  print(table(rows))
-  if out:
-    with open(out, "w") as f:
-      json.dump(report, f, indent=2)
-    plot(rows, os.path.splitext(out)[0] + ".png")
+  print(table(rows), flush=True)
+  if png:
+    plot(rows, png)
   return report
 
 

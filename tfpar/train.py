@@ -51,6 +51,9 @@ def main(argv):
     cluster = cluster_lib.from_env()
   except (config_lib.ConfigError, cluster_lib.ClusterError) as e:
     fail(str(e))
+  except cluster_lib.PeersNotFound as e:  # Not bad input: a restart may find them.
+    print(f"tfpar.train: error: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   # Everything that imports TensorFlow comes after validation.
   from tfpar import runner  # pylint: disable=import-outside-toplevel
