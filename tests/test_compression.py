@@ -123,6 +123,20 @@ def test_counted_bytes_equal_the_formula(mirrored4, method):
   assert reducer.traffic[True].uncompressed == float32
 
 
+def test_powersgd_rank_4_sends_30x_fewer_bytes_at_the_benchmark_shape():
+  """The benchmark GPT (4 layers, d_model 256, d_ff 1024): the formula the test above checks."""
+  from conftest import make_config  # pylint: disable=import-outside-toplevel
+  from tfpar.config import CompressionConfig  # pylint: disable=import-outside-toplevel
+  from tfpar.parallel.compression import expected_bytes  # pylint: disable=import-outside-toplevel
+  from tfpar.training.engine import build_model  # pylint: disable=import-outside-toplevel
+  cfg = make_config(["--model_dir=/tmp/unused", "--num_layers=4", "--d_model=256",
+                     "--d_ff=1024", "--seq_len=256"])
+  shapes = [tuple(v.shape) for v in build_model(cfg).trainable_variables]
+  full = expected_bytes(shapes, CompressionConfig())
+  ratio = full / expected_bytes(shapes, CompressionConfig(method="powersgd", rank=4))
+  assert ratio >= 30, ratio
+
+
 def test_fp16_neither_overflows_nor_flushes_to_zero(mirrored4):
   rng = np.random.default_rng(3)
   big = [[(3e4 * rng.uniform(0.5, 1.0, size=(16,))).astype(np.float32)] for _ in range(4)]
