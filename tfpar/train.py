@@ -2,7 +2,8 @@
 
 This file only wires: parse flags into a validated config (before TensorFlow
 starts), resolve the cluster, make the strategy, build the engine under it,
-run the loop. Bad input ends with one line on stderr and exit status 2.
+run the loop. Bad input ends with one line on stderr and exit status 2; a
+SIGTERM saves a checkpoint and exits 75 (tfpar.status lists every status).
 """
 
 import json
@@ -14,6 +15,8 @@ from absl import app, flags
 from tfpar import cluster as cluster_lib
 from tfpar import config as config_lib
 from tfpar import flags as tfpar_flags
+from tfpar import status
+from tfpar.training import preemption
 
 tfpar_flags.define_flags()
 FLAGS = flags.FLAGS
@@ -21,7 +24,7 @@ FLAGS = flags.FLAGS
 
 def fail(message: str) -> None:
   print(f"tfpar.train: error: {message}", file=sys.stderr, flush=True)
-  sys.exit(2)
+  sys.exit(status.BAD_INPUT)
 
 
 def check_model_dir(cfg: config_lib.Config, is_chief: bool) -> None:
@@ -44,6 +47,7 @@ def check_model_dir(cfg: config_lib.Config, is_chief: bool) -> None:
 
 
 def main(argv):
+  preemption.watch()  # Before TensorFlow: in a container, python may be PID 1.
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}: flags are written --name=value")
   try:
@@ -53,7 +57,7 @@ def main(argv):
     fail(str(e))
   except cluster_lib.PeersNotFound as e:  # Not bad input: a restart may find them.
     print(f"tfpar.train: error: {e}", file=sys.stderr, flush=True)
-    sys.exit(1)
+    sys.exit(status.CRASH)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   # Everything that imports TensorFlow comes after validation.
   from tfpar import runner  # pylint: disable=import-outside-toplevel
@@ -61,6 +65,11 @@ def main(argv):
     runner.run(cfg, cluster, check_model_dir=check_model_dir)
   except runner.USER_ERRORS as e:
     fail(str(e))
+  except preemption.Preempted:
+    sys.exit(status.PREEMPTED)
+  except cluster_lib.PeerError as e:  # Not bad input: a restart may well succeed.
+    print(f"tfpar.train: error: {e}", file=sys.stderr, flush=True)
+    sys.exit(status.CRASH)
 
 
 def parse_flags(argv):

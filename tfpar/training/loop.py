@@ -2,7 +2,9 @@
 
 The loop never touches tensors or strategies; it asks the engine to run N
 steps (N chosen so that each call ends exactly on the next log, eval or
-checkpoint boundary) and records what came back.
+checkpoint boundary) and records what came back. Between two calls it checks
+for a preemption notice (tfpar.training.preemption): then every worker saves
+at the same step and the loop raises `Preempted`.
 """
 
 import os
@@ -11,6 +13,7 @@ import time
 import numpy as np
 
 from tfpar.config import Config
+from tfpar.training import preemption
 from tfpar.training.checkpoint import CanonicalCheckpointer
 from tfpar.training.metrics import MetricsWriter, perplexity
 
@@ -40,7 +43,8 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
         num_workers: int = 1) -> dict:
   """Trains until cfg.train.train_steps, resuming from the latest checkpoint.
 
-  Returns the last train and eval records.
+  Returns the last train and eval records. Raises preemption.Preempted after
+  saving, when SIGTERM reached any worker.
   """
   t = cfg.train
   metrics = MetricsWriter(t.model_dir, enabled=is_chief)
@@ -58,6 +62,8 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
   tokens_per_step = t.global_batch_size * cfg.model.seq_len
   window_losses, window_norms, window_traffic, window_time = [], [], [], 0.0
   last = {}
+  agreement = preemption.Agreement(getattr(engine, "strategy", None))
+  preemption.arm()
   while step < t.train_steps:
     n = min(t.steps_per_call, _next_boundary(step, cfg) - step)
     start = time.perf_counter()
@@ -71,7 +77,9 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
     if not np.all(np.isfinite(losses)):
       metrics.say(f"warning: non-finite loss at step {step}")
     done = step >= t.train_steps
-    if step % t.log_every == 0 or done:
+    # Every worker asks after every chunk (a collective when multi-worker), so all agree.
+    preempted = not done and agreement.stop()
+    if step % t.log_every == 0 or done or preempted:
       k = len(window_losses)
       record = {"kind": "train", "step": step, "loss": float(np.mean(window_losses)),
                 "learning_rate": engine.learning_rate(), "grad_norm": float(np.mean(window_norms)),
@@ -88,6 +96,12 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
                        f"{_count(num_workers, 'worker')}")
       last["train"] = record
       window_losses, window_norms, window_traffic, window_time = [], [], [], 0.0
+    if preempted:  # Before eval: the grace period is for saving.
+      path = checkpointer.save(step)
+      who = "" if is_chief else f"worker {worker_index}: "
+      print(f"tfpar: {who}preempted (SIGTERM), saved {path or 'its part'} at step {step}; "
+            f"the next start resumes at step {step + 1}", flush=True)
+      raise preemption.Preempted(step)
     if t.eval_steps and ((t.eval_every and step % t.eval_every == 0) or done):
       loss = engine.evaluate(engine.eval_iterator(), t.eval_steps)
       record = {"kind": "eval", "step": step, "loss": loss, "perplexity": perplexity(loss)}
@@ -99,4 +113,5 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
       path = checkpointer.save(step)
       if path:
         metrics.say(f"saved {path}")
+  preemption.disarm()
   return last
