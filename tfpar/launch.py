@@ -436,6 +436,9 @@ def launch(cfg: LaunchConfig) -> int:
         say(f"job succeeded ({len(job.tasks)} tasks)")
         return 0
       what = f"{failed.label} {describe_status(code)}"
+      if code == status.PREEMPTED:  # Name every task that saved, whichever exited first.
+        saved = [t.label for t, c in job.codes().items() if c == status.PREEMPTED]
+        what = f"{', '.join(saved)} {describe_status(code)}"
       if code == status.BAD_INPUT:
         job.stop()
         say(f"{what} (bad input, see its error line): stopped every task; the job failed with "
