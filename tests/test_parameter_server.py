@@ -124,7 +124,7 @@ def test_ps_shards_partition_variables_over_two_ps_and_resume(tmp_path):
   model_dir = str(tmp_path / "ps_shards")
   flags = ["--ps_shards=2", "--learning_rate=3e-3"]
   proc = run_ps_job(model_dir, num_ps=2, train_steps=20, extra=flags)
-  described = re.search(r"'sharded_variables': (\d+), 'sharded_slots': (\d+)", proc.stdout)
+  described = re.search(r"sharded variables (\d+), sharded slots (\d+)", proc.stdout)
   assert described, proc.stdout[-2000:]
   # Every weight of rank >= 1 and its two AdamW slots are cut over the 2 ps.
   assert int(described.group(1)) > 0 and int(described.group(2)) == 2 * int(described.group(1))

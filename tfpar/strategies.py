@@ -74,7 +74,7 @@ def _multi_worker(dist: DistConfig, cluster: Cluster) -> tf.distribute.Strategy:
     raise ConfigError("--collective=nccl needs GPUs and this machine has none: use "
                       "--collective=ring or auto")
   options = tf.distribute.experimental.CommunicationOptions(
-      implementation=implementation, timeout_seconds=dist.collective_timeout or None)
+      implementation=implementation, timeout_seconds=dist.collective_timeout)
   resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
   return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
                                                    communication_options=options)

@@ -1,46 +1,32 @@
 """Train a GPT with tfpar: `python -m tfpar.train --flagfile=configs/gpt_tiny.flags`.
 
-This file only wires: parse flags into a validated config (before TensorFlow
-starts), resolve the cluster, make the strategy, build the engine under it,
-run the loop. Bad input ends with one line on stderr and exit status 2.
+This file only wires: parse flags into a validated config and check it against
+the run directory and the cluster (all before TensorFlow starts), make the
+strategy, build the engine under it, run the loop. Bad input ends with one line
+on stderr and exit status 2; a NaN or infinite step under --on_nonfinite=stop
+with one line and exit status 3 (nothing saved after the last good checkpoint).
+TensorFlow's C++ start-up lines are silenced; absl's --verbosity=0 shows them.
 """
 
-import json
-import os
 import sys
 
 from absl import app, flags
 
 from tfpar import cluster as cluster_lib
 from tfpar import config as config_lib
+from tfpar import console
 from tfpar import flags as tfpar_flags
 
 tfpar_flags.define_flags()
 FLAGS = flags.FLAGS
 
+EXIT_BAD_INPUT = 2
+EXIT_NONFINITE = 3  # Not "restart me": a restart would meet the same numbers again.
 
-def fail(message: str) -> None:
+
+def fail(message: str, status: int = EXIT_BAD_INPUT) -> None:
   print(f"tfpar.train: error: {message}", file=sys.stderr, flush=True)
-  sys.exit(2)
-
-
-def check_model_dir(cfg: config_lib.Config, is_chief: bool) -> None:
-  """A model_dir holds one model: resuming with other model flags is refused up front."""
-  path = os.path.join(cfg.train.model_dir, "config.json")
-  if os.path.exists(path):
-    with open(path) as f:
-      saved = json.load(f).get("model")
-    if saved is not None and saved != cfg.to_dict()["model"]:
-      diff = sorted(k for k in saved if saved.get(k) != cfg.to_dict()["model"].get(k))
-      fail(f"--model_dir={cfg.train.model_dir} holds a run with other model flags "
-           f"({', '.join(diff)}): use the same flags to resume, or a new --model_dir")
-  elif is_chief:
-    os.makedirs(cfg.train.model_dir, exist_ok=True)
-    # Written whole, then renamed: other workers check the file at the same moment
-    # and must never read it half-written.
-    with open(path + ".tmp", "w") as f:
-      json.dump(cfg.to_dict(), f, indent=2)
-    os.replace(path + ".tmp", path)
+  sys.exit(status)
 
 
 def main(argv):
@@ -51,13 +37,18 @@ def main(argv):
     cluster = cluster_lib.from_env()
   except (config_lib.ConfigError, cluster_lib.ClusterError) as e:
     fail(str(e))
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  # Everything that imports TensorFlow comes after validation.
+  console.import_tensorflow_quietly(FLAGS.verbosity if FLAGS["verbosity"].present else None)
+  try:
+    config_lib.check_run(cfg, cluster)  # Reads --model_dir through tf.io.gfile.
+  except config_lib.ConfigError as e:
+    fail(str(e))
   from tfpar import runner  # pylint: disable=import-outside-toplevel
   try:
-    runner.run(cfg, cluster, check_model_dir=check_model_dir)
+    runner.run(cfg, cluster)
   except runner.USER_ERRORS as e:
     fail(str(e))
+  except runner.NONFINITE_ERRORS as e:
+    fail(str(e), EXIT_NONFINITE)
 
 
 def parse_flags(argv):

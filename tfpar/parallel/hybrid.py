@@ -44,7 +44,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar import strategies
-from tfpar.config import Config, ConfigError
+from tfpar.config import Config
 from tfpar.data import pipeline as data_pipeline
 from tfpar.models import GPT
 from tfpar.parallel import plan as plan_lib
@@ -54,6 +54,7 @@ from tfpar.parallel.pipeline import Pipeline
 from tfpar.training.checkpoint import assign_canonical, model_layout, read_canonical
 from tfpar.training.engine import Engine, build_model
 from tfpar.training.optimizer import make_optimizer
+from tfpar.training.step import apply_or_skip
 
 
 class ModelCopy:
@@ -137,9 +138,6 @@ class ModelParallelEngine(Engine):
 
   def __init__(self, cfg: Config, strategy, corpus: data_pipeline.Corpus, *,
                sharding: str = "data"):
-    if cfg.train.precision == "mixed_float16":
-      raise ConfigError("--precision=mixed_float16 does not combine with model parallelism "
-                        "(no loss scaling there yet): use --precision=mixed_bfloat16 or float32")
     self.cfg = cfg
     self.corpus = corpus
     self.sharding = sharding
@@ -243,7 +241,8 @@ class ModelParallelEngine(Engine):
         grads = list(grads)
         if norm is None:  # The reduced gradient: the same on every copy.
           norm = tf.linalg.global_norm(grads)
-        copy.optimizer.apply(grads, copy.model.trainable_variables)
+        apply_or_skip(copy.optimizer, grads, copy.model.trainable_variables, norm,
+                      skip_nonfinite=self.cfg.train.on_nonfinite == "skip")
       losses = losses.write(i, loss)
       norms = norms.write(i, norm)
     return losses.stack(), norms.stack()

@@ -80,7 +80,6 @@ Launch (one machine): `python -m tfpar.launch --num_workers=2 --num_ps=1 --
 worker tasks serve until the chief is gone, then exit.
 """
 
-import json
 import os
 import socket
 import time
@@ -89,14 +88,16 @@ from typing import Dict, List
 import numpy as np
 import tensorflow as tf
 
+from tfpar import storage
 from tfpar.cluster import Cluster, ClusterError
-from tfpar.config import Config, ConfigError, DistConfig
+from tfpar.config import Config, DistConfig
 from tfpar.data import pipeline
 from tfpar.parallel.data_parallel import all_reduce_gradients
 from tfpar.training.checkpoint import model_layout
+from tfpar.training.metrics import to_json
 from tfpar.training.engine import Engine, build_model
 from tfpar.training.optimizer import inner_optimizer, make_optimizer
-from tfpar.training.step import token_loss
+from tfpar.training.step import apply_or_skip, token_loss
 
 # How often, and how many times in a row, a server checks that the chief is
 # still there before it exits (the ps and worker servers have no other end).
@@ -125,10 +126,6 @@ def make_strategy(dist: DistConfig, cluster: Cluster) -> tf.distribute.Strategy:
   if cluster.task_type != "chief":
     raise ClusterError(f"the {cluster.task_type} task of a parameter_server job serves; only "
                        "the chief builds the strategy")
-  num_ps = len(cluster.spec["ps"])
-  if dist.ps_shards > num_ps:
-    raise ConfigError(f"--ps_shards={dist.ps_shards} is more than the {num_ps} parameter "
-                      f"server(s) of the job: use --ps_shards<={num_ps} or start more ps tasks")
   partitioner = None
   if dist.ps_shards > 1:
     # Every variable of rank >= 1 is cut in ps_shards along axis 0 (fewer when
@@ -270,12 +267,14 @@ class RemoteVariableTrainStep:
   `stateless_call`. The update then runs on the ps, outside XLA.
 
   Args:
-    model, optimizer, global_tokens, jit_compile: as for TrainStep.
+    model, optimizer, global_tokens, jit_compile, skip_nonfinite: as for TrainStep.
   """
 
-  def __init__(self, model, optimizer, *, global_tokens: int, jit_compile: bool):
+  def __init__(self, model, optimizer, *, global_tokens: int, jit_compile: bool,
+               skip_nonfinite: bool = False):
     self.model = model
     self.optimizer = optimizer
+    self.skip_nonfinite = skip_nonfinite
     self.global_tokens = global_tokens
     self.scaled = hasattr(optimizer, "inner_optimizer")  # mixed_float16 loss scaling
     self._grads = tf.function(self._loss_and_grads, jit_compile=jit_compile)
@@ -296,7 +295,8 @@ class RemoteVariableTrainStep:
     grad_norm = tf.linalg.global_norm(grads)
     if self.scaled:  # Report the true norm, not the loss-scaled one.
       grad_norm = grad_norm / tf.cast(self.optimizer.scale_loss(1.0), grad_norm.dtype)
-    self.optimizer.apply(grads, self.model.trainable_variables)
+    apply_or_skip(self.optimizer, grads, self.model.trainable_variables, grad_norm,
+                  skip_nonfinite=self.skip_nonfinite)
     return loss, grad_norm
 
 
@@ -331,8 +331,9 @@ class ParameterServerEngine(Engine):
         self.optimizer.build(self.model.trainable_variables)
     self.layouts = [model_layout(self.model, self.optimizer)]
     jit = cfg.train.jit_compile
-    self._train_step = RemoteVariableTrainStep(self.model, self.optimizer,
-                                               global_tokens=self.global_tokens, jit_compile=jit)
+    self._train_step = RemoteVariableTrainStep(
+        self.model, self.optimizer, global_tokens=self.global_tokens, jit_compile=jit,
+        skip_nonfinite=cfg.train.on_nonfinite == "skip")
     self._eval_loss = tf.function(self._stateless_eval_loss, jit_compile=jit)
     self._worker_fn = tf.function(self._worker_step)
     self._eval_fn = tf.function(self._eval_steps)
@@ -406,10 +407,8 @@ class ParameterServerEngine(Engine):
             np.array([r["grad_norm"] for r in results], np.float32))
 
   def _write_records(self, records):
-    os.makedirs(os.path.dirname(self._records_path) or ".", exist_ok=True)
-    with open(self._records_path, "a") as f:
-      for r in records:
-        f.write(json.dumps(r) + "\n")
+    storage.makedirs(os.path.dirname(self._records_path) or ".")
+    storage.append_lines(self._records_path, [to_json(r) + "\n" for r in records])
 
   def _stateless_eval_loss(self, trainable, non_trainable, inputs, targets):
     logits, _ = self.model.stateless_call(trainable, non_trainable, inputs, training=False)

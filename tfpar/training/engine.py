@@ -12,10 +12,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpar.config import Config, ConfigError
+from tfpar.config import Config, check_batch
 from tfpar.data import pipeline
 from tfpar.models import GPT
-from tfpar.training.checkpoint import model_layout
+from tfpar.training.checkpoint import CheckpointMismatchError, model_layout
 from tfpar.training.optimizer import make_optimizer, inner_optimizer
 from tfpar.training.step import EvalStep, TrainStep
 
@@ -26,12 +26,6 @@ def build_model(cfg: Config, tensor_shards: int = 1) -> GPT:
   model = GPT(cfg.model, tensor_shards=tensor_shards, seed=cfg.train.seed)
   model.build_all()
   return model
-
-
-def check_batch(global_batch_size: int, num_replicas: int) -> None:
-  if global_batch_size % num_replicas:
-    raise ConfigError(f"--global_batch_size={global_batch_size} does not split evenly over "
-                      f"{num_replicas} replicas: use a multiple of {num_replicas}")
 
 
 class Engine:
@@ -61,6 +55,24 @@ class Engine:
   def learning_rate(self) -> float:
     return float(np.asarray(inner_optimizer(self.optimizer).learning_rate))
 
+  def check_same_step(self, step: int) -> None:
+    """Across workers: raises unless every worker restored the same step.
+
+    Workers read the checkpoint directory each for itself; one that saw
+    another file (a shared volume lagging, a checkpoint unreadable on one
+    host only) would train from other weights and data positions.
+    """
+    strategy = getattr(self, "strategy", None)
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+      return
+    mine = tf.constant([step, -step], tf.int64)
+    both = strategy.reduce(tf.distribute.ReduceOp.MAX,
+                           strategy.run(lambda: tf.identity(mine)), axis=None).numpy()
+    if both[0] != step or -both[1] != step:
+      raise CheckpointMismatchError(
+          f"workers restored different steps ({-both[1]} to {both[0]}; this worker {step}): "
+          "every worker must see the same --model_dir (a shared volume or bucket)")
+
 
 class DataParallelEngine(Engine):
   """One model replicated by a tf.distribute strategy.
@@ -80,6 +92,7 @@ class DataParallelEngine(Engine):
     self.corpus = corpus
     self.sharding = sharding
     self.num_replicas = strategy.num_replicas_in_sync
+    # config checked this for CPU hosts; GPUs and TPU cores are counted only now.
     check_batch(cfg.train.global_batch_size, self.num_replicas)
     self.global_tokens = cfg.train.global_batch_size * cfg.model.seq_len
     with strategy.scope():
@@ -92,7 +105,8 @@ class DataParallelEngine(Engine):
     jit = cfg.train.jit_compile
     # One replica: nothing runs between gradients and update, so XLA compiles both.
     self._train_step = TrainStep(self.model, self.optimizer, global_tokens=self.global_tokens,
-                                 jit_compile=jit, fuse_update=self.num_replicas == 1)
+                                 jit_compile=jit, fuse_update=self.num_replicas == 1,
+                                 skip_nonfinite=cfg.train.on_nonfinite == "skip")
     self._eval_step = EvalStep(self.model, global_tokens=self.global_tokens, jit_compile=jit)
     self._train_fn = tf.function(self._train_steps)
     self._eval_fn = tf.function(self._eval_steps)

@@ -7,6 +7,7 @@ scaling by the global batch happens in `token_loss`, and only there.
 import tensorflow as tf
 
 from tfpar.parallel.data_parallel import all_reduce_gradients
+from tfpar.training.optimizer import inner_optimizer
 
 
 def token_loss(logits, targets, global_tokens):
@@ -20,6 +21,42 @@ def token_loss(logits, targets, global_tokens):
   """
   ce = tf.nn.sparse_softmax_cross_entropy_with_logits(targets, tf.cast(logits, tf.float32))
   return tf.reduce_sum(ce) / tf.cast(global_tokens, tf.float32)
+
+
+def apply_or_skip(optimizer, grads, variables, grad_norm, *, skip_nonfinite: bool):
+  """Applies the reduced gradients; with `skip_nonfinite`, only if their norm is finite.
+
+  A skipped step changes no weight and no AdamW slot, but counts: the step
+  counter still advances, so the learning rate schedule and the data position
+  (both functions of the step) stay where an applied step would leave them.
+  The norm is of the all-reduced gradient, the same number on every replica,
+  so every replica takes the same branch. Under mixed_float16 the
+  LossScaleOptimizer already skips non-finite gradients (and lowers its scale).
+
+  Under MirroredStrategy the update's merge_call cannot sit inside a tf.cond
+  in replica context; as Keras' LossScaleOptimizer does, the cond then runs in
+  cross-replica context and calls the update for each replica.
+  """
+  if not skip_nonfinite or hasattr(optimizer, "inner_optimizer"):
+    optimizer.apply(grads, variables)
+    return
+
+  def skip():
+    inner_optimizer(optimizer).iterations.assign_add(1)
+
+  def apply():
+    optimizer.apply(grads, variables)
+
+  finite = tf.math.is_finite(grad_norm)
+  if tf.__internal__.distribute.strategy_supports_no_merge_call():
+    tf.cond(finite, apply, skip)
+    return
+
+  def cross_replica(distribution, finite):
+    first = distribution.experimental_local_results(finite)[0]
+    tf.cond(first, lambda: distribution.extended.call_for_each_replica(apply), skip)
+
+  tf.distribute.get_replica_context().merge_call(cross_replica, args=(finite,))
 
 
 class TrainStep:
@@ -39,11 +76,14 @@ class TrainStep:
     jit_compile: compile the forward and backward pass with XLA.
     fuse_update: also compile the update into the same XLA program (only
       valid when one replica is in sync; needs jit_compile).
+    skip_nonfinite: drop the update of a step whose gradient norm is NaN or
+      infinite (--on_nonfinite=skip); see `apply_or_skip`.
   """
 
   def __init__(self, model, optimizer, *, global_tokens: int, jit_compile: bool,
-               fuse_update: bool = False):
+               fuse_update: bool = False, skip_nonfinite: bool = False):
     self.model = model
+    self.skip_nonfinite = skip_nonfinite
     self.optimizer = optimizer
     self.global_tokens = global_tokens
     self.scaled = hasattr(optimizer, "inner_optimizer")  # mixed_float16 loss scaling
@@ -70,7 +110,8 @@ class TrainStep:
     grad_norm = tf.linalg.global_norm(grads)
     if self.scaled:  # Report the true norm, not the loss-scaled one.
       grad_norm = grad_norm / tf.cast(self.optimizer.scale_loss(1.0), grad_norm.dtype)
-    self.optimizer.apply(grads, self.model.trainable_variables)
+    apply_or_skip(self.optimizer, grads, self.model.trainable_variables, grad_norm,
+                  skip_nonfinite=self.skip_nonfinite)
     return loss, grad_norm
 
   def __call__(self, inputs, targets):
