@@ -16,8 +16,9 @@ setup(
         "numpy",
     ],
     extras_require={
-        # The tests run scripts/bench.py's smoke test, which trains keras-hub's GPT2Backbone.
-        "test": ["pytest>=8", "keras-hub>=0.32"],
+        # The tests run scripts/bench.py's smoke test, which trains keras-hub's GPT2Backbone;
+        # hypothesis drives the property tests of the flag validator.
+        "test": ["pytest>=8", "keras-hub>=0.32", "hypothesis>=6"],
         "bench": ["keras-hub>=0.32"],
     },
 )

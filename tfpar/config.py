@@ -378,8 +378,7 @@ def _check_model_dir(cfg: Config) -> None:
                       "restore it from the run's first flags, or use a new --model_dir") from None
   ours = cfg.to_dict()
   if saved_model is not None and saved_model != ours["model"]:
-    diff = sorted(k for k in set(saved_model) | set(ours["model"])
-                  if saved_model.get(k) != ours["model"].get(k))
+    diff = sorted(k for k in saved_model if saved_model[k] != ours["model"].get(k))
     raise ConfigError(f"--model_dir={path} holds a run with other model flags "
                       f"({', '.join(diff)}): use the same flags to resume, or a new --model_dir")
   for flag in RESUME_FIXED:

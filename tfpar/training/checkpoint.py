@@ -255,11 +255,17 @@ class CanonicalCheckpointer:
   def _rewrite_state(self, restored: str) -> None:
     """Rewrites the `checkpoint` state file from the files on disk (it may be lost or corrupt).
 
-    CheckpointManager reads it to know which old checkpoints to delete.
+    CheckpointManager reads it to know which old checkpoints to delete. The
+    file is the text form of tf's CheckpointState proto; the function TF has
+    for writing it (update_checkpoint_state) is deprecated and warns.
     """
-    found = [p for _, p in reversed(list_checkpoints(self.directory))]
-    tf.compat.v1.train.update_checkpoint_state(
-        self.directory, restored, all_model_checkpoint_paths=found)
+    lines = [f'model_checkpoint_path: "{os.path.basename(restored)}"']
+    lines += [f'all_model_checkpoint_paths: "{os.path.basename(p)}"'
+              for _, p in reversed(list_checkpoints(self.directory))]
+    path = os.path.join(self.directory, "checkpoint")
+    with tf.io.gfile.GFile(path + ".tmp", "w") as f:
+      f.write("\n".join(lines) + "\n")
+    tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
 
 
 def read_checkpoint(path: str) -> Dict[str, np.ndarray]:
