@@ -14,11 +14,13 @@ setup(
         "absl-py>=2.1",
         "tensorboard",  # tf.summary writes through it; TF 2.21 no longer pulls it in.
         "numpy",
+        "pyyaml",  # python -m tfpar.k8s render prints YAML.
     ],
     extras_require={
         # The tests run scripts/bench.py's smoke test, which trains keras-hub's GPT2Backbone;
-        # hypothesis drives the property tests of the flag validator.
-        "test": ["pytest>=8", "keras-hub>=0.32", "hypothesis>=6"],
+        # kubernetes and jsonschema validate the rendered manifests offline; hypothesis drives
+        # the property tests of the flag validator.
+        "test": ["pytest>=8", "keras-hub>=0.32", "kubernetes", "jsonschema", "hypothesis>=6"],
         "bench": ["keras-hub>=0.32"],
     },
 )

@@ -1,17 +1,44 @@
-"""Who am I in the job, and who are my peers: TF_CONFIG (local launcher, Kubeflow TFJob).
+"""Who am I in the job, and who are my peers: TF_CONFIG, or a Kubernetes pod's index.
 
-Read without importing TensorFlow, so the entry point can decide early (and
-fail with one clear line) before TF starts.
+Three sources, read without importing TensorFlow, so the entry point can fail
+early with one clear line before TF starts:
+
+- `TF_CONFIG` (the local launcher, Kubeflow's TFJob operator);
+- a pod of an Indexed Job or a JobSet rendered by `python -m tfpar.k8s render`:
+  nobody writes TF_CONFIG there, so it is built here from the job's hostnames
+  (`TFPAR_CLUSTER`, written into the manifest), the pod's task type
+  (`TFPAR_TASK_TYPE`, or derived from the index) and its index
+  (`JOB_COMPLETION_INDEX`, set by Kubernetes), after waiting a bounded time
+  (`TFPAR_PEER_TIMEOUT` seconds) for every peer's DNS name: headless-service
+  records can lag pod start by tens of seconds;
+- nothing: a single process.
+
+`tf_config` is the one builder of a TF_CONFIG string; the launcher and pods use it.
 """
 
 import dataclasses
 import json
 import os
-from typing import Dict, List, Optional
+import socket
+import time
+from typing import Callable, Dict, List, Mapping, MutableMapping, Optional, Sequence, Tuple
+
+# Task types in the order tfpar numbers a job's tasks: the launcher's ports, an
+# Indexed Job's completion indexes.
+TASK_ORDER = ("chief", "worker", "ps")
+CLUSTER_ENV = "TFPAR_CLUSTER"
+TASK_TYPE_ENV = "TFPAR_TASK_TYPE"
+PEER_TIMEOUT_ENV = "TFPAR_PEER_TIMEOUT"
+INDEX_ENV = "JOB_COMPLETION_INDEX"
+DEFAULT_PEER_TIMEOUT = 300.0
 
 
 class ClusterError(ValueError):
   """A TF_CONFIG that cannot work; the message says what to fix."""
+
+
+class PeersNotFound(RuntimeError):
+  """Peers' DNS names did not resolve in time: possibly transient, worth a restart."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +76,122 @@ class Cluster:
     return self.task_type == "worker" and self.task_index == 0
 
 
-def from_env(environ=None) -> Cluster:
-  """Parses TF_CONFIG (absent: a single process)."""
+def check_job_shape(strategy: str, num_workers: int, num_ps: int, *,
+                    workers_flag: str = "--num_workers", ps_flag: str = "--num_ps") -> None:
+  """Raises ClusterError when a job of this shape cannot run `--strategy=strategy`.
+
+  Shared by the local launcher and the Kubernetes renderer, which both decide a
+  job's shape before any task starts; the message names their own flags.
+  """
+  if num_ps and strategy != "parameter_server":
+    raise ClusterError(f"{ps_flag}={num_ps} starts parameter servers, but the training flags "
+                       f"say --strategy={strategy}: pass --strategy=parameter_server")
+  if not num_ps and strategy == "parameter_server":
+    raise ClusterError(f"--strategy=parameter_server needs parameter servers: pass {ps_flag}=1 "
+                       "(or more)")
+  if num_workers > 1 and strategy not in ("multi_worker_mirrored", "parameter_server"):
+    raise ClusterError(f"{workers_flag}={num_workers} with --strategy={strategy} would train "
+                       "independent copies: pass --strategy=multi_worker_mirrored")
+
+
+def tasks_in_order(spec: Mapping[str, Sequence[str]]) -> List[Tuple[str, int]]:
+  """(type, index) of every task, numbered as TASK_ORDER says."""
+  return [(t, i) for t in TASK_ORDER for i in range(len(spec.get(t, ())))]
+
+
+def tf_config(spec: Mapping[str, Sequence[str]], task_type: str, task_index: int) -> str:
+  """The TF_CONFIG JSON of one task of the cluster `spec` (job name -> addresses)."""
+  return json.dumps({"cluster": {k: list(v) for k, v in spec.items()},
+                     "task": {"type": task_type, "index": task_index}})
+
+
+def pod_tf_config(environ: Mapping[str, str]) -> Optional[Tuple[str, Dict[str, List[str]], str, int]]:
+  """TF_CONFIG of a pod rendered by tfpar.k8s, from its environment; None if not such a pod.
+
+  Returns:
+    (tf_config, spec, task_type, task_index).
+  """
+  raw = environ.get(CLUSTER_ENV)
+  if not raw:
+    return None
+  try:
+    spec = {k: [str(a) for a in v] for k, v in json.loads(raw).items()}
+  except (ValueError, TypeError, AttributeError):
+    raise ClusterError(f"{CLUSTER_ENV}={raw!r} is not a JSON object of job name -> addresses: "
+                       "render the manifest again with python -m tfpar.k8s render") from None
+  index_raw = environ.get(INDEX_ENV)
+  try:
+    index = int(index_raw)
+  except (TypeError, ValueError):
+    raise ClusterError(f"{INDEX_ENV}={index_raw!r}: {CLUSTER_ENV} is set but this pod has no "
+                       "completion index: run it in an Indexed Job or a JobSet") from None
+  task_type = environ.get(TASK_TYPE_ENV)
+  if task_type:
+    if task_type not in spec:
+      raise ClusterError(f"{TASK_TYPE_ENV}={task_type} is not a job of {CLUSTER_ENV} "
+                         f"({', '.join(sorted(spec))})")
+    if not 0 <= index < len(spec[task_type]):
+      raise ClusterError(f"{INDEX_ENV}={index} is out of range for {len(spec[task_type])} "
+                         f"{task_type} task(s)")
+  else:  # One Indexed Job holds every task, numbered chief, workers, ps.
+    tasks = tasks_in_order(spec)
+    if not 0 <= index < len(tasks):
+      raise ClusterError(f"{INDEX_ENV}={index} is out of range for the {len(tasks)} tasks of "
+                         f"{CLUSTER_ENV}")
+    task_type, index = tasks[index]
+  return tf_config(spec, task_type, index), spec, task_type, index
+
+
+def wait_for_peers(addresses: Sequence[str], timeout: float, *, interval: float = 2.0,
+                   resolve: Callable = socket.getaddrinfo) -> None:
+  """Blocks until every `host:port` resolves, or raises PeersNotFound after `timeout` s."""
+  deadline = time.monotonic() + timeout
+  missing = list(addresses)
+  while True:
+    still = []
+    for address in missing:
+      host, _, port = address.rpartition(":")
+      try:
+        resolve(host, int(port), proto=socket.IPPROTO_TCP)
+      except (OSError, UnicodeError):
+        still.append(address)
+    missing = still
+    if not missing:
+      return
+    if time.monotonic() >= deadline:
+      raise PeersNotFound(f"peers not found in DNS after {timeout:.0f} s: {', '.join(missing)} "
+                          "(are their pods scheduled, and the headless Service and "
+                          "publishNotReadyAddresses in place?)")
+    time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+
+
+def from_env(environ: Optional[MutableMapping[str, str]] = None) -> Cluster:
+  """This task's Cluster from TF_CONFIG, or from a rendered pod's environment.
+
+  A pod's TF_CONFIG is built, its peers waited for, and the result exported as
+  TF_CONFIG into `environ` (TensorFlow's cluster resolvers read it there).
+
+  Raises:
+    ClusterError: the environment cannot describe a job (bad input).
+    PeersNotFound: a pod's peers did not resolve in time.
+  """
   environ = os.environ if environ is None else environ
-  raw = environ.get("TF_CONFIG")
+  if not environ.get("TF_CONFIG"):
+    pod = pod_tf_config(environ)
+    if pod is not None:
+      config, spec, task_type, index = pod
+      me = spec[task_type][index]
+      raw_timeout = environ.get(PEER_TIMEOUT_ENV, str(DEFAULT_PEER_TIMEOUT))
+      try:
+        timeout = float(raw_timeout)
+      except ValueError:
+        raise ClusterError(f"{PEER_TIMEOUT_ENV}={raw_timeout} is not a number of seconds") from None
+      wait_for_peers([a for addresses in spec.values() for a in addresses if a != me], timeout)
+      environ["TF_CONFIG"] = config
+  return _parse_tf_config(environ.get("TF_CONFIG"))
+
+
+def _parse_tf_config(raw: Optional[str]) -> Cluster:
   if not raw:
     return Cluster()
   try:

@@ -93,3 +93,47 @@ def parse(argv) -> flags.FlagValues:
   fv = define_flags(flags.FlagValues())
   fv(['tfpar'] + list(argv))
   return fv
+
+
+KINDS = ("tfjob", "jobset", "indexed-job")
+
+
+def define_render_flags(flag_values: flags.FlagValues) -> flags.FlagValues:
+  """Defines the flags of `python -m tfpar.k8s render` on `flag_values`; returns it."""
+  fv = flag_values
+  _define(flags.DEFINE_enum, fv, "kind", None, list(KINDS),
+          "Workload: a Kubeflow TFJob (the operator writes TF_CONFIG), a JobSet (restarts the "
+          "whole group), or an Indexed Job with a headless Service (no extra controller).")
+  _define(flags.DEFINE_string, fv, "name", None,
+          "Name of the job, its Service and NetworkPolicy (a DNS label: a-z, 0-9, '-').")
+  _define(flags.DEFINE_integer, fv, "workers", None, "Worker pods.", lower_bound=1, upper_bound=1024)
+  _define(flags.DEFINE_integer, fv, "ps", 0,
+          "Parameter-server pods (--strategy=parameter_server; a chief pod is added).",
+          lower_bound=0, upper_bound=256)
+  _define(flags.DEFINE_string, fv, "image", None, "Container image built from the repo's Dockerfile.")
+  _define(flags.DEFINE_integer, fv, "gpus_per_worker", 0, "nvidia.com/gpu limit of each worker.",
+          lower_bound=0, upper_bound=16)
+  _define(flags.DEFINE_string, fv, "tpu_topology", None,
+          "GKE TPU slice topology, e.g. 2x4 (with --strategy=tpu and --tpu_accelerator).")
+  _define(flags.DEFINE_string, fv, "tpu_accelerator", None,
+          "GKE TPU accelerator node label, e.g. tpu-v5-lite-podslice.")
+  _define(flags.DEFINE_string, fv, "cpu", "4", "CPU request of each pod (a Kubernetes quantity).")
+  _define(flags.DEFINE_string, fv, "memory", "16Gi",
+          "Memory request and limit of each pod (a Kubernetes quantity).")
+  _define(flags.DEFINE_string, fv, "pvc", None,
+          "A ReadWriteMany PersistentVolumeClaim mounted in every pod at --mount_path, for a "
+          "local --model_dir (not needed when --model_dir is a bucket, gs://...).")
+  _define(flags.DEFINE_string, fv, "mount_path", "/mnt/tfpar", "Where --pvc is mounted.")
+  _define(flags.DEFINE_integer, fv, "port", 2222, "Port of TensorFlow's gRPC server in every pod.",
+          lower_bound=1024, upper_bound=65535)
+  _define(flags.DEFINE_integer, fv, "grace_seconds", 300,
+          "terminationGracePeriodSeconds: time from SIGTERM to SIGKILL, to save a checkpoint.",
+          lower_bound=30, upper_bound=3600)
+  _define(flags.DEFINE_integer, fv, "max_restarts", None,
+          "Whole-job restarts (JobSet failurePolicy; TFJob backoffLimit with parameter servers). "
+          "Default: 3 where the kind can restart the whole job, else 0.",
+          lower_bound=0, upper_bound=100)
+  _define(flags.DEFINE_integer, fv, "peer_timeout", 300,
+          "Seconds a pod waits for its peers' DNS names before failing (JobSet, Indexed Job).",
+          lower_bound=1, upper_bound=3600)
+  return fv

@@ -7,8 +7,11 @@
     python -m tfpar.launch --num_workers=2 --num_ps=1 -- --strategy=parameter_server --model_dir=runs/ps
 
 Every task gets its own TF_CONFIG on free loopback ports (or `--port_base`,
-`--port_base+1`, ... in the order chief, workers, ps), its output streamed live
-with a `[worker 1] ` prefix. The launcher behaves like a Kubernetes job:
+`--port_base+1`, ... in the order chief, workers, ps: refused if any is taken),
+its output streamed live with a `[worker 1] ` prefix. TensorFlow's servers
+listen on those ports on every interface, not only 127.0.0.1, and are
+unauthenticated: on a shared or exposed machine, firewall them. The launcher
+behaves like a Kubernetes job:
 
 - Multi-worker: the job succeeds when every worker exits 0. When any task
   fails, the others are terminated at once (a peer left in a collective would
@@ -30,7 +33,6 @@ stderr and exit status 2, before any process starts.
 
 import ctypes
 import dataclasses
-import json
 import os
 import signal
 import socket
@@ -39,6 +41,8 @@ import sys
 import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from tfpar import cluster as cluster_lib
 
 USAGE = ("python -m tfpar.launch --num_workers=N [--num_ps=P] [--max_restarts=R] "
          "[--port_base=PORT] -- <tfpar.train flags>")
@@ -50,6 +54,9 @@ TERMINATE_GRACE = 5.0
 # tfpar.train's status for bad input (flags, data, a model_dir of another
 # model): restarting cannot help, as a Kubernetes podFailurePolicy would say.
 USAGE_ERROR = 2
+# Local tasks are whole TensorFlow processes (~0.5 GB each) sharing one machine's
+# cores: 32 is past what a workstation runs usefully; more is a typo.
+MAX_LOCAL_TASKS = 32
 # Seconds the other workers get to finish once the chief of a multi-worker job
 # has succeeded (they only clean up by then), before they count as hung.
 FINISH_GRACE = 120.0
@@ -102,6 +109,11 @@ def parse_args(argv: Sequence[str]) -> LaunchConfig:
     raise LaunchError(f"--num_workers={values['num_workers']} must be at least 1")
   if values["num_ps"] < 0 or values["max_restarts"] < 0:
     raise LaunchError("--num_ps and --max_restarts must be >= 0")
+  if values["num_workers"] + values["num_ps"] > MAX_LOCAL_TASKS:
+    raise LaunchError(f"--num_workers={values['num_workers']} --num_ps={values['num_ps']}: "
+                      f"more than {MAX_LOCAL_TASKS} tasks on this machine; each is a whole "
+                      "TensorFlow process (hundreds of MB); for more, use a cluster "
+                      "(python -m tfpar.k8s render)")
   cfg = LaunchConfig(train_args=tuple(train_args), **values)
   num_tasks = len(cluster_tasks(cfg))
   if cfg.port_base and not 1024 <= cfg.port_base <= 65535 - num_tasks:
@@ -110,6 +122,8 @@ def parse_args(argv: Sequence[str]) -> LaunchConfig:
   if not train_args:
     raise LaunchError(f"no training flags after '--': {USAGE}")
   _check_train_flags(cfg)
+  if cfg.port_base:
+    check_ports_free(range(cfg.port_base, cfg.port_base + num_tasks))
   return cfg
 
 
@@ -125,15 +139,10 @@ def _check_train_flags(cfg: LaunchConfig) -> None:
     raise LaunchError(f"training flags: {str(e).splitlines()[0]}") from None
   except config_lib.ConfigError as e:
     raise LaunchError(f"training flags: {e}") from None
-  if cfg.num_ps and strategy != "parameter_server":
-    raise LaunchError(f"--num_ps={cfg.num_ps} starts parameter servers, but the training flags "
-                      f"say --strategy={strategy}: pass --strategy=parameter_server")
-  if not cfg.num_ps and strategy == "parameter_server":
-    raise LaunchError("--strategy=parameter_server needs parameter servers: pass --num_ps=1 "
-                      "(or more) to the launcher")
-  if cfg.num_workers > 1 and strategy not in ("multi_worker_mirrored", "parameter_server"):
-    raise LaunchError(f"--num_workers={cfg.num_workers} with --strategy={strategy} would train "
-                      "independent copies: pass --strategy=multi_worker_mirrored")
+  try:
+    cluster_lib.check_job_shape(strategy, cfg.num_workers, cfg.num_ps)
+  except cluster_lib.ClusterError as e:
+    raise LaunchError(str(e)) from None
 
 
 def cluster_tasks(cfg: LaunchConfig) -> List[Task]:
@@ -145,12 +154,12 @@ def cluster_tasks(cfg: LaunchConfig) -> List[Task]:
 
 
 def free_ports(count: int) -> List[int]:
-  """`count` distinct loopback ports free right now (held open until all are chosen)."""
+  """`count` distinct ports free right now on every interface (held open until all are chosen)."""
   sockets = []
   try:
     for _ in range(count):
       s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-      s.bind(("127.0.0.1", 0))
+      s.bind(("", 0))  # TF's servers bind all interfaces, not just the loopback TF_CONFIG names
       sockets.append(s)
     return [s.getsockname()[1] for s in sockets]
   finally:
@@ -158,13 +167,34 @@ def free_ports(count: int) -> List[int]:
       s.close()
 
 
+def check_ports_free(ports: Sequence[int]) -> None:
+  """Raises LaunchError naming every port some process already listens on.
+
+  TensorFlow's servers listen on all interfaces whatever address TF_CONFIG
+  gives, so a port counts as taken if it cannot be bound on all of them. Checked
+  for every task before any starts: a task that cannot bind would die late, or
+  its peers would talk to a stranger's server.
+  """
+  taken = []
+  for port in ports:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+      # SO_REUSEADDR: connections of an earlier job in TIME_WAIT do not count, listeners do.
+      s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      try:
+        s.bind(("", port))
+      except OSError:
+        taken.append(port)
+  if taken:
+    raise LaunchError(f"port(s) {', '.join(map(str, taken))} already in use: stop what listens "
+                      "there, or pass another --port_base (or 0 to pick free ports)")
+
+
 def tf_configs(tasks: Sequence[Task], ports: Sequence[int]) -> Dict[Task, str]:
   """TF_CONFIG for every task: the same cluster, each its own task entry."""
   spec: Dict[str, List[str]] = {}
   for task, port in zip(tasks, ports):
     spec.setdefault(task.type, []).append(f"127.0.0.1:{port}")
-  return {task: json.dumps({"cluster": spec, "task": {"type": task.type, "index": task.index}})
-          for task in tasks}
+  return {task: cluster_lib.tf_config(spec, task.type, task.index) for task in tasks}
 
 
 try:

@@ -37,6 +37,9 @@ def main(argv):
     cluster = cluster_lib.from_env()
   except (config_lib.ConfigError, cluster_lib.ClusterError) as e:
     fail(str(e))
+  except cluster_lib.PeersNotFound as e:  # Not bad input: a restart may find them.
+    print(f"tfpar.train: error: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
   console.import_tensorflow_quietly(FLAGS.verbosity if FLAGS["verbosity"].present else None)
   try:
     config_lib.check_run(cfg, cluster)  # Reads --model_dir through tf.io.gfile.

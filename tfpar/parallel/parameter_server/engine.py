@@ -1,0 +1,150 @@
+"""The coordinator's engine: asynchronous steps scheduled on the workers (see the package doc)."""
+
+from typing import Dict, List
+
+import numpy as np
+import tensorflow as tf
+
+from tfpar.config import Config
+from tfpar.data import pipeline
+from tfpar.parallel.parameter_server import keras_patches
+from tfpar.parallel.parameter_server.step import RemoteVariableTrainStep
+from tfpar.parallel.parameter_server.step_log import StepLog
+from tfpar.training.checkpoint import model_layout
+from tfpar.training.engine import Engine, build_model
+from tfpar.training.optimizer import inner_optimizer, make_optimizer
+from tfpar.training.step import token_loss
+
+
+class ParameterServerEngine(Engine):
+  """The coordinator's engine: schedules asynchronous steps on the workers.
+
+  Same surface as `DataParallelEngine` (what tfpar.training.loop drives).
+
+  Args:
+    cfg: the run's config.
+    strategy: a ParameterServerStrategy (from `make_strategy`).
+    corpus: the token streams (every worker reads its own part of them).
+  """
+
+  def __init__(self, cfg: Config, strategy, corpus: pipeline.Corpus):
+    self.cfg = cfg
+    self.strategy = strategy
+    self.corpus = corpus
+    self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    self.num_workers = strategy.extended._num_workers  # pylint: disable=protected-access
+    self.num_ps = strategy.extended._num_ps  # pylint: disable=protected-access
+    # Replicas training at once (each on its own, asynchronously).
+    self.num_replicas = self.num_workers
+    self.global_tokens = cfg.train.global_batch_size * cfg.model.seq_len
+    with strategy.scope():
+      self.model = build_model(cfg)
+      self.optimizer = make_optimizer(cfg.optim, cfg.train.train_steps, cfg.train.precision)
+      keras_patches.make_step_counter_atomic(inner_optimizer(self.optimizer))
+      keras_patches.update_sharded_variables_directly(inner_optimizer(self.optimizer))
+      inner_optimizer(self.optimizer).build(self.model.trainable_variables)
+      if self.optimizer is not inner_optimizer(self.optimizer):
+        self.optimizer.build(self.model.trainable_variables)
+    self.layouts = [model_layout(self.model, self.optimizer)]
+    jit = cfg.train.jit_compile
+    self._train_step = RemoteVariableTrainStep(
+        self.model, self.optimizer, global_tokens=self.global_tokens, jit_compile=jit,
+        skip_nonfinite=cfg.train.on_nonfinite == "skip")
+    self._eval_loss = tf.function(self._stateless_eval_loss, jit_compile=jit)
+    self._worker_fn = tf.function(self._worker_step)
+    self._eval_fn = tf.function(self._eval_steps)
+    self.records: List[Dict] = []
+    self._step_log = StepLog(cfg.train.model_dir)
+
+  # --- data -------------------------------------------------------------------
+  def train_iterator(self, start_step: int):
+    """Per-worker iterators: worker w reads batches w, W + w, 2W + w, ... of the data order."""
+    g, w, seq_len, seed = (self.cfg.train.global_batch_size, self.num_workers,
+                           self.cfg.model.seq_len, self.cfg.train.seed)
+    tokens = self.corpus.train
+
+    def dataset_fn(_):
+      worker = tf.distribute.coordinator.experimental_get_current_worker_index()  # int64 []
+      # W "replicas" of a G*W batch, this worker being replica `worker`.
+      shard = pipeline.Shard(g * w, w, worker, 1)
+      return pipeline.window_dataset(tokens, seq_len, shard, seed=seed,
+                                     start_step=start_step // w, shuffle=True)
+
+    @tf.function
+    def per_worker_dataset_fn():
+      return self.strategy.distribute_datasets_from_function(dataset_fn)
+
+    return iter(self.coordinator.create_per_worker_dataset(per_worker_dataset_fn))
+
+  def eval_iterator(self):
+    """The held-out batches, read on the chief (evaluation runs there, inline)."""
+    shard = pipeline.Shard(self.cfg.train.global_batch_size)
+    return iter(pipeline.window_dataset(self.corpus.eval, self.cfg.model.seq_len, shard,
+                                        seed=self.cfg.train.seed, shuffle=False))
+
+  # --- steps ------------------------------------------------------------------
+  def _worker_step(self, iterator):
+    """One asynchronous step on whichever worker runs it (scheduled by the chief)."""
+    iterations = inner_optimizer(self.optimizer).iterations
+    inputs, targets = next(iterator)
+    start_time = tf.timestamp()
+    with tf.control_dependencies([start_time]):
+      read_version = tf.identity(iterations)  # The version the weights are read at.
+    with tf.control_dependencies([read_version]):
+      loss, norm = self.strategy.run(self._train_step, args=(inputs, targets))
+    with tf.control_dependencies([loss, norm]):
+      # Ordered after this step's update: both touch the counter's resource.
+      write_version = tf.identity(iterations)
+    with tf.control_dependencies([write_version]):
+      end_time = tf.timestamp()
+    worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+    return {"loss": loss, "grad_norm": norm, "worker": worker, "read_version": read_version,
+            "write_version": write_version, "start_time": start_time, "end_time": end_time}
+
+  def train(self, iterator, num_steps: int):
+    """Schedules `num_steps` steps on the workers; returns per-step (losses, grad_norms).
+
+    Steps run in the order workers pick them up; the arrays are in scheduling
+    order. Each step's worker, versions and times go to `self.records`.
+    """
+    futures = [self.coordinator.schedule(self._worker_fn, args=(iterator,))
+               for _ in range(num_steps)]
+    self.coordinator.join()  # Raises the first error a closure raised.
+    results = [{k: np.asarray(v).item() for k, v in f.fetch().items()} for f in futures]
+    new = []
+    for r in results:
+      r["worker"] = int(r["worker"])
+      r["step"] = int(r["write_version"])
+      r["staleness"] = int(r["write_version"] - r["read_version"] - 1)
+      new.append(r)
+    self.records.extend(new)
+    self._step_log.write(new)
+    return (np.array([r["loss"] for r in results], np.float32),
+            np.array([r["grad_norm"] for r in results], np.float32))
+
+  def _stateless_eval_loss(self, trainable, non_trainable, inputs, targets):
+    logits, _ = self.model.stateless_call(trainable, non_trainable, inputs, training=False)
+    return token_loss(logits, targets, self.global_tokens)
+
+  def _eval_steps(self, iterator, num_steps):
+    # The weights are read from the ps once, then used as plain tensors (as
+    # in training: no ShardedVariable reaches the layers' code).
+    trainable = [tf.convert_to_tensor(v.value) for v in self.model.trainable_variables]
+    non_trainable = [tf.convert_to_tensor(v.value) for v in self.model.non_trainable_variables]
+    total = tf.constant(0.0)
+    for _ in tf.range(num_steps):
+      inputs, targets = next(iterator)
+      total += self._eval_loss(trainable, non_trainable, inputs, targets)
+    return total / tf.cast(num_steps, tf.float32)
+
+  def evaluate(self, iterator, num_steps: int) -> float:
+    """Held-out loss, computed on the chief from the current ps weights (inline)."""
+    self.coordinator.join()
+    return super().evaluate(iterator, num_steps)
+
+  def describe(self) -> dict:
+    return {"strategy": "ParameterServerStrategy (async)", "replicas": self.num_replicas,
+            "workers": self.num_workers, "ps": self.num_ps, "ps_shards": self.cfg.dist.ps_shards,
+            "sharded_variables": sum(keras_patches.is_sharded(v) for v in self.model.variables),
+            "sharded_slots": sum(keras_patches.is_sharded(v) for v in inner_optimizer(self.optimizer).variables),
+            "parameters": int(sum(np.prod(v.shape) for v in self.model.trainable_variables))}
