@@ -40,6 +40,25 @@ def nonfinite_steps(cfg: Config, losses: np.ndarray, norms: np.ndarray) -> np.nd
   return bad
 
 
+def _check_numerics(cfg: Config, step: int, losses, norms, metrics, directory: str) -> int:
+  """Steps step+1.. just ran: raises NonFiniteError (stop) or returns how many were skipped."""
+  bad = nonfinite_steps(cfg, losses, norms)
+  if not bad.any():
+    return 0
+  first = int(np.argmax(bad))
+  where = f"step {step + first + 1}: loss {losses[first]:.4g}, gradient norm {norms[first]:.4g}"
+  if cfg.train.on_nonfinite == "stop":
+    metrics.write({"kind": "nonfinite", "step": step + first + 1, "loss": float(losses[first]),
+                   "grad_norm": float(norms[first])})
+    raise NonFiniteError(
+        f"{where} (--on_nonfinite=stop): stopped without saving; the newest checkpoint in "
+        f"{directory} is the last good state. Lower --learning_rate or --clip_norm, check the "
+        "data, or pass --on_nonfinite=skip to drop such steps")
+  metrics.say(f"warning: skipped {_count(int(bad.sum()), 'non-finite step')} (first {where}): "
+              "their updates were dropped")
+  return int(bad.sum())
+
+
 def _finite_mean(values) -> float:
   finite = [v for v in values if np.isfinite(v)]
   return float(np.mean(finite)) if finite else float("nan")
@@ -84,22 +103,9 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
     start = time.perf_counter()
     losses, norms = engine.train(iterator, n)
     elapsed = time.perf_counter() - start
-    bad = nonfinite_steps(cfg, losses, norms)
-    if bad.any():
-      first = int(np.argmax(bad))
-      where = (f"step {step + first + 1}: loss {losses[first]:.4g}, gradient norm "
-               f"{norms[first]:.4g}")
-      if t.on_nonfinite == "stop":
-        metrics.write({"kind": "nonfinite", "step": step + first + 1,
-                       "loss": float(losses[first]), "grad_norm": float(norms[first])})
-        raise NonFiniteError(
-            f"{where} (--on_nonfinite=stop): stopped without saving; the newest checkpoint "
-            f"in {checkpointer.directory} is the last good state. Lower --learning_rate or "
-            "--clip_norm, check the data, or pass --on_nonfinite=skip to drop such steps")
-      window_skipped += int(bad.sum())
-      skipped_total += int(bad.sum())
-      metrics.say(f"warning: skipped {_count(int(bad.sum()), 'non-finite step')} "
-                  f"(first {where}): their updates were dropped")
+    skipped = _check_numerics(cfg, step, losses, norms, metrics, checkpointer.directory)
+    window_skipped += skipped
+    skipped_total += skipped
     step += n
     window_losses.extend(losses.tolist())
     window_norms.extend(norms.tolist())
@@ -115,11 +121,11 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
       if t.on_nonfinite == "skip":
         record.update(skipped_steps=window_skipped, skipped_total=skipped_total)
       metrics.write(record)
-      skipped = f" | skipped {skipped_total}" if skipped_total else ""
+      note = f" | skipped {skipped_total}" if skipped_total else ""
       metrics.progress(step, t.train_steps, record["loss"], record["tokens_per_sec"],
                        record["step_time"],
                        f" | {_count(engine.num_replicas, 'replica')} on "
-                       f"{_count(num_workers, 'worker')}{skipped}")
+                       f"{_count(num_workers, 'worker')}{note}")
       last["train"] = record
       window_losses, window_norms, window_time, window_skipped = [], [], 0.0, 0
     if t.eval_steps and ((t.eval_every and step % t.eval_every == 0) or done):
