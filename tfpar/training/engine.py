@@ -65,13 +65,12 @@ class Engine:
     strategy = getattr(self, "strategy", None)
     if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
       return
-    mine = tf.constant([step, -step], tf.int64)
-    both = strategy.reduce(tf.distribute.ReduceOp.MAX,
-                           strategy.run(lambda: tf.identity(mine)), axis=None).numpy()
-    if both[0] != step or -both[1] != step:
+    mine = tf.constant([step], tf.int64)
+    steps = strategy.gather(strategy.run(lambda: tf.identity(mine)), axis=0).numpy().tolist()
+    if len(set(steps)) > 1:
       raise CheckpointMismatchError(
-          f"workers restored different steps ({-both[1]} to {both[0]}; this worker {step}): "
-          "every worker must see the same --model_dir (a shared volume or bucket)")
+          f"workers restored different steps ({steps}; this worker {step}): every worker "
+          "must see the same --model_dir (a shared volume or bucket)")
 
 
 class DataParallelEngine(Engine):
