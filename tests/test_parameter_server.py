@@ -152,12 +152,13 @@ def test_ps_shards_partition_variables_over_two_ps_and_resume(tmp_path):
 
 def test_ps_shards_more_than_ps_and_missing_tasks_are_clear_errors():
   from tfpar.cluster import Cluster, ClusterError  # pylint: disable=import-outside-toplevel
-  from tfpar.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from tfpar import config  # pylint: disable=import-outside-toplevel
   from tfpar.parallel import parameter_server  # pylint: disable=import-outside-toplevel
   spec = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
-  dist = make_config(PS_FLAGS + ["--model_dir=unused", "--ps_shards=2"]).dist
-  with pytest.raises(ConfigError, match=r"--ps_shards=2 is more than the 1 parameter server"):
-    parameter_server.make_strategy(dist, Cluster(spec=spec, task_type="chief"))
+  cfg = make_config(PS_FLAGS + ["--model_dir=unused", "--ps_shards=2"])
+  # Checked against TF_CONFIG before TensorFlow starts (tfpar.config.check_run).
+  with pytest.raises(config.ConfigError, match=r"--ps_shards=2 is more than the 1 parameter server"):
+    config.check_run(cfg, Cluster(spec=spec, task_type="chief"))
   with pytest.raises(ClusterError, match="missing: ps"):
     parameter_server.serve(Cluster(spec={"chief": spec["chief"], "worker": spec["worker"]},
                                    task_type="worker"))

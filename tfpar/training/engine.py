@@ -66,7 +66,12 @@ class Engine:
     if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
       return
     mine = tf.constant([step], tf.int64)
-    steps = strategy.gather(strategy.run(lambda: tf.identity(mine)), axis=0).numpy().tolist()
+
+    @tf.function  # Eager collectives under MultiWorkerMirroredStrategy warn and run slowly.
+    def gather():
+      return strategy.gather(strategy.run(lambda: tf.identity(mine)), axis=0)
+
+    steps = gather().numpy().tolist()
     if len(set(steps)) > 1:
       raise CheckpointMismatchError(
           f"workers restored different steps ({steps}; this worker {step}): every worker "
