@@ -14,6 +14,9 @@ setup(
         "absl-py>=2.1",
         "tensorboard",  # tf.summary writes through it; TF 2.21 no longer pulls it in.
         "numpy",
+        "scikit-learn",  # The handwritten digits (sklearn.datasets.load_digits): vision data built in.
+        "pycocotools",  # COCO mAP of detections, by the reference implementation.
+        "pillow",  # PNG masks (palette indices) and predict's overlays.
         "pyyaml",  # python -m tfpar.k8s render prints YAML.
     ],
     extras_require={

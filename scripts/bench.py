@@ -1,61 +1,93 @@
-"""Training throughput of tfpar beside keras-hub's GPT2Backbone, in one process.
+"""Training throughput, each system in its own fresh process, rounds alternated.
 
-    python scripts/bench.py --steps=20 --rounds=3 --warmup=10 --out=bench.json
+    python scripts/bench.py --rounds=3 --out=bench.json
 
-Both systems train the same GPT (4 layers, d_model 256, 4 heads, d_ff 1024,
-seq 256, batch 16, byte vocabulary of 256, learned positions, output logits
-through the tied token embedding, no dropout) in float32 with the same AdamW
-(warmup + cosine schedule, weight decay 0.1 on matrices and embeddings,
-global-norm clip 1.0) on the same packed byte windows of tfpar's embedded
-corpus:
+runs two sections (`--sections`), each a table:
 
-  * tfpar: the real code path, `DataParallelEngine` on `one_device` with its
-    own tf.data pipeline, `--steps_per_call` steps per tf.function call.
-  * keras-hub: `GPT2Backbone` + `token_embedding(h, reverse=True)` (the tied
-    head GPT2CausalLM uses), trained with `model.fit(jit_compile=True)`.
+  * peer: tfpar beside keras-hub on the same GPT (4 layers, d_model 256, 4
+    heads, d_ff 1024, seq 256, batch 16, byte vocabulary of 256, learned
+    positions, output logits through the tied token embedding, no dropout)
+    with the same AdamW (warmup + cosine, weight decay 0.1 on matrices and
+    embeddings, global-norm clip 1.0) on the same packed byte windows of
+    tfpar's embedded corpus. tfpar runs its real code path
+    (`DataParallelEngine` on `one_device`, its own tf.data pipeline,
+    `--steps_per_call` steps per tf.function call); keras-hub runs
+    `GPT2Backbone` + `token_embedding(h, reverse=True)` (the tied head
+    GPT2CausalLM uses) under `model.fit(jit_compile=True)`. With
+    `--precision=float32,mixed_bfloat16` each precision gets its own rows,
+    both systems under the same Keras policy.
+  * model_parallel: tfpar on configs/gpt_tiny.flags' shapes (4 layers,
+    d_model 128, seq 128, batch 16) on one device, as a 2-stage x 4
+    micro-batch pipeline and 2-way tensor parallel on 2 logical CPUs. The
+    logical devices share the same cores, so the ratio to one_device measures
+    the overhead of splitting, not a speed-up.
 
-FLOPs per token are 6N + 12*L*d*T (Kaplan et al. 2020 / PaLM appendix B):
-N counts every trainable parameter, embeddings included (the token table is
-also the output projection; the position table is counted too), the same
-rule for both models. MFU is the achieved FLOP/s over a peak measured in
-this run: the best of several XLA-compiled 2048x2048 float32 matmuls.
+Every measurement is a child process (`bench.py --only=SYSTEM`, which prints
+one JSON line) that builds its system, runs `--warmup` untimed steps (the
+first compiles), times `--steps` steps, and measures the matmul peak (the
+best of several XLA-compiled 2048x2048 float32 matmuls) before and after, in
+that same process. The parent starts the children one after another,
+alternating the systems for `--rounds` rounds, so a drift in machine load
+hits every system alike, and records the 1-minute load average around each
+child. A user runs one trainer per process: a system sharing its process
+with another runs at a different speed, so none ever does here.
 
-Compilation and the first `--warmup` steps are excluded from the timing;
-then `--rounds` rounds of `--steps` steps run for each system in turn, and
-each system's best round counts. Timings are only meaningful on an
-otherwise idle machine; interleaving keeps the comparison fair when it is not.
+Reported per system: median and best tokens/s over the rounds, the spread
+((max - min) / median), the ratio of medians to the section's reference
+system, and MFU: achieved FLOP/s over the same process's peak (median over
+rounds). FLOPs per token are 6N + 12*L*d*T (Kaplan et al. 2020 / PaLM
+appendix B), N counting every trainable parameter including both embedding
+tables, the same rule for every system. Numbers are only meaningful on an
+otherwise idle machine: the load column says how idle it was.
 """
 
+import dataclasses
 import json
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable, Dict, List, Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 from absl import app, flags  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("steps", 20, "Timed training steps per system and round.")
-flags.DEFINE_integer("rounds", 3, "Timed rounds per system, interleaved; the best round counts.")
+flags.DEFINE_list("sections", ["peer", "model_parallel"], "Tables to measure, in order.")
+flags.DEFINE_list("systems", None, "Only these systems of the chosen sections (default: all).")
+flags.DEFINE_integer("rounds", 3, "Processes per system, alternated between the systems.")
+flags.DEFINE_integer("steps", 20, "Timed training steps in each process.")
 flags.DEFINE_integer("warmup", 10, "Untimed steps first (the first one compiles).")
-flags.DEFINE_enum("only", None, ["tfpar", "kerashub"], "Run one system only.")
+flags.DEFINE_list("precision", ["float32"],
+                  "Keras precision policies to measure the peer section under "
+                  "(float32, mixed_bfloat16); each gets its own rows.")
 flags.DEFINE_bool("quick", False, "Tiny shapes and a small matmul: a smoke test, not a benchmark.")
 flags.DEFINE_integer("steps_per_call", 10, "tfpar's --steps_per_call.")
 flags.DEFINE_integer("steps_per_execution", 1, "keras-hub's compile(steps_per_execution=...).")
-flags.DEFINE_string("out", None, "Also write the results here as JSON.")
+flags.DEFINE_string("out", None, "Also write every run and the tables here as JSON.")
+flags.DEFINE_string("only", None, "Child mode: measure this one system in this process and "
+                    "print its result as one JSON line.")
 
-# The benchmark shapes (issue 2), and tiny ones for --quick.
-FULL = dict(num_layers=4, d_model=256, num_heads=4, d_ff=1024, seq_len=256, batch=16,
-            matmul=2048)
-QUICK = dict(num_layers=2, d_model=32, num_heads=4, d_ff=64, seq_len=32, batch=4, matmul=256)
 VOCAB = 256
+MATMUL = 2048
+# The shapes of each section, and tiny ones for --quick.
+PEER = dict(num_layers=4, d_model=256, num_heads=4, d_ff=1024, seq_len=256, batch=16)
+TINY = dict(num_layers=4, d_model=128, num_heads=4, d_ff=512, seq_len=128, batch=16)
+QUICK = dict(num_layers=2, d_model=32, num_heads=4, d_ff=64, seq_len=32, batch=8)
+QUICK_MATMUL = 256
+RESULT = "BENCH_RESULT "  # Prefix of the child's JSON line.
+
+
+# --- what one child process measures ------------------------------------------------
 
 
 def matmul_peak(n: int, repeats: int = 10) -> float:
-  """Best FLOP/s of an XLA-compiled n x n float32 matmul."""
+  """Best FLOP/s of an XLA-compiled n x n float32 matmul, in this process."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   a = tf.random.normal([n, n], seed=1)
   b = tf.random.normal([n, n], seed=2)
@@ -73,35 +105,39 @@ def flops_per_token(params: int, shape: dict) -> float:
   return 6 * params + 12 * shape["num_layers"] * shape["d_model"] * shape["seq_len"]
 
 
-def tfpar_args(shape: dict, model_dir: str, steps: int) -> list:
-  return [f"--model_dir={model_dir}", "--strategy=one_device", "--precision=float32",
+class TfparSystem:
+  """tfpar's own engine for these flags (as tfpar.runner builds it), fed by its own pipeline."""
+
+  def __init__(self, shape: dict, precision: str, total_steps: int, extra_flags: List[str]):
+    from tfpar import config, strategies  # pylint: disable=import-outside-toplevel
+    from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+
+    with tempfile.TemporaryDirectory() as model_dir:
+      cfg = config.from_flags(tfpar_flags.parse([
+          f"--model_dir={model_dir}", f"--precision={precision}",
           f"--num_layers={shape['num_layers']}", f"--d_model={shape['d_model']}",
           f"--num_heads={shape['num_heads']}", f"--d_ff={shape['d_ff']}",
           f"--seq_len={shape['seq_len']}", f"--global_batch_size={shape['batch']}",
-          f"--train_steps={steps}", f"--steps_per_call={FLAGS.steps_per_call}",
-          "--dropout=0", "--positions=learned", "--jit_compile=true"]
-
-
-class TfparSystem:
-  """tfpar's DataParallelEngine on one_device, fed by its own pipeline."""
-
-  def __init__(self, shape: dict, total_steps: int):
-    from tfpar import config, strategies  # pylint: disable=import-outside-toplevel
-    from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+          f"--train_steps={total_steps}", f"--steps_per_call={FLAGS.steps_per_call}",
+          "--dropout=0", "--positions=learned"] + extra_flags))
+    strategies.setup_devices(cfg.dist.num_cpu_devices)  # Before TensorFlow starts.
+    import keras  # pylint: disable=import-outside-toplevel
     from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
     from tfpar.data import pipeline  # pylint: disable=import-outside-toplevel
     from tfpar.training.engine import DataParallelEngine  # pylint: disable=import-outside-toplevel
 
-    with tempfile.TemporaryDirectory() as model_dir:
-      cfg = config.from_flags(tfpar_flags.parse(tfpar_args(shape, model_dir, total_steps)))
+    keras.mixed_precision.set_global_policy(precision)
     strategy = strategies.make_strategy(cfg.dist, Cluster())
     corpus = pipeline.load_corpus(cfg.data.data, seq_len=cfg.model.seq_len,
                                   eval_fraction=cfg.data.eval_fraction)
-    self.engine = DataParallelEngine(cfg, strategy, corpus)
+    if cfg.parallel.model_parallel:
+      from tfpar.parallel.hybrid import ModelParallelEngine  # pylint: disable=import-outside-toplevel
+      self.engine = ModelParallelEngine(cfg, strategy, corpus)
+    else:
+      self.engine = DataParallelEngine(cfg, strategy, corpus)
     self.iterator = self.engine.train_iterator(0)
     self.steps_per_call = cfg.train.steps_per_call
-    self.name = f"tfpar (one_device, steps_per_call={self.steps_per_call})"
-    self.params = self.engine.describe()["parameters"]
+    self.params = int(self.engine.describe()["parameters"])
     self.last_loss = float("nan")
 
   def run(self, steps: int) -> float:
@@ -118,7 +154,7 @@ class TfparSystem:
 class KerasHubSystem:
   """keras-hub GPT2Backbone with its tied reverse-embedding head, model.fit(jit_compile=True)."""
 
-  def __init__(self, shape: dict, total_steps: int):
+  def __init__(self, shape: dict, precision: str, total_steps: int):
     import keras  # pylint: disable=import-outside-toplevel
     import keras_hub  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
@@ -126,6 +162,7 @@ class KerasHubSystem:
     from tfpar.data import pipeline  # pylint: disable=import-outside-toplevel
     from tfpar.training import optimizer as tfpar_optimizer  # pylint: disable=import-outside-toplevel
 
+    keras.mixed_precision.set_global_policy(precision)  # The same policy tfpar runs under.
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.GPT2Backbone(
         vocabulary_size=VOCAB, num_layers=shape["num_layers"], num_heads=shape["num_heads"],
@@ -148,7 +185,6 @@ class KerasHubSystem:
     windows = pipeline.window_dataset(corpus.train, shape["seq_len"],
                                       pipeline.Shard(shape["batch"]), seed=0)
     self.data = windows.map(lambda x, y: ({"token_ids": x, "padding_mask": tf.ones_like(x)}, y))
-    self.name = "keras-hub GPT2Backbone (model.fit, jit_compile=True)"
     self.params = int(sum(v.numpy().size for v in self.model.trainable_variables))
     self.last_loss = float("nan")
 
@@ -170,67 +206,208 @@ class KerasHubSystem:
     return (ends[-1][0] - ends[0][0]) * steps / (executions * self.spe)
 
 
-def table(rows: list) -> str:
-  lines = ["| system | tokens/s | step ms | GFLOP/s | MFU | vs keras-hub |",
-           "|---|---:|---:|---:|---:|---:|"]
+# --- sections: which systems, on which shapes, against which reference --------------
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+  """One row of a table: a label and how a child process builds it."""
+  label: str
+  build: Callable[[dict, str, int], object]  # (shape, precision, total_steps) -> a system
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+  """One table: its systems (in the order rounds alternate them) on one set of shapes."""
+  title: str
+  shape: dict
+  systems: Dict[str, System]
+  reference: str  # The system the ratios divide by.
+  precisions: Optional[List[str]] = None  # None: float32 only.
+
+
+def _tfpar(*extra_flags):
+  return lambda shape, precision, steps: TfparSystem(shape, precision, steps, list(extra_flags))
+
+
+def _kerashub(shape, precision, steps):
+  return KerasHubSystem(shape, precision, steps)
+
+
+PIPELINE = ["--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=4"]
+TENSOR = ["--num_cpu_devices=2", "--tensor_parallel=2"]
+
+SECTIONS = {
+    "peer": Section(
+        title="tfpar beside keras-hub (same model, same AdamW, same data)",
+        shape=PEER, reference="kerashub", precisions=["float32", "mixed_bfloat16"],
+        systems={
+            "tfpar": System("tfpar (one_device, steps_per_call=10)",
+                            _tfpar("--strategy=one_device")),
+            "kerashub": System("keras-hub GPT2Backbone (model.fit, jit_compile=True)",
+                               _kerashub),
+        }),
+    "model_parallel": Section(
+        title="model-parallel overhead on 2 logical CPUs of the same cores (gpt_tiny shapes)",
+        shape=TINY, reference="one_device",
+        systems={
+            "one_device": System("one_device", _tfpar("--strategy=one_device")),
+            "pipeline": System("pipeline 2 stages x 4 micro-batches", _tfpar(*PIPELINE)),
+            "tensor": System("tensor parallel 2", _tfpar(*TENSOR)),
+            "one_device_noxla": System("one_device, --nojit_compile",
+                                       _tfpar("--strategy=one_device", "--jit_compile=false")),
+            "pipeline_noxla": System("pipeline 2 x 4, --nojit_compile",
+                                     _tfpar(*PIPELINE, "--jit_compile=false")),
+            "tensor_noxla": System("tensor parallel 2, --nojit_compile",
+                                   _tfpar(*TENSOR, "--jit_compile=false")),
+        }),
+}
+
+
+def _find(name: str):
+  for section_name, section in SECTIONS.items():
+    if name in section.systems:
+      return section_name, section
+  raise app.UsageError(f"--only={name}: unknown system; known: "
+                       f"{', '.join(n for s in SECTIONS.values() for n in s.systems)}")
+
+
+def measure(name: str, precision: str) -> dict:
+  """Child: builds system `name`, warms it up, times it, measures the peak around the timing."""
+  _, section = _find(name)
+  shape = QUICK if FLAGS.quick else section.shape
+  total = FLAGS.warmup + FLAGS.steps + 1
+  system = section.systems[name].build(shape, precision, total)
+  system.run(FLAGS.warmup)  # Compiles, then runs a few steps untimed.
+  n = QUICK_MATMUL if FLAGS.quick else MATMUL
+  peak_before = matmul_peak(n)
+  seconds = system.run(FLAGS.steps)
+  peak_after = matmul_peak(n)
+  tokens = shape["batch"] * shape["seq_len"] * FLAGS.steps
+  fpt = flops_per_token(system.params, shape)
+  peak = max(peak_before, peak_after)
+  return {"system": name, "precision": precision, "pid": os.getpid(), "params": system.params,
+          "flops_per_token": fpt, "steps": FLAGS.steps, "seconds": seconds,
+          "tokens_per_sec": tokens / seconds, "step_ms": 1000 * seconds / FLAGS.steps,
+          "peak_gflops": peak / 1e9, "peaks_gflops": [peak_before / 1e9, peak_after / 1e9],
+          "mfu": tokens / seconds * fpt / peak, "last_loss": system.last_loss}
+
+
+# --- the parent: alternate children, then tables --------------------------------------
+
+
+def run_child(name: str, precision: str) -> dict:
+  """Runs `bench.py --only=name` in a fresh process; returns its result and the load around it."""
+  args = [sys.executable, os.path.abspath(__file__), f"--only={name}",
+          f"--precision={precision}", f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}",
+          f"--steps_per_call={FLAGS.steps_per_call}",
+          f"--steps_per_execution={FLAGS.steps_per_execution}"] + \
+      (["--quick"] if FLAGS.quick else [])
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+  load_before = os.getloadavg()[0]
+  proc = subprocess.run(args, capture_output=True, text=True, env=env, check=False)
+  load_after = os.getloadavg()[0]
+  lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT)]
+  if proc.returncode != 0 or not lines:
+    raise RuntimeError(f"{' '.join(args[1:])} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+  result = json.loads(lines[-1][len(RESULT):])
+  result["load_1min"] = [load_before, load_after]
+  return result
+
+
+def summarise(runs: List[dict], section: Section, shape: dict) -> List[dict]:
+  """One row per (system, precision): median/best tokens/s, spread, ratio of medians, MFU."""
+  rows = []
+  for precision in dict.fromkeys(r["precision"] for r in runs):
+    for name, system in section.systems.items():
+      mine = [r for r in runs if r["system"] == name and r["precision"] == precision]
+      if not mine:
+        continue
+      tps = [r["tokens_per_sec"] for r in mine]
+      med = statistics.median(tps)
+      loads = [x for r in mine for x in r["load_1min"]]
+      rows.append({
+          "system": name, "label": system.label, "precision": precision, "rounds": len(mine),
+          "tokens_per_sec_median": med, "tokens_per_sec_best": max(tps),
+          "tokens_per_sec": tps, "spread": (max(tps) - min(tps)) / med,
+          "step_ms_median": 1000 * shape["batch"] * shape["seq_len"] / med,
+          "mfu_median": statistics.median(r["mfu"] for r in mine),
+          "peak_gflops_median": statistics.median(r["peak_gflops"] for r in mine),
+          "params": mine[0]["params"], "load_1min": [min(loads), max(loads)]})
+    ref = [r for r in rows if r["system"] == section.reference and r["precision"] == precision]
+    for r in rows:
+      if ref and r["precision"] == precision:
+        r["vs_reference"] = r["tokens_per_sec_median"] / ref[0]["tokens_per_sec_median"]
+  return rows
+
+
+def table(rows: List[dict], reference: str) -> str:
+  lines = [f"| system | precision | tokens/s median | best | spread | step ms | MFU "
+           f"| vs {reference} | load 1 min |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---|"]
   for r in rows:
-    ratio = f"{r['vs_kerashub']:.2f}x" if r.get("vs_kerashub") else "-"
-    lines.append(f"| {r['system']} | {r['tokens_per_sec']:,.0f} | {r['step_ms']:.1f} | "
-                 f"{r['gflops']:.1f} | {100 * r['mfu']:.1f}% | {ratio} |")
+    ratio = f"{r['vs_reference']:.2f}x" if "vs_reference" in r else "-"
+    lines.append(
+        f"| {r['label']} | {r['precision']} | {r['tokens_per_sec_median']:,.0f} | "
+        f"{r['tokens_per_sec_best']:,.0f} | {100 * r['spread']:.1f}% | {r['step_ms_median']:.1f} "
+        f"| {100 * r['mfu_median']:.1f}% | {ratio} | "
+        f"{r['load_1min'][0]:.2f}-{r['load_1min'][1]:.2f} |")
   return "\n".join(lines)
+
+
+def run_section(name: str) -> dict:
+  """Alternates the section's children for --rounds rounds; prints and returns its table."""
+  section = SECTIONS[name]
+  shape = QUICK if FLAGS.quick else section.shape
+  names = [n for n in section.systems if FLAGS.systems is None or n in FLAGS.systems]
+  if not names:
+    return {}
+  precisions = [p for p in FLAGS.precision if p in (section.precisions or ["float32"])]
+  runs = []
+  for i in range(FLAGS.rounds):
+    for precision in precisions:
+      for system in names:  # Alternated, so load drift hits every system alike.
+        runs.append(run_child(system, precision))
+        r = runs[-1]
+        print(f"  round {i + 1}: {system} {precision}: {r['tokens_per_sec']:,.0f} tokens/s, "
+              f"peak {r['peak_gflops']:.0f} GFLOP/s, load {r['load_1min'][0]:.2f}"
+              f"->{r['load_1min'][1]:.2f}", flush=True)
+  rows = summarise(runs, section, shape)
+  print(f"\n## {section.title}\nshapes {shape}, vocab {VOCAB}; {FLAGS.warmup} warmup steps, "
+        f"then {FLAGS.steps} timed steps in each of {FLAGS.rounds} processes per system, "
+        "alternated; MFU against the matmul peak measured in the same process")
+  for r in rows:
+    print(f"{r['system']} {r['precision']}: N = {r['params']:,} parameters, "
+          f"peak {r['peak_gflops_median']:.0f} GFLOP/s (median), tokens/s per round "
+          f"{', '.join(f'{t:,.0f}' for t in r['tokens_per_sec'])}")
+  print()
+  print(table(rows, section.reference), flush=True)
+  return {"title": section.title, "shape": shape, "reference": section.reference,
+          "rows": rows, "runs": runs}
 
 
 def main(argv):
   del argv
   if FLAGS.warmup < 1:
     raise app.UsageError("--warmup must be at least 1 (the first step compiles)")
-  shape = QUICK if FLAGS.quick else FULL
-  tokens_per_step = shape["batch"] * shape["seq_len"]
-  peaks = [matmul_peak(shape["matmul"])]
-  systems = {"tfpar": TfparSystem, "kerashub": KerasHubSystem}
   if FLAGS.only:
-    systems = {FLAGS.only: systems[FLAGS.only]}
-  total = FLAGS.warmup + (FLAGS.rounds + 1) * FLAGS.steps
-  built = {name: system(shape, total) for name, system in systems.items()}
-  for system in built.values():
-    system.run(FLAGS.warmup)  # Compiles, then runs a few steps untimed.
-  seconds = {name: [] for name in built}
-  for _ in range(FLAGS.rounds):  # Interleaved, so load drift hits every system alike.
-    for name, system in built.items():
-      seconds[name].append(system.run(FLAGS.steps))
-    peaks.append(matmul_peak(shape["matmul"]))  # The peak, too, under the same load.
-  peak = max(peaks)
-  rows = []
-  for name, system in built.items():
-    best = min(seconds[name])
-    r = {"key": name, "system": system.name, "params": system.params, "steps": FLAGS.steps,
-         "seconds": best, "seconds_per_round": seconds[name], "last_loss": system.last_loss}
-    r["flops_per_token"] = flops_per_token(r["params"], shape)
-    r["tokens_per_sec"] = tokens_per_step * r["steps"] / r["seconds"]
-    r["step_ms"] = 1000 * r["seconds"] / r["steps"]
-    r["gflops"] = r["tokens_per_sec"] * r["flops_per_token"] / 1e9
-    r["mfu"] = r["gflops"] * 1e9 / peak
-    rows.append(r)
-  by_key = {r["key"]: r for r in rows}
-  if "kerashub" in by_key:
-    for r in rows:
-      r["vs_kerashub"] = r["tokens_per_sec"] / by_key["kerashub"]["tokens_per_sec"]
-  print(f"shapes: {shape}, vocab {VOCAB}, float32; {FLAGS.warmup} warmup steps, then the best "
-        f"of {FLAGS.rounds} interleaved rounds of {FLAGS.steps} timed steps")
-  print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s (best XLA {shape['matmul']}^2 float32 matmul, "
-        f"measured before and after each round)")
-  for r in rows:
-    print(f"{r['key']}: N = {r['params']:,} parameters, {r['flops_per_token'] / 1e6:.2f} "
-          f"MFLOP/token, last loss {r['last_loss']:.3f}")
-  print()
-  print(table(rows))
+    if len(FLAGS.precision) != 1:
+      raise app.UsageError("--only measures one --precision")
+    print(RESULT + json.dumps(measure(FLAGS.only, FLAGS.precision[0])), flush=True)
+    return
+  unknown = [s for s in FLAGS.sections if s not in SECTIONS]
+  if unknown:
+    raise app.UsageError(f"--sections: unknown {unknown}; known: {', '.join(SECTIONS)}")
+  report = {"command": " ".join(["python"] + sys.argv), "vocab": VOCAB,
+            "warmup": FLAGS.warmup, "steps": FLAGS.steps, "rounds": FLAGS.rounds,
+            "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "sections": {}}
+  for name in FLAGS.sections:
+    report["sections"][name] = run_section(name)
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:
-      json.dump({"shape": shape, "vocab": VOCAB, "warmup": FLAGS.warmup, "steps": FLAGS.steps,
-                 "rounds": FLAGS.rounds,
-                 "peak_gflops": peak / 1e9, "peaks_gflops": [p / 1e9 for p in peaks],
-                 "command": " ".join(["python"] + sys.argv),
-                 "rows": rows}, f, indent=2)
+      json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":

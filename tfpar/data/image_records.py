@@ -1,0 +1,132 @@
+"""TFRecord shards of labelled images: the `tf.train.Example` features tfpar reads.
+
+One Example per image, with the feature names of the TensorFlow Object
+Detection API and DeepLab, so existing converters' output reads as is:
+
+| feature | type | task |
+|---|---|---|
+| `image/encoded` | bytes: PNG or JPEG | all |
+| `image/class/label` | int64: class id 0..C-1 | classify |
+| `image/object/bbox/ymin`, `.../xmin`, `.../ymax`, `.../xmax` | float lists, in [0, 1] of the image's height and width | detect |
+| `image/object/class/label` | int64 list: class id 0..C-1 of each box | detect |
+| `image/segmentation/class/encoded` | bytes: PNG of class ids (0 background), the image's size | segment |
+
+`classify_example`, `detect_example` and `segment_example` build them;
+`read_tfrecords` reads shards (a file, a glob, or a list) into an `ImageSet`.
+"""
+
+from typing import Sequence
+
+import numpy as np
+
+from tfpar.data.corpus import DataError
+from tfpar.data.images import ImageSet, check_num_classes, decode_images, decode_mask, pad_boxes
+from tfpar.data.images import resize_mask
+
+TASKS = ("classify", "detect", "segment")
+BOX_KEYS = tuple(f"image/object/bbox/{k}" for k in ("ymin", "xmin", "ymax", "xmax"))
+
+
+def _bytes(value):
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  return tf.train.Feature(bytes_list=tf.train.BytesList(value=[value]))
+
+
+def _ints(values):
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  return tf.train.Feature(int64_list=tf.train.Int64List(value=[int(v) for v in values]))
+
+
+def _floats(values):
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  return tf.train.Feature(float_list=tf.train.FloatList(value=[float(v) for v in values]))
+
+
+def _example(features):
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  return tf.train.Example(features=tf.train.Features(feature=features))
+
+
+def classify_example(encoded: bytes, label: int):
+  """An image (PNG/JPEG bytes) and its class id."""
+  return _example({"image/encoded": _bytes(encoded), "image/class/label": _ints([label])})
+
+
+def detect_example(encoded: bytes, boxes: np.ndarray, classes: Sequence[int]):
+  """An image and its boxes [m, 4] (ymin, xmin, ymax, xmax) in [0, 1], with class ids [m]."""
+  boxes = np.asarray(boxes, np.float32).reshape(-1, 4)
+  features = {"image/encoded": _bytes(encoded), "image/object/class/label": _ints(classes)}
+  features.update({key: _floats(boxes[:, k]) for k, key in enumerate(BOX_KEYS)})
+  return _example(features)
+
+
+def segment_example(encoded: bytes, mask_png: bytes):
+  """An image and the PNG of its per-pixel class ids."""
+  return _example({"image/encoded": _bytes(encoded),
+                   "image/segmentation/class/encoded": _bytes(mask_png)})
+
+
+def read_tfrecords(files: Sequence[str], task: str, *, image_size: int, channels: int,
+                   num_classes: int) -> ImageSet:
+  """Reads every Example of `files` for `task` into an ImageSet (labels checked)."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  if task not in TASKS:
+    raise ValueError(f"task {task} has no TFRecord features: one of {TASKS}")
+  spec = {"image/encoded": tf.io.FixedLenFeature([], tf.string)}
+  if task == "classify":
+    spec["image/class/label"] = tf.io.FixedLenFeature([], tf.int64)
+  elif task == "detect":
+    spec.update({k: tf.io.VarLenFeature(tf.float32) for k in BOX_KEYS})
+    spec["image/object/class/label"] = tf.io.VarLenFeature(tf.int64)
+  else:
+    spec["image/segmentation/class/encoded"] = tf.io.FixedLenFeature([], tf.string)
+  records, names = [], []
+  for path in files:
+    try:
+      for i, record in enumerate(tf.data.TFRecordDataset(path).as_numpy_iterator()):
+        try:
+          parsed = tf.io.parse_single_example(record, spec)
+        except tf.errors.InvalidArgumentError:
+          raise DataError(f"{path}: record {i} lacks the {task} features "
+                          f"({', '.join(spec)}): see tfpar/data/image_records.py") from None
+        records.append({k: tf.sparse.to_dense(v).numpy() if isinstance(v, tf.SparseTensor)
+                        else v.numpy() for k, v in parsed.items()})
+        names.append(f"{path} record {i}")
+    except tf.errors.DataLossError:
+      raise DataError(f"{path} is not a valid TFRecord file: check the file") from None
+  if not records:
+    raise DataError(f"the TFRecord shards {', '.join(files)} hold no records: write some first")
+  images, sizes = decode_images([r["image/encoded"] for r in records], image_size, channels,
+                                names=names, are_files=False)
+  if task == "classify":
+    labels = np.array([r["image/class/label"] for r in records], np.int32)
+    worst = int(np.argmax(labels))
+    if labels.min() < 0:
+      raise DataError(f"{names[int(np.argmin(labels))]} has a negative class id: fix the labels")
+    check_num_classes(int(labels[worst]), num_classes, names[worst], "class id")
+    return ImageSet(images, labels=labels)
+  if task == "detect":
+    boxes, classes = [], []
+    for r, name in zip(records, names):
+      b = np.stack([r[k] for k in BOX_KEYS], -1).astype(np.float32)  # [m, 4] in [0, 1]
+      c = r["image/object/class/label"].astype(np.int32)
+      if len(b) != len(c):
+        raise DataError(f"{name} has {len(b)} boxes but {len(c)} class labels: fix the record")
+      if len(b) and (b.min() < 0 or b.max() > 1 or (b[:, 2:] <= b[:, :2]).any()):
+        raise DataError(f"{name} has a box outside [0, 1] or with max <= min: boxes are "
+                        "(ymin, xmin, ymax, xmax) as fractions of the image's size")
+      if len(c):
+        check_num_classes(int(c.max()), num_classes, name, "class id")
+      boxes.append(b * image_size)
+      classes.append(c)
+    boxes, classes = pad_boxes(boxes, classes)
+    return ImageSet(images, boxes=boxes, classes=classes)
+  masks = []
+  for r, name, (h, w) in zip(records, names, sizes):
+    mask = decode_mask(r["image/segmentation/class/encoded"], f"{name} mask")
+    if mask.shape != (h, w):
+      raise DataError(f"{name}: mask is {mask.shape[1]}x{mask.shape[0]} but its image is "
+                      f"{w}x{h}: masks must match their images")
+    check_num_classes(int(mask.max()), num_classes, f"{name} mask", "class id")
+    masks.append(resize_mask(mask, image_size))
+  return ImageSet(images, masks=np.stack(masks))

@@ -1,0 +1,292 @@
+"""Labelled images in memory, and the readers for what users bring.
+
+Every reader returns an `ImageSet`: images resized to `image_size` square,
+with the labels of one task (classify: `labels`; detect: `boxes` + `classes`;
+segment: `masks`). Files are read through tf.io.gfile and decoded in tf.data
+(so gs:// works); the whole set is held in memory, which makes the data order
+a pure function of (seed, step) like the text pipeline's, and lets every
+label be checked once before training starts.
+
+| --data | task | layout |
+|---|---|---|
+| a directory of class directories | classify | `DIR/<class>/*.png|jpg|...`; classes are the sorted directory names |
+| a COCO instances `*.json` | detect | `images`, `annotations` (`bbox` = [x, y, width, height] in pixels), `categories`; `file_name` relative to the JSON's directory |
+| a directory with `images/` and `masks/` | segment | `images/NAME.png|jpg` with `masks/NAME.png`; a mask pixel is its class id (0 background; palette PNGs read by index) |
+| TFRecord shards | any | see `tfpar.data.image_records` |
+
+Bad data (an empty or unreadable folder, a class id outside --num_classes, a
+COCO box outside its image) raises `DataError` naming the file and the fix.
+"""
+
+import dataclasses
+import io
+import json
+import os
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from tfpar.data.corpus import DataError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSet:
+  """N labelled images of one task.
+
+  Attributes:
+    images: [N, S, S, channels] uint8.
+    labels: classify: [N] int32 class ids.
+    boxes: detect: [N, M, 4] float32 pixels (ymin, xmin, ymax, xmax), zeros where padded.
+    classes: detect: [N, M] int32 class ids, -1 where padded.
+    masks: segment: [N, S, S] int32, each pixel's class id (0 background).
+    class_names: names of the classes, in id order, when the source has them.
+    source_ids: [N] or [N, M] where the examples came from (digit canvases: scan ids).
+  """
+  images: np.ndarray
+  labels: Optional[np.ndarray] = None
+  boxes: Optional[np.ndarray] = None
+  classes: Optional[np.ndarray] = None
+  masks: Optional[np.ndarray] = None
+  class_names: Tuple[str, ...] = ()
+  source_ids: Optional[np.ndarray] = None
+
+  def __len__(self):
+    return len(self.images)
+
+  def take(self, index: np.ndarray) -> "ImageSet":
+    """The examples at `index` (a subset, in that order)."""
+    pick = lambda a: None if a is None else a[index]
+    return dataclasses.replace(self, images=self.images[index], labels=pick(self.labels),
+                               boxes=pick(self.boxes), classes=pick(self.classes),
+                               masks=pick(self.masks), source_ids=pick(self.source_ids))
+
+
+def split(data: ImageSet, eval_fraction: float, seed: int) -> Tuple[ImageSet, ImageSet]:
+  """(train, held_out) by a permutation drawn from `seed`."""
+  order = np.random.default_rng(seed).permutation(len(data))
+  n_eval = max(1, int(round(len(data) * eval_fraction)))
+  if n_eval >= len(data):
+    raise DataError(f"{len(data)} examples leave none for training after holding out "
+                    f"{n_eval}: bring more data or lower --eval_fraction")
+  return data.take(np.sort(order[n_eval:])), data.take(np.sort(order[:n_eval]))
+
+
+def decode_images(sources: Sequence, image_size: int, channels: int, *, names: Sequence[str] = (),
+                  are_files: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+  """Decodes and resizes images in tf.data; returns (images uint8, original [h, w] each).
+
+  Args:
+    sources: file paths (`are_files`) or the encoded bytes themselves.
+    names: what to call each source in an error (default: the paths).
+  """
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  names = list(names) or list(sources)
+
+  def decode(source):
+    data = tf.io.read_file(source) if are_files else source
+    return tf.io.decode_image(data, channels=channels, expand_animations=False)
+
+  def load(source):
+    image = decode(source)
+    size = tf.shape(image)[:2]
+    image = tf.image.resize(image, [image_size, image_size], antialias=True)
+    return tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8), size
+
+  ds = tf.data.Dataset.from_tensor_slices(list(sources)).map(
+      load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).batch(256)
+  try:
+    parts = list(ds.as_numpy_iterator())
+  except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError):
+    for source, name in zip(sources, names):  # Find the bad one to name it.
+      try:
+        decode(tf.constant(source))
+      except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError):
+        raise DataError(f"{name} is not a readable image: remove or replace it "
+                        "(PNG, JPEG, BMP or GIF)") from None
+    raise
+  return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+
+
+def _is_image(name: str) -> bool:
+  return name.lower().endswith(IMAGE_SUFFIXES) and not name.startswith(".")
+
+
+def check_num_classes(found: int, num_classes: int, where: str, what: str) -> None:
+  """A class id >= num_classes cannot be trained on: name where it is and the fix."""
+  if found >= num_classes:
+    raise DataError(f"{where} has {what} {found}, outside --num_classes={num_classes} "
+                    f"(ids 0..{num_classes - 1}): pass --num_classes={found + 1} or fix the labels")
+
+
+def read_image_folder(path: str, *, image_size: int, channels: int, num_classes: int) -> ImageSet:
+  """Classification: one sub-directory per class, in sorted order, each with its images."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  fix = f"put each class's images in {path}/<class_name>/ (PNG or JPEG)"
+  if not tf.io.gfile.isdir(path):
+    raise DataError(f"--data={path} is not a directory: {fix}")
+  try:
+    names = sorted(n.rstrip("/") for n in tf.io.gfile.listdir(path))
+  except tf.errors.OpError as e:
+    raise DataError(f"--data={path} cannot be listed ({e.message}): check its permissions") from None
+  classes = [n for n in names if not n.startswith(".") and tf.io.gfile.isdir(os.path.join(path, n))]
+  paths, labels = [], []
+  for label, name in enumerate(classes):
+    directory = os.path.join(path, name)
+    try:
+      files = sorted(f for f in tf.io.gfile.listdir(directory) if _is_image(f))
+    except tf.errors.OpError as e:
+      raise DataError(f"{directory} cannot be listed ({e.message}): check its permissions") from None
+    paths += [os.path.join(directory, f) for f in files]
+    labels += [label] * len(files)
+  if not paths:
+    raise DataError(f"--data={path} holds no images in class sub-directories: {fix}")
+  check_num_classes(len(classes) - 1, num_classes, f"--data={path} ({len(classes)} class "
+                    "directories)", "class id")
+  images, _ = decode_images(paths, image_size, channels)
+  return ImageSet(images, labels=np.array(labels, np.int32), class_names=tuple(classes))
+
+
+def read_coco(json_path: str, *, image_size: int, channels: int, num_classes: int,
+              image_dir: Optional[str] = None) -> ImageSet:
+  """Detection: a COCO instances JSON and its images (`file_name` relative to `image_dir`).
+
+  Categories are numbered 0..K-1 in order of their COCO id; crowd annotations
+  are skipped; boxes are scaled with their image to `image_size` square.
+  """
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  try:
+    with tf.io.gfile.GFile(json_path) as f:
+      coco = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise DataError(f"{json_path} is not COCO JSON ({e}): pass a COCO instances file") from None
+  if not isinstance(coco, dict) or not {"images", "annotations", "categories"} <= set(coco):
+    raise DataError(f"{json_path} lacks 'images', 'annotations' or 'categories': "
+                    "pass a COCO instances file")
+  image_dir = image_dir or os.path.dirname(json_path)
+  category_ids = sorted(c["id"] for c in coco["categories"])
+  index = {cid: i for i, cid in enumerate(category_ids)}
+  check_num_classes(len(category_ids) - 1, num_classes,
+                    f"{json_path} ({len(category_ids)} categories)", "category index")
+  images = sorted(coco["images"], key=lambda im: im["id"])
+  if not images:
+    raise DataError(f"{json_path} lists no images: add them or pass another file")
+  per_image = {im["id"]: [] for im in images}
+  by_id = {im["id"]: im for im in images}
+  for ann in coco["annotations"]:
+    image = by_id.get(ann.get("image_id"))
+    if image is None:
+      raise DataError(f"{json_path}: annotation {ann.get('id')} names image_id "
+                      f"{ann.get('image_id')}, which is not in 'images': fix the file")
+    if ann.get("iscrowd", 0):
+      continue
+    if ann["category_id"] not in index:
+      raise DataError(f"{json_path}: annotation {ann.get('id')} has category_id "
+                      f"{ann['category_id']}, which is not in 'categories': fix the file")
+    x, y, w, h = (float(v) for v in ann["bbox"])
+    width, height = image["width"], image["height"]
+    if x < 0 or y < 0 or w <= 0 or h <= 0 or x + w > width + 0.5 or y + h > height + 0.5:
+      raise DataError(f"{json_path}: annotation {ann.get('id')} of {image['file_name']} has bbox "
+                      f"[{x:g}, {y:g}, {w:g}, {h:g}] outside its {width}x{height} image: fix the "
+                      "box (COCO bbox is [x, y, width, height] in pixels)")
+    sy, sx = image_size / height, image_size / width
+    per_image[image["id"]].append(((y * sy, x * sx, (y + h) * sy, (x + w) * sx),
+                                   index[ann["category_id"]]))
+  paths = [os.path.join(image_dir, im["file_name"]) for im in images]
+  pixels, sizes = decode_images(paths, image_size, channels)
+  for im, (h, w), path in zip(images, sizes, paths):
+    if (h, w) != (im["height"], im["width"]):
+      raise DataError(f"{path} is {w}x{h} but {json_path} says {im['width']}x{im['height']}: "
+                      "fix the image's width and height in the JSON")
+  boxes, classes = pad_boxes([[b for b, _ in per_image[im["id"]]] for im in images],
+                             [[c for _, c in per_image[im["id"]]] for im in images])
+  names = {c["id"]: c.get("name", str(c["id"])) for c in coco["categories"]}
+  return ImageSet(pixels, boxes=boxes, classes=classes,
+                  class_names=tuple(names[c] for c in category_ids))
+
+
+def decode_mask(data: bytes, where: str) -> np.ndarray:
+  """A PNG mask -> [h, w] class ids (a palette PNG gives its indices, not its colours)."""
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  try:
+    image = Image.open(io.BytesIO(data))
+    image.load()
+  except Exception:  # pylint: disable=broad-except  # PIL raises several kinds for bad files.
+    raise DataError(f"{where} is not a readable PNG mask: replace it") from None
+  if image.mode not in ("P", "L", "I", "I;16", "1"):
+    raise DataError(f"{where} is a {image.mode} image, not a mask of class ids: save it as a "
+                    "single-channel or palette PNG whose pixel values are class ids")
+  return np.asarray(image, np.int32)
+
+
+def resize_mask(mask: np.ndarray, image_size: int) -> np.ndarray:
+  """Nearest-neighbour resize of a label map (labels are never blended)."""
+  h, w = mask.shape
+  rows = (np.arange(image_size) * h // image_size)
+  cols = (np.arange(image_size) * w // image_size)
+  return mask[rows][:, cols]
+
+
+def read_mask_pairs(path: str, *, image_size: int, channels: int, num_classes: int) -> ImageSet:
+  """Segmentation: `path/images/NAME.*` with `path/masks/NAME.png` (pixel = class id)."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  image_dir, mask_dir = os.path.join(path, "images"), os.path.join(path, "masks")
+  fix = f"put images in {image_dir}/ and a PNG of class ids per image in {mask_dir}/ (same name)"
+  if not (tf.io.gfile.isdir(image_dir) and tf.io.gfile.isdir(mask_dir)):
+    raise DataError(f"--data={path} has no images/ and masks/ directories: {fix}")
+  names = sorted(f for f in tf.io.gfile.listdir(image_dir) if _is_image(f))
+  if not names:
+    raise DataError(f"{image_dir} holds no images: {fix}")
+  masks = []
+  for name in names:
+    mask_path = os.path.join(mask_dir, os.path.splitext(name)[0] + ".png")
+    if not tf.io.gfile.exists(mask_path):
+      raise DataError(f"{os.path.join(image_dir, name)} has no mask {mask_path}: {fix}")
+    with tf.io.gfile.GFile(mask_path, "rb") as f:
+      mask = decode_mask(f.read(), mask_path)
+    check_num_classes(int(mask.max()), num_classes, mask_path, "class id")
+    masks.append(mask)
+  images, sizes = decode_images([os.path.join(image_dir, n) for n in names], image_size, channels)
+  for name, (h, w), mask in zip(names, sizes, masks):
+    if mask.shape != (h, w):
+      raise DataError(f"{os.path.join(mask_dir, name)}: mask is {mask.shape[1]}x{mask.shape[0]} "
+                      f"but its image is {w}x{h}: masks must match their images")
+  return ImageSet(images, masks=np.stack([resize_mask(m, image_size) for m in masks]))
+
+
+def pad_boxes(boxes: List[np.ndarray], classes: List[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
+  """Lists of per-image [m, 4] boxes and [m] classes -> [N, M, 4] and [N, M] (-1 padded)."""
+  m = max(1, max((len(c) for c in classes), default=0))
+  out_boxes = np.zeros((len(boxes), m, 4), np.float32)
+  out_classes = np.full((len(boxes), m), -1, np.int32)
+  for n, (b, c) in enumerate(zip(boxes, classes)):
+    out_boxes[n, :len(c)], out_classes[n, :len(c)] = np.reshape(b, (-1, 4)), c
+  return out_boxes, out_classes
+
+
+def read_images(data: str, task: str, *, image_size: int, channels: int,
+                num_classes: int) -> ImageSet:
+  """Reads --data for `task` (classify, detect, segment) with the reader its layout needs."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tfpar.data import corpus, image_records  # pylint: disable=import-outside-toplevel
+  kwargs = dict(image_size=image_size, channels=channels, num_classes=num_classes)
+  if tf.io.gfile.isdir(data):
+    if task == "classify":
+      return read_image_folder(data, **kwargs)
+    if task == "segment":
+      return read_mask_pairs(data, **kwargs)
+    raise DataError(f"--data={data} is a directory, but --task=detect reads a COCO instances "
+                    "JSON or TFRecord shards: pass --data=PATH/instances.json")
+  files = sorted(tf.io.gfile.glob(data))
+  if not files:
+    raise DataError(f"--data={data} matches no file or directory: pass an image folder, "
+                    "a COCO JSON or TFRecord shards")
+  if all(f.endswith(corpus.TFRECORD_SUFFIXES) for f in files):
+    return image_records.read_tfrecords(files, task, **kwargs)
+  if task == "detect" and len(files) == 1 and files[0].endswith(".json"):
+    return read_coco(files[0], **kwargs)
+  layouts = {"classify": "a directory with one sub-directory per class",
+             "detect": "a COCO instances JSON", "segment": "a directory with images/ and masks/"}
+  raise DataError(f"--data={data} is not {layouts[task]} or TFRecord shards "
+                  f"(*.tfrecord): see tfpar/data/images.py for the layouts --task={task} reads")
