@@ -24,6 +24,8 @@ import time
 import pytest
 
 from conftest import REPO, TINY, read_metrics, run_module
+from tfpar import launch as launch_lib
+from tfpar import status
 
 MWMS = TINY + ["--strategy=multi_worker_mirrored", "--jit_compile=false", "--eval_steps=0"]
 PREFIXED = re.compile(r"^(tfpar\.launch: |\[(chief|worker \d+|ps \d+)\] )")
@@ -137,6 +139,10 @@ def assert_every_line_prefixed(job):
      "pass --num_ps=1"),
     (["--num_workers=2", "--port_base=80", "--", "--model_dir=/tmp/x",
       "--strategy=multi_worker_mirrored"], "--port_base=80 must leave room"),
+    (["--num_workers=2", "--grace_period=-1", "--", "--model_dir=/tmp/x"],
+     "--grace_period=-1 must be a number of seconds >= 0"),
+    (["--num_workers=2", "--restart_backoff=soon", "--", "--model_dir=/tmp/x"],
+     "--restart_backoff=soon is not a number"),
 ])
 def test_bad_launcher_input_is_one_line_and_exit_2(args, message):
   proc = run_module("tfpar.launch", args, check=False, timeout=60)
@@ -182,16 +188,17 @@ def test_a_failing_task_ends_the_job_non_zero_and_leaves_no_process(launch, tmp_
 
 def test_max_restarts_restarts_the_whole_job_which_resumes_from_its_checkpoint(launch, tmp_path):
   # --input_sharding=auto: the default corpus has >= 4 files per worker, so file-level.
-  job = launch("--num_workers=2", "--max_restarts=1", "--", *MWMS, f"--model_dir={tmp_path}",
+  job = launch("--num_workers=2", "--max_restarts=1", "--restart_backoff=0.5", "--", *MWMS,
+               f"--model_dir={tmp_path}",
                "--train_steps=200", "--checkpoint_every=50", "--steps_per_call=10",
                "--log_every=10")
-  job.wait_for(r"^\[worker 0\] saved .*ckpt-50$")
+  job.wait_for(r"^\[worker 0\] saved .*ckpt-50$", timeout=300)
   os.kill(job.task_pids()["worker 1"][0], signal.SIGKILL)
-  code = job.finish(timeout=180)
+  code = job.finish(timeout=400)
   assert code == 0, job.output[-3000:]
   out = job.output
   assert "worker 1 was killed by SIGKILL: stopped every task; restarting the job " \
-         "(restart 1 of 1)" in out
+         "(restart 1 of 1, in 0.5 s)" in out  # --restart_backoff
   resumed = re.search(r"^\[worker 0\] resumed from .*ckpt-(\d+) at step (\d+)$", out, re.M)
   assert resumed and resumed.group(1) == resumed.group(2) and int(resumed.group(1)) >= 50, out
   assert "tfpar.launch: job succeeded (2 tasks)" in out
@@ -209,6 +216,11 @@ def test_max_restarts_restarts_the_whole_job_which_resumes_from_its_checkpoint(l
   assert_every_line_prefixed(job)
 
 
+def test_restart_backoff_doubles_up_to_its_cap():
+  assert [launch_lib.backoff(k, 1.0) for k in (1, 2, 3, 6, 7, 20)] == [1, 2, 4, 32, 60, 60]
+  assert launch_lib.backoff(3, 0.0) == 0
+
+
 def test_bad_input_found_by_the_tasks_is_not_restarted(launch, tmp_path):
   """Status 2 from a task (here: --model_dir holds another model) would only repeat."""
   (tmp_path / "config.json").write_text(json.dumps({"model": {"d_model": 999}}))
@@ -222,12 +234,22 @@ def test_bad_input_found_by_the_tasks_is_not_restarted(launch, tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_to_the_launcher_stops_every_task(launch, tmp_path, sig):
-  job = launch("--num_workers=2", "--", *MWMS, f"--model_dir={tmp_path}", "--train_steps=100000")
-  job.wait_for(r"^tfpar\.launch: started worker 1 ")
-  time.sleep(1.0)  # the tasks are importing TensorFlow
+  job = launch("--num_workers=2", "--grace_period=30", "--", *MWMS, f"--model_dir={tmp_path}",
+               "--train_steps=100000")
+  # Both tasks have written a line (TensorFlow's start-up or tfpar's own), so
+  # both run tfpar's code and have its SIGTERM handler.
+  job.wait_for(r"^\[worker 0\] ")
+  job.wait_for(r"^\[worker 1\] ")
   job.proc.send_signal(sig)
-  assert job.finish(timeout=60) == 128 + sig
+  # Each task takes the SIGTERM the launcher forwards as a preemption: it exits
+  # 75 after saving (or at once, when nothing is trained yet); so does the job.
+  assert job.finish(timeout=90) == status.PREEMPTED, job.output[-3000:]
   assert f"received {signal.Signals(sig).name}: stopping every task" in job.output
+  for worker in (0, 1):
+    assert re.search(rf"^\[worker {worker}\] tfpar: (SIGTERM before training started: nothing "
+                     r"to save|(worker 1: )?preempted \(SIGTERM\), saved)", job.output, re.M), \
+        job.output[-3000:]
+  assert "every task saved: exiting with status 75" in job.output
   for task, [pid] in job.task_pids().items():
     assert not group_alive(pid), f"{task} (pid {pid}) outlived the launcher"
 

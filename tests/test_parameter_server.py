@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import signal
 
 import numpy as np
 import pytest
@@ -162,3 +163,47 @@ def test_ps_shards_more_than_ps_and_missing_tasks_are_clear_errors():
   with pytest.raises(ClusterError, match="missing: ps"):
     parameter_server.serve(Cluster(spec={"chief": spec["chief"], "worker": spec["worker"]},
                                    task_type="worker"))
+
+
+def test_the_job_survives_a_killed_worker_and_a_preempted_chief(tmp_path):
+  """kill -9 of a worker, then SIGTERM to the chief, in one job under tfpar.launch.
+
+  The worker's loss costs its in-flight step: the chief's ClusterCoordinator
+  runs the steps on worker 0, and the launcher starts worker 1 again at the
+  same address. The chief, on SIGTERM, saves and exits 75; the launcher starts
+  the chief alone, and it reconnects to the very same worker and ps processes
+  (servers no longer exit when their chief goes away), restores the checkpoint
+  and finishes the job.
+  """
+  from test_launch import Launched  # pylint: disable=import-outside-toplevel
+  model_dir = str(tmp_path / "ps")
+  steps = 120
+  job = Launched(["--num_workers=2", "--num_ps=1", "--max_restarts=1", "--restart_backoff=0.5",
+                  "--", *PS_FLAGS, "--steps_per_call=10", "--log_every=10",
+                  f"--model_dir={model_dir}", f"--train_steps={steps}"])
+  try:
+    job.wait_for(r"^\[chief\] step +20/", timeout=300)
+    os.kill(job.task_pids()["worker 1"][0], signal.SIGKILL)
+    job.wait_for(r"^\[chief\] step +60/", timeout=300)  # Training went on after the kill.
+    os.kill(job.task_pids()["chief"][0], signal.SIGTERM)
+    code = job.finish(timeout=400)
+  finally:
+    job.cleanup()
+  out = job.output
+  assert code == 0, out[-4000:]
+  assert "worker 1 was killed by SIGKILL: the chief runs its steps on the other workers; " \
+         "starting worker 1 again (restart 1 of 1, in 0.5 s)" in out, out[-4000:]
+  saved = re.search(r"^\[chief\] tfpar: preempted \(SIGTERM\), saved .*ckpt-(\d+) at step (\d+);",
+                    out, re.M)
+  assert saved and saved.group(1) == saved.group(2), out[-4000:]
+  assert "chief exited with status 75: starting the chief again (a preemption restart, not " \
+         "counted in --max_restarts); the workers and ps keep serving" in out
+  assert re.search(rf"^\[chief\] resumed from .*ckpt-{saved.group(1)} at step", out, re.M)
+  pids = job.task_pids()
+  # The servers outlived the chief's restart: one process each, the chief two.
+  assert [len(pids[t]) for t in ("chief", "worker 0", "worker 1", "ps 0")] == [2, 1, 2, 1], pids
+  for server in ("worker 0", "ps 0"):
+    assert re.search(rf"^\[{server}\] tfpar: {server}: chief .* unreachable; serving on", out, re.M)
+  train = [r["step"] for r in read_metrics(model_dir)]
+  assert train == sorted(set(train)) and train[-1] == steps, train  # each step logged once
+  assert read_metrics(model_dir, "eval")[-1]["step"] == steps

@@ -37,6 +37,10 @@ class ClusterError(ValueError):
   """A TF_CONFIG that cannot work; the message says what to fix."""
 
 
+class PeerError(RuntimeError):
+  """A peer task stopped answering within its bound; the message names whom it waited for."""
+
+
 class PeersNotFound(RuntimeError):
   """Peers' DNS names did not resolve in time: possibly transient, worth a restart."""
 

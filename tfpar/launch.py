@@ -11,21 +11,35 @@ Every task gets its own TF_CONFIG on free loopback ports (or `--port_base`,
 its output streamed live with a `[worker 1] ` prefix. TensorFlow's servers
 listen on those ports on every interface, not only 127.0.0.1, and are
 unauthenticated: on a shared or exposed machine, firewall them. The launcher
-behaves like a Kubernetes job:
+behaves like a Kubernetes job; task statuses are those of tfpar.status (2 bad
+input, 75 preempted, else a failure):
 
 - Multi-worker: the job succeeds when every worker exits 0. When any task
   fails, the others are terminated at once (a peer left in a collective would
   wait for the dead one), and the job fails with that task's status, unless
-  `--max_restarts` remain: then every task is started again (on fresh ports,
-  unless --port_base fixes them), and training resumes from the latest
-  checkpoint in --model_dir. A task that exits with status 2 (tfpar.train's
-  "bad input") is not restarted: it would fail again.
+  `--max_restarts` remain: then, after a backoff (`--restart_backoff` seconds,
+  doubled at every restart, at most MAX_BACKOFF), every task is started again
+  (on fresh ports, unless --port_base fixes them) and training resumes from the
+  latest checkpoint in --model_dir. A task that exits with status 2 (bad input)
+  is not restarted: it would fail again.
+- Preemption: a task that exits 75 saved a checkpoint together with its peers
+  (tfpar.training.preemption); the launcher gives the others up to
+  `--grace_period` seconds to finish their save, then starts the job again at
+  once (not counted in --max_restarts: nothing failed).
 - Parameter server: worker and ps tasks are servers for the chief; the job
-  ends when the chief (coordinator) exits, with its status, and the servers
-  are then terminated. A server that ends before the chief is a task failure
-  as above.
-- Ctrl-C or SIGTERM to the launcher stops every task; if the launcher itself is
-  killed, the kernel kills each task (PR_SET_PDEATHSIG), so no task outlives it.
+  ends when the chief (coordinator) exits 0. A worker that dies does not stop
+  the job: the chief's ClusterCoordinator runs its steps on the other workers,
+  and the launcher starts that worker again (same address, if --max_restarts
+  remain), where the coordinator picks it up. A chief that fails or is
+  preempted is started again alone (if restarts remain, or always when
+  preempted): the servers keep serving and it reconnects to them, as
+  TensorFlow's ClusterCoordinator documents. A ps task that dies fails the job
+  (TensorFlow needs the coordinator and ps restarted): every task restarts.
+- SIGTERM or Ctrl-C to the launcher: every task gets SIGTERM and up to
+  `--grace_period` seconds to save (then SIGKILL); the launcher exits 75 if
+  every task saved (exited 75 or 0), else 128 + the signal. If the launcher
+  itself is killed, the kernel kills each task (PR_SET_PDEATHSIG), so no task
+  outlives it.
 
 Bad launcher input (or training flags that cannot work) ends with one line on
 stderr and exit status 2, before any process starts.
@@ -43,20 +57,19 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from tfpar import cluster as cluster_lib
+from tfpar import status
 
 USAGE = ("python -m tfpar.launch --num_workers=N [--num_ps=P] [--max_restarts=R] "
-         "[--port_base=PORT] -- <tfpar.train flags>")
-# Seconds a task gets to exit after SIGTERM before SIGKILL. Short on purpose: a
-# multi-worker TF task takes SIGTERM as a preemption notice (its coordination
-# service catches it) and goes on waiting for its peers, so SIGTERM alone does
-# not end it; and a task whose peer died cannot finish a step or a save anyway.
+         "[--restart_backoff=SECONDS] [--grace_period=SECONDS] [--port_base=PORT] "
+         "-- <tfpar.train flags>")
+# Seconds a task gets after SIGTERM when a peer has failed, before SIGKILL.
+# Short: a task whose peer died cannot finish a step or a save anyway.
 TERMINATE_GRACE = 5.0
-# tfpar.train's status for bad input (flags, data, a model_dir of another
-# model): restarting cannot help, as a Kubernetes podFailurePolicy would say.
-USAGE_ERROR = 2
 # Local tasks are whole TensorFlow processes (~0.5 GB each) sharing one machine's
 # cores: 32 is past what a workstation runs usefully; more is a typo.
 MAX_LOCAL_TASKS = 32
+# The longest wait between two restarts (--restart_backoff doubles up to it).
+MAX_BACKOFF = 60.0
 # Seconds the other workers get to finish once the chief of a multi-worker job
 # has succeeded (they only clean up by then), before they count as hung.
 FINISH_GRACE = 120.0
@@ -72,6 +85,11 @@ class LaunchConfig:
   num_ps: int = 0
   max_restarts: int = 0
   port_base: int = 0  # 0: pick free ports
+  # Seconds a task may take to save after SIGTERM before SIGKILL (preemption,
+  # or a signal to the launcher). Kubernetes' terminationGracePeriodSeconds
+  # must be at least this.
+  grace_period: float = 60.0
+  restart_backoff: float = 1.0  # before restart k: restart_backoff * 2**(k-1), <= MAX_BACKOFF
   train_args: Tuple[str, ...] = ()
   module: str = "tfpar.train"
 
@@ -93,16 +111,21 @@ def parse_args(argv: Sequence[str]) -> LaunchConfig:
     raise LaunchError(f"no '--' before the training flags: {USAGE}")
   split = argv.index("--")
   own, train_args = argv[:split], argv[split + 1:]
-  values = {"num_workers": None, "num_ps": 0, "max_restarts": 0, "port_base": 0}
+  values = {"num_workers": None, "num_ps": 0, "max_restarts": 0, "port_base": 0,
+            "grace_period": 60.0, "restart_backoff": 1.0}
   for arg in own:
     name, eq, value = arg.partition("=")
     key = name[2:] if name.startswith("--") else None
     if key not in values or not eq:
       raise LaunchError(f"unknown launcher argument {arg!r}: {USAGE}")
+    kind = float if isinstance(values[key], float) else int
     try:
-      values[key] = int(value)
+      values[key] = kind(value)
     except ValueError:
-      raise LaunchError(f"--{key}={value} is not an integer") from None
+      raise LaunchError(f"--{key}={value} is not {'a number' if kind is float else 'an integer'}"
+                        ) from None
+    if kind is float and not 0 <= values[key] < float("inf"):
+      raise LaunchError(f"--{key}={value} must be a number of seconds >= 0")
   if values["num_workers"] is None:
     raise LaunchError(f"--num_workers is not set: {USAGE}")
   if values["num_workers"] < 1:
@@ -267,8 +290,13 @@ class _Stop(Exception):
     self.signum = signum
 
 
+def backoff(restart: int, base: float) -> float:
+  """Seconds to wait before restart number `restart` (1, 2, ...): doubling, capped."""
+  return min(base * 2 ** (restart - 1), MAX_BACKOFF)
+
+
 class Job:
-  """One attempt: every task started, watched, and stopped together."""
+  """Every task of the cluster, started, watched, and stopped together (or one by one)."""
 
   def __init__(self, cfg: LaunchConfig, attempt: int):
     self.cfg = cfg
@@ -279,43 +307,63 @@ class Job:
     self.configs = tf_configs(self.tasks, ports)
     self.procs: Dict[Task, subprocess.Popen] = {}
     self.outputs: Dict[Task, _Output] = {}
+    self.all_procs: List[subprocess.Popen] = []  # every process ever started, for cleanup
+    self.gone: set = set()  # parameter-server workers left dead (no restarts remained)
     self.stopped = False
 
+  @property
+  def ps_job(self) -> bool:
+    return self.cfg.num_ps > 0
+
   def start(self) -> None:
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for task in self.tasks:
-      env = dict(os.environ, TF_CONFIG=self.configs[task], PYTHONUNBUFFERED="1",
-                 TFPAR_RESTART=str(self.attempt))
-      env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-      proc = subprocess.Popen([sys.executable, "-m", self.cfg.module, *self.cfg.train_args],
-                              env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, start_new_session=True,
-                              preexec_fn=_die_with_parent)
-      self.procs[task] = proc
-      self.outputs[task] = _Output(proc, task.label)
-      say(f"started {task.label} (pid {proc.pid}) with TF_CONFIG={self.configs[task]}")
+      self.start_task(task)
+
+  def start_task(self, task: Task) -> None:
+    """Starts (or starts again) one task, with the job's TF_CONFIG for it."""
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TF_CONFIG=self.configs[task], PYTHONUNBUFFERED="1",
+               TFPAR_RESTART=str(self.attempt))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen([sys.executable, "-m", self.cfg.module, *self.cfg.train_args],
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+    if task in self.outputs:
+      self.outputs[task].join()
+    self.procs[task] = proc
+    self.all_procs.append(proc)
+    self.gone.discard(task)
+    self.outputs[task] = _Output(proc, task.label)
+    say(f"started {task.label} (pid {proc.pid}) with TF_CONFIG={self.configs[task]}")
 
   @property
   def chief(self) -> Task:
     return self.tasks[0]  # the chief task, or worker 0 (TF's convention)
 
   def wait(self) -> Tuple[int, Optional[Task]]:
-    """Blocks until the job ends; returns (status, the failed task or None)."""
-    ps_job = self.cfg.num_ps > 0
+    """Blocks until the job ends or a task needs a decision; returns (status, that task or None).
+
+    In a parameter-server job a worker that exits is returned too (the job
+    goes on without it unless it is started again); a task left `gone` is no
+    longer watched.
+    """
     chief_done_at = None
     while True:
-      codes = {task: proc.poll() for task, proc in self.procs.items()}
+      codes = {task: proc.poll() for task, proc in self.procs.items() if task not in self.gone}
       chief_code = codes[self.chief]
-      if ps_job and chief_code is not None:  # the coordinator is the job
+      if self.ps_job and chief_code is not None:  # the coordinator is the job
         return chief_code, (self.chief if chief_code else None)
       for task, code in codes.items():
         if code is None:
           continue
+        if code == status.PREEMPTED:
+          return self._wait_for_preempted_peers(task)
         if code != 0:
           return code, task
-        if ps_job:
+        if self.ps_job:
           say(f"{task.label} exited while the chief was still running")
-          return 1, task
+          return status.CRASH, task
       if chief_code == 0:
         if all(code == 0 for code in codes.values()):
           return 0, None
@@ -326,27 +374,50 @@ class Job:
           return 1, next(t for t, c in codes.items() if c is None)
       time.sleep(0.1)
 
-  def stop(self) -> None:
-    """SIGTERM every task still running (its whole process group), SIGKILL after a grace."""
+  def _wait_for_preempted_peers(self, first: Task) -> Tuple[int, Task]:
+    """A task exited as preempted: its peers are saving the same step; give them the grace period."""
+    if self.ps_job:  # Only the chief saves; servers preempted are restarted like failures.
+      return status.PREEMPTED, first
+    running = [t for t, p in self.procs.items() if p.poll() is None]
+    if running:
+      say(f"{first.label} was preempted (status {status.PREEMPTED}): waiting up to "
+          f"{self.cfg.grace_period:.0f} s for {', '.join(t.label for t in running)} to save")
+    deadline = time.monotonic() + self.cfg.grace_period
+    for task in running:
+      try:
+        self.procs[task].wait(max(0.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        say(f"{task.label} did not exit within --grace_period={self.cfg.grace_period:g} s")
+    return status.PREEMPTED, first
+
+  def stop(self, grace: float = TERMINATE_GRACE, tasks: Optional[Sequence[Task]] = None) -> None:
+    """SIGTERM every task still running (its whole process group), SIGKILL after `grace` s."""
     if self.stopped:
       return
-    running = [(t, p) for t, p in self.procs.items() if p.poll() is None]
+    chosen = self.procs if tasks is None else {t: self.procs[t] for t in tasks}
+    running = [(t, p) for t, p in chosen.items() if p.poll() is None]
     for _, proc in running:
       _signal_group(proc, signal.SIGTERM)
-    deadline = time.monotonic() + TERMINATE_GRACE
+    deadline = time.monotonic() + grace
     for task, proc in running:
       try:
         proc.wait(max(0.0, deadline - time.monotonic()))
       except subprocess.TimeoutExpired:
-        say(f"{task.label} (pid {proc.pid}) still running {TERMINATE_GRACE:.0f} s after SIGTERM: SIGKILL")
+        say(f"{task.label} (pid {proc.pid}) still running {grace:.0f} s after SIGTERM: SIGKILL")
         _signal_group(proc, signal.SIGKILL)
         proc.wait()
-    for proc in self.procs.values():
+    if tasks is not None:
+      return
+    for proc in self.all_procs:
       # Children a task started itself share its process group: none may outlive the job.
       _signal_group(proc, signal.SIGKILL)
+      proc.wait()
     for output in self.outputs.values():
       output.join()
     self.stopped = True
+
+  def codes(self) -> Dict[Task, Optional[int]]:
+    return {task: proc.poll() for task, proc in self.procs.items()}
 
 
 def _signal_group(proc: subprocess.Popen, sig) -> None:
@@ -357,40 +428,80 @@ def _signal_group(proc: subprocess.Popen, sig) -> None:
 
 
 def launch(cfg: LaunchConfig) -> int:
-  """Runs the job to its end (restarting it up to cfg.max_restarts times); returns its status."""
+  """Runs the job to its end, restarting it (or one task) as the module docstring says."""
   def on_signal(signum, _frame):
     raise _Stop(signum)
 
   previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-  job = None
+  job, attempt, restarts = None, 0, 0
   try:
-    for attempt in range(cfg.max_restarts + 1):
-      job = Job(cfg, attempt)
-      job.start()
+    job = Job(cfg, attempt)
+    job.start()
+    while True:
       code, failed = job.wait()
-      job.stop()
       if failed is None:
+        job.stop()
         say(f"job succeeded ({len(job.tasks)} tasks)")
         return 0
-      status = job_status(code)
-      if code == USAGE_ERROR:
-        say(f"{failed.label} {describe_status(code)} (bad input, see its error line): stopped "
-            f"every task; the job failed with status {status}, not restarted: it would fail "
-            "again")
-        return status
-      if attempt < cfg.max_restarts:
-        say(f"{failed.label} {describe_status(code)}: stopped every task; restarting the job "
-            f"(restart {attempt + 1} of {cfg.max_restarts}), it resumes from the latest checkpoint")
-        continue
-      say(f"{failed.label} {describe_status(code)}: stopped every task; the job failed "
-          f"with status {status}" + (f" after {cfg.max_restarts} restarts" if cfg.max_restarts
-                                     else ""))
-      return status
-    return 1  # unreachable: the loop returns
+      what = f"{failed.label} {describe_status(code)}"
+      if code in (status.BAD_INPUT, status.NONFINITE):
+        job.stop()
+        why = "bad input" if code == status.BAD_INPUT else "a NaN or infinite step"
+        say(f"{what} ({why}, see its error line): stopped every task; the job failed with "
+            f"status {code}, not restarted: it would fail again")
+        return code
+      preempted = code == status.PREEMPTED
+      ps_worker = job.ps_job and failed.type == "worker"
+      if not preempted:
+        if restarts >= cfg.max_restarts:
+          if ps_worker:
+            job.gone.add(failed)
+            say(f"{what}: no restarts left (--max_restarts={cfg.max_restarts}); the chief goes "
+                "on with the other workers")
+            continue
+          job.stop()
+          say(f"{what}: stopped every task; the job failed with status {job_status(code)}"
+              + (f" after {cfg.max_restarts} restarts" if cfg.max_restarts else ""))
+          return job_status(code)
+        restarts += 1
+        delay = backoff(restarts, cfg.restart_backoff)
+        count = f"restart {restarts} of {cfg.max_restarts}, in {delay:g} s"
+      else:
+        delay, count = 0.0, "a preemption restart, not counted in --max_restarts"
+      if ps_worker:
+        say(f"{what}: the chief runs its steps on the other workers; starting {failed.label} "
+            f"again ({count})")
+        time.sleep(delay)
+        job.start_task(failed)
+      elif job.ps_job and failed == job.chief:
+        say(f"{what}: starting the chief again ({count}); the workers and ps keep serving, "
+            "it resumes from the latest checkpoint")
+        time.sleep(delay)
+        job.start_task(failed)
+      else:
+        if not preempted:
+          job.stop()
+          say(f"{what}: stopped every task; restarting the job ({count}), it resumes from the "
+              "latest checkpoint")
+        else:
+          job.stop(grace=TERMINATE_GRACE)
+          say(f"{what}: every task saved; restarting the job ({count}), it resumes from the "
+              "saved step")
+        time.sleep(delay)
+        attempt += 1
+        job = Job(cfg, attempt)
+        job.start()
   except _Stop as stop:
-    say(f"received {signal.Signals(stop.signum).name}: stopping every task")
-    if job is not None:
-      job.stop()
+    say(f"received {signal.Signals(stop.signum).name}: stopping every task (up to "
+        f"--grace_period={cfg.grace_period:g} s to save)")
+    if job is None:
+      return 128 + stop.signum
+    job.stop(grace=cfg.grace_period)
+    codes = [c for t, c in job.codes().items() if t not in job.gone]
+    if all(c in (0, status.PREEMPTED) for c in codes) and status.PREEMPTED in codes:
+      say(f"every task saved: exiting with status {status.PREEMPTED} (start the same command "
+          "again to resume)")
+      return status.PREEMPTED
     return 128 + stop.signum
   finally:
     if job is not None:
@@ -407,7 +518,7 @@ def main(argv: Sequence[str]) -> int:
     cfg = parse_args(argv)
   except LaunchError as e:
     print(f"tfpar.launch: error: {e}", file=sys.stderr, flush=True)
-    return 2
+    return status.BAD_INPUT
   return launch(cfg)
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import keras
 from absl import logging as absl_logging
@@ -10,11 +11,11 @@ import tensorflow as tf
 from tfpar import console
 from tfpar import storage
 from tfpar import strategies
-from tfpar.cluster import Cluster, ClusterError
+from tfpar.cluster import Cluster, ClusterError, PeerError
 from tfpar.config import Config, ConfigError
 from tfpar.data import corpus as corpus_lib
 from tfpar.data import pipeline
-from tfpar.training import loop
+from tfpar.training import loop, preemption
 from tfpar.training.checkpoint import (CheckpointMismatchError, CheckpointUnreadableError,
                                        NonFiniteStateError)
 from tfpar.training.engine import DataParallelEngine
@@ -54,6 +55,7 @@ def run(cfg: Config, cluster: Cluster) -> dict:
     return {}
   keras.mixed_precision.set_global_policy(cfg.train.precision)
   strategy = strategies.make_strategy(cfg.dist, cluster)
+  preemption.watch()  # Again: multi-worker strategies install TF's own SIGTERM handler.
   is_chief = cluster.is_chief
   num_workers = cluster.num_workers if cfg.dist.strategy == "multi_worker_mirrored" else 1
   worker_index = cluster.worker_index if num_workers > 1 else 0
@@ -79,5 +81,34 @@ def run(cfg: Config, cluster: Cluster) -> dict:
           f"data: {len(corpus.files)}{share} files, "
           f"{len(corpus.train):,} train / {len(corpus.eval):,} held-out bytes, "
           f"{sharding}-level input sharding", flush=True)
-  return loop.run(cfg, engine, is_chief=is_chief, worker_index=worker_index,
-                  num_workers=num_workers)
+  try:
+    return loop.run(cfg, engine, is_chief=is_chief, worker_index=worker_index,
+                    num_workers=num_workers)
+  except PEER_ERRORS as e:
+    if len(cluster.spec.get("worker", [])) + len(cluster.spec.get("chief", [])) < 2:
+      raise
+    raise PeerError(_peer_message(e, cluster, cfg.dist.collective_timeout)) from None
+
+
+# What a collective or remote call raises when a peer task died, hung or was cut off.
+PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+               tf.errors.AbortedError, tf.errors.CancelledError)
+_TASK = re.compile(r"/job:(\w+)(?:/replica:\d+)?/task:(\d+)")
+_CAUSE = re.compile(r"abort|timed out|timeout|connect|unavailable|heartbeat|deadline|reset", re.I)
+
+
+def _peer_message(error, cluster: Cluster, timeout: int) -> str:
+  """One line: which peer this task waited for, what TensorFlow said, how to go on."""
+  text = str(error.message if hasattr(error, "message") else error)
+  peers = []
+  for job, index in dict.fromkeys(_TASK.findall(text)):
+    addresses = cluster.spec.get(job, [])
+    if int(index) < len(addresses) and (job, int(index)) != (cluster.task_type, cluster.task_index):
+      peers.append(f"{job} {index} ({addresses[int(index)]})")
+  lines = [line.strip() for line in text.splitlines() if line.strip()]
+  # TensorFlow's message opens with "Graph execution error:" and a stack; the cause is further down.
+  first = next((line for line in lines if _CAUSE.search(line)), lines[0] if lines else "")
+  who = ", ".join(peers) or "a peer (TensorFlow did not say which)"
+  return (f"{cluster.task_type} {cluster.task_index} waited for {who}, which stopped answering "
+          f"(a collective waits at most --collective_timeout={timeout} s): {type(error).__name__}: {first[:200]}. The latest checkpoint is intact: restart "
+          "the job (tfpar.launch --max_restarts, or the Kubernetes restart policy) to resume")

@@ -4,8 +4,10 @@ This file only wires: parse flags into a validated config and check it against
 the run directory and the cluster (all before TensorFlow starts), make the
 strategy, build the engine under it, run the loop. Bad input ends with one line
 on stderr and exit status 2; a NaN or infinite step under --on_nonfinite=stop
-with one line and exit status 3 (nothing saved after the last good checkpoint).
-TensorFlow's C++ start-up lines are silenced; absl's --verbosity=0 shows them.
+with one line and exit status 3 (nothing saved after the last good
+checkpoint); a SIGTERM saves a checkpoint and exits 75 (tfpar.status lists
+every status). TensorFlow's C++ start-up lines are silenced; absl's
+--verbosity=0 shows them.
 """
 
 import sys
@@ -16,20 +18,20 @@ from tfpar import cluster as cluster_lib
 from tfpar import config as config_lib
 from tfpar import console
 from tfpar import flags as tfpar_flags
+from tfpar import status
+from tfpar.training import preemption
 
 tfpar_flags.define_flags()
 FLAGS = flags.FLAGS
 
-EXIT_BAD_INPUT = 2
-EXIT_NONFINITE = 3  # Not "restart me": a restart would meet the same numbers again.
 
-
-def fail(message: str, status: int = EXIT_BAD_INPUT) -> None:
+def fail(message: str, code: int = status.BAD_INPUT) -> None:
   print(f"tfpar.train: error: {message}", file=sys.stderr, flush=True)
-  sys.exit(status)
+  sys.exit(code)
 
 
 def main(argv):
+  preemption.watch()  # Before TensorFlow: in a container, python may be PID 1.
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}: flags are written --name=value")
   try:
@@ -39,7 +41,7 @@ def main(argv):
     fail(str(e))
   except cluster_lib.PeersNotFound as e:  # Not bad input: a restart may find them.
     print(f"tfpar.train: error: {e}", file=sys.stderr, flush=True)
-    sys.exit(1)
+    sys.exit(status.CRASH)
   console.import_tensorflow_quietly(FLAGS.verbosity if FLAGS["verbosity"].present else None)
   try:
     config_lib.check_run(cfg, cluster)  # Reads --model_dir through tf.io.gfile.
@@ -51,7 +53,12 @@ def main(argv):
   except runner.USER_ERRORS as e:
     fail(str(e))
   except runner.NONFINITE_ERRORS as e:
-    fail(str(e), EXIT_NONFINITE)
+    fail(str(e), status.NONFINITE)
+  except preemption.Preempted:
+    sys.exit(status.PREEMPTED)
+  except cluster_lib.PeerError as e:  # Not bad input: a restart may well succeed.
+    print(f"tfpar.train: error: {e}", file=sys.stderr, flush=True)
+    sys.exit(status.CRASH)
 
 
 def parse_flags(argv):

@@ -2,7 +2,9 @@
 
 The loop never touches tensors or strategies; it asks the engine to run N
 steps (N chosen so that each call ends exactly on the next log, eval or
-checkpoint boundary) and records what came back.
+checkpoint boundary) and records what came back. Between two calls it checks
+for a preemption notice (tfpar.training.preemption): then every worker saves
+at the same step and the loop raises `Preempted`.
 
 Non-finite steps (a NaN or infinite loss, or gradient norm). Under
 `--on_nonfinite=stop` (the default) the loop names the first such step and
@@ -24,6 +26,7 @@ import numpy as np
 
 from tfpar.config import Config
 from tfpar.console import count as _count
+from tfpar.training import preemption
 from tfpar.training.checkpoint import CanonicalCheckpointer
 from tfpar.training.metrics import MetricsWriter, perplexity
 
@@ -77,7 +80,8 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
         num_workers: int = 1) -> dict:
   """Trains until cfg.train.train_steps, resuming from the latest checkpoint.
 
-  Returns the last train and eval records.
+  Returns the last train and eval records. Raises preemption.Preempted after
+  saving, when SIGTERM reached any worker.
   """
   t = cfg.train
   metrics = MetricsWriter(t.model_dir, enabled=is_chief)
@@ -98,6 +102,8 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
   window_losses, window_norms, window_time = [], [], 0.0
   window_skipped, skipped_total = 0, 0
   last = {}
+  agreement = preemption.Agreement(getattr(engine, "strategy", None))
+  preemption.arm()
   while step < t.train_steps:
     n = min(t.steps_per_call, _next_boundary(step, cfg) - step)
     start = time.perf_counter()
@@ -111,7 +117,9 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
     window_norms.extend(norms.tolist())
     window_time += elapsed
     done = step >= t.train_steps
-    if step % t.log_every == 0 or done:
+    # Every worker asks after every chunk (a collective when multi-worker), so all agree.
+    preempted = not done and agreement.stop()
+    if step % t.log_every == 0 or done or preempted:
       k = len(window_losses)
       record = {"kind": "train", "step": step, "loss": _finite_mean(window_losses),
                 "learning_rate": engine.learning_rate(), "grad_norm": _finite_mean(window_norms),
@@ -128,6 +136,12 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
                        f"{_count(num_workers, 'worker')}{note}")
       last["train"] = record
       window_losses, window_norms, window_time, window_skipped = [], [], 0.0, 0
+    if preempted:  # Before eval: the grace period is for saving.
+      path = checkpointer.save(step)
+      who = "" if is_chief else f"worker {worker_index}: "
+      print(f"tfpar: {who}preempted (SIGTERM), saved {path or 'its part'} at step {step}; "
+            f"the next start resumes at step {step + 1}", flush=True)
+      raise preemption.Preempted(step)
     if t.eval_steps and ((t.eval_every and step % t.eval_every == 0) or done):
       loss = engine.evaluate(engine.eval_iterator(), t.eval_steps)
       record = {"kind": "eval", "step": step, "loss": loss, "perplexity": perplexity(loss)}
@@ -139,4 +153,5 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
       path = checkpointer.save(step)
       if path:
         metrics.say(f"saved {path}")
+  preemption.disarm()
   return last

@@ -85,7 +85,16 @@ The code, by concern:
 Launch (one machine): `python -m tfpar.launch --num_workers=2 --num_ps=1 --
 --strategy=parameter_server --model_dir=...`. On a cluster every task runs
 `python -m tfpar.train` with the same flags and its own TF_CONFIG; the ps and
-worker tasks serve until the chief is gone, then exit.
+worker tasks serve, across restarts of the chief, until the job ends them.
+
+Failures (what ClusterCoordinator does, and what tfpar adds). A worker that
+dies costs nothing but its in-flight step: the coordinator runs that closure
+again on another worker, and takes the worker back once it serves again. A
+ps that dies loses variables: the chief fails, and chief and ps restart from
+the latest checkpoint. A chief that restarts reconnects to the servers,
+rebuilds the variables and restores the checkpoint. The chief never waits
+blindly: if no scheduled step finishes for --collective_timeout seconds, it
+fails with one line naming the workers it cannot reach (engine.py).
 """
 
 from tfpar.parallel.parameter_server.engine import ParameterServerEngine

@@ -1,13 +1,16 @@
 """The coordinator's engine: asynchronous steps scheduled on the workers (see the package doc)."""
 
+import time
 from typing import Dict, List
 
 import numpy as np
 import tensorflow as tf
 
+from tfpar.cluster import PeerError
 from tfpar.config import Config
 from tfpar.data import pipeline
 from tfpar.parallel.parameter_server import keras_patches
+from tfpar.parallel.parameter_server.server import reachable
 from tfpar.parallel.parameter_server.step import RemoteVariableTrainStep
 from tfpar.parallel.parameter_server.step_log import StepLog
 from tfpar.training.checkpoint import model_layout
@@ -109,7 +112,7 @@ class ParameterServerEngine(Engine):
     """
     futures = [self.coordinator.schedule(self._worker_fn, args=(iterator,))
                for _ in range(num_steps)]
-    self.coordinator.join()  # Raises the first error a closure raised.
+    self._join(futures)
     results = [{k: np.asarray(v).item() for k, v in f.fetch().items()} for f in futures]
     new = []
     for r in results:
@@ -121,6 +124,30 @@ class ParameterServerEngine(Engine):
     self._step_log.write(new)
     return (np.array([r["loss"] for r in results], np.float32),
             np.array([r["grad_norm"] for r in results], np.float32))
+
+  def _join(self, futures) -> None:
+    """`coordinator.join()`, bounded: fails if no step finishes for --collective_timeout s.
+
+    The coordinator waits for a lost worker to come back (up to an hour) and
+    runs its steps elsewhere meanwhile; with every worker lost it would wait
+    that long. Raises the first error a step raised.
+    """
+    timeout = self.cfg.dist.collective_timeout
+    # RemoteValue's status is not public; NOT_READY until the step ends.
+    ready = lambda f: getattr(getattr(f, "_status", None), "name", "READY") != "NOT_READY"
+    finished, since = -1, time.monotonic()
+    while not self.coordinator.done():  # done() raises a step's error, as join() would.
+      now_finished = sum(ready(f) for f in futures)
+      if now_finished != finished:
+        finished, since = now_finished, time.monotonic()
+      elif timeout and time.monotonic() - since > timeout:
+        workers = self.strategy.cluster_resolver.cluster_spec().as_dict()["worker"]
+        down = [f"worker {i} ({a})" for i, a in enumerate(workers) if not reachable(a)]
+        raise PeerError(
+            f"no parameter-server step finished in --collective_timeout={timeout} s "
+            f"({finished} of {len(futures)} done); unreachable: {', '.join(down) or 'none'}")
+      time.sleep(0.05)
+    self.coordinator.join()
 
   def _stateless_eval_loss(self, trainable, non_trainable, inputs, targets):
     logits, _ = self.model.stateless_call(trainable, non_trainable, inputs, training=False)

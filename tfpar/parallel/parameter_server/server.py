@@ -1,24 +1,25 @@
 """The parameter-server job's processes: the chief's strategy, the worker and ps servers.
 
 A worker or ps task runs nothing of its own: it starts a gRPC server that the
-chief (the coordinator) sends work and variables to, and keeps it up until the
-chief is gone (see `serve`).
+chief (the coordinator) sends work and variables to, and keeps it up across
+chief restarts (see `serve`).
 """
 
 import os
+import signal
 import socket
 import time
 
 import tensorflow as tf
 
+from tfpar import status
 from tfpar.cluster import Cluster, ClusterError
 from tfpar.config import DistConfig
 
-# How often, and how many times in a row, a server checks that the chief is
-# still there before it exits (the ps and worker servers have no other end).
+# How often a server checks that the chief is there.
 CHIEF_POLL_SECONDS = 2.0
-CHIEF_MISSES_TO_EXIT = 3
-# A server that never sees its chief gives up after this long.
+# A server whose chief has been unreachable this long (never came up, or did
+# not come back) exits with status 1.
 CHIEF_WAIT_SECONDS = 600.0
 
 
@@ -51,7 +52,8 @@ def make_strategy(dist: DistConfig, cluster: Cluster) -> tf.distribute.Strategy:
   return tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
 
 
-def _chief_reachable(address: str) -> bool:
+def reachable(address: str) -> bool:
+  """Whether a task's gRPC port accepts a connection (host:port)."""
   host, port = address.rsplit(":", 1)
   try:
     with socket.create_connection((host, int(port)), timeout=2.0):
@@ -61,19 +63,36 @@ def _chief_reachable(address: str) -> bool:
 
 
 def serve(cluster: Cluster) -> None:
-  """Runs this worker or ps task's gRPC server until the chief goes away.
+  """Runs this worker or ps task's gRPC server for the chief, across chief restarts.
 
-  TensorFlow's servers never return from `join()` and cannot be stopped, so
-  instead of joining, the task watches the chief's port and exits (status 0)
-  once the chief, seen before, has been unreachable CHIEF_MISSES_TO_EXIT times
-  in a row; status 1 if it never appears within CHIEF_WAIT_SECONDS.
+  A restarted chief (a new coordinator) reconnects to the same servers, which
+  is how TensorFlow's ClusterCoordinator recovers from a coordinator failure;
+  so a server outlives its chief. TensorFlow's servers cannot be stopped and
+  never return from `join()`, so the task instead watches the chief's port and
+  ends only when (a) the chief has been unreachable for CHIEF_WAIT_SECONDS in a
+  row (status 1, naming the chief): it is not coming back; or (b) SIGTERM
+  arrives (status 75, tfpar.status.PREEMPTED: a server has nothing to save).
+  When the job is done, whoever runs it ends the servers: tfpar.launch
+  terminates them once the chief exits 0; on Kubernetes the job's success
+  policy (the chief's completion) does.
+
+  Before, a server exited 0 about 6 s after the chief went away (three missed
+  polls 2 s apart), taking "chief gone" for "job done": a chief restarted by
+  Kubernetes then found its servers completed.
   """
   check_cluster(cluster)
   if cluster.task_type not in ("worker", "ps"):
     raise ClusterError(f"serve() is for worker and ps tasks, not {cluster.task_type!r}")
+  me = f"{cluster.task_type} {cluster.task_index}"
+
+  def on_sigterm(signum, frame):  # pylint: disable=unused-argument
+    print(f"tfpar: {me}: SIGTERM, exiting (a server has nothing to save)", flush=True)
+    os._exit(status.PREEMPTED)  # pylint: disable=protected-access  # Servers cannot be stopped.
+
+  signal.signal(signal.SIGTERM, on_sigterm)
   config = tf.compat.v1.ConfigProto()
   # TF's default pool has one inter-op thread per core; fewer than
-  # num_workers + 1 can hang the cluster (see the module docstring).
+  # num_workers + 1 can hang the cluster (see the package docstring).
   min_threads = len(cluster.spec["worker"]) + 1
   if (os.cpu_count() or 1) < min_threads:
     config.inter_op_parallelism_threads = min_threads
@@ -82,19 +101,19 @@ def serve(cluster: Cluster) -> None:
                                 start=True)
   del server  # Lives until the process ends.
   chief = cluster.spec["chief"][0]
-  print(f"tfpar: {cluster.task_type} {cluster.task_index} serving; waits for chief {chief}",
-        flush=True)
-  seen, misses, start = False, 0, time.monotonic()
+  print(f"tfpar: {me} serving; waits for chief {chief}", flush=True)
+  seen, last_seen = False, time.monotonic()
   while True:
     time.sleep(CHIEF_POLL_SECONDS)
-    if _chief_reachable(chief):
-      seen, misses = True, 0
-    elif seen:
-      misses += 1
-      if misses >= CHIEF_MISSES_TO_EXIT:
-        print(f"tfpar: {cluster.task_type} {cluster.task_index}: chief gone, exiting", flush=True)
-        os._exit(0)  # pylint: disable=protected-access  # Servers cannot be stopped otherwise.
-    elif time.monotonic() - start > CHIEF_WAIT_SECONDS:
-      print(f"tfpar: {cluster.task_type} {cluster.task_index}: chief {chief} never came up in "
-            f"{CHIEF_WAIT_SECONDS:.0f}s, exiting", flush=True)
-      os._exit(1)  # pylint: disable=protected-access
+    if reachable(chief):
+      if not seen:
+        print(f"tfpar: {me}: chief {chief} connected", flush=True)
+      seen, last_seen = True, time.monotonic()
+      continue
+    if seen:
+      print(f"tfpar: {me}: chief {chief} unreachable; serving on, for its restart", flush=True)
+      seen = False
+    if time.monotonic() - last_seen > CHIEF_WAIT_SECONDS:
+      print(f"tfpar: {me}: chief {chief} unreachable for {CHIEF_WAIT_SECONDS:.0f} s, exiting",
+            flush=True)
+      os._exit(status.CRASH)  # pylint: disable=protected-access

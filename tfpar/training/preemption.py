@@ -1,0 +1,119 @@
+"""SIGTERM as a preemption notice: every worker saves at one agreed step, then exits 75.
+
+Kubernetes (eviction, node drain, spot reclaim) and TPU maintenance send
+SIGTERM, then SIGKILL after a grace period. tfpar turns SIGTERM into a flag;
+the loop checks it between two `engine.train` calls (so at most one
+--steps_per_call chunk runs after the signal), and then, if any worker was
+signalled, every worker saves a checkpoint at the same step and exits with
+`tfpar.status.PREEMPTED`. The next start resumes from that checkpoint: no step
+is lost or repeated.
+
+Agreement. A signal reaches one pod, not all of them. Workers of a
+synchronous multi-worker job (multi_worker_mirrored, also under model
+parallelism) run the same chunks in the same order, so after each chunk they
+all-reduce their flags (one SUM of a scalar per chunk): all see the same sum,
+and all stop after the same chunk. Every other run has a single training
+process (one_device, mirrored, model parallel on one host, tpu with its one
+client, and the parameter-server chief, whose workers and ps only serve): its
+own flag decides.
+
+Why not tf.distribute.experimental.PreemptionCheckpointHandler: it counts its
+own `run` calls and saves and restores its own tf.train.Checkpoint (with that
+count in it), while tfpar's checkpoint is canonical (tfpar.training.checkpoint,
+restorable under any plan) and its position is the optimizer step; it does
+not support parameter servers; and its agreement goes through the coordination
+service's key-value store, which single-host strategies do not start. The
+all-reduce above is the same agreement in the strategy's own collectives.
+
+What TensorFlow 2.21 does with SIGTERM by itself: creating a
+MultiWorkerMirroredStrategy installs a C++ handler (the coordination
+service's preemption notifier, `preemption_notifier.cc: SIGTERM caught`) that
+only logs and lets the process run on, so without tfpar's handler a worker
+ignores SIGTERM until SIGKILL. Python's `signal.signal` replaces that C
+handler, which is why `watch` runs again after the strategy is created.
+"""
+
+import os
+import signal
+import sys
+import threading
+import time
+
+from tfpar import status
+
+
+class _Watcher:
+  """The process-wide SIGTERM flag (signal handlers are process-wide too)."""
+
+  def __init__(self):
+    self.armed = False  # True while the loop runs: before that, SIGTERM exits at once.
+    self.signalled_at = None
+
+  def _on_sigterm(self, signum, frame):  # pylint: disable=unused-argument
+    if self.signalled_at is None:
+      self.signalled_at = time.monotonic()
+    if not self.armed:
+      # Nothing trained since the last checkpoint: exit now, as preempted.
+      print("tfpar: SIGTERM before training started: nothing to save, exiting with status "
+            f"{status.PREEMPTED}", file=sys.stderr, flush=True)
+      os._exit(status.PREEMPTED)  # pylint: disable=protected-access  # TF threads may be mid-call.
+
+
+_WATCHER = _Watcher()
+
+
+def watch() -> None:
+  """Installs (again) tfpar's SIGTERM handler; call at start-up and after a strategy is made."""
+  if threading.current_thread() is threading.main_thread():  # Python's rule for handlers.
+    signal.signal(signal.SIGTERM, _WATCHER._on_sigterm)  # pylint: disable=protected-access
+
+
+def arm() -> None:
+  """From now on SIGTERM only sets the flag; the loop saves and stops at the next check."""
+  watch()
+  _WATCHER.armed = True
+
+
+def disarm() -> None:
+  _WATCHER.armed = False
+
+
+def signalled() -> bool:
+  """Whether this process has received SIGTERM."""
+  return _WATCHER.signalled_at is not None
+
+
+class Agreement:
+  """Decides, the same way on every worker, whether to stop after this chunk.
+
+  Args:
+    strategy: the engine's strategy (None for a model-parallel copy on one host).
+  """
+
+  def __init__(self, strategy):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    self._count = None
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+
+      @tf.function
+      def count(flag):
+        # Each replica's copy of its worker's flag, summed over every replica of every worker.
+        per_replica = strategy.run(tf.identity, args=(flag,))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+      self._count = count
+      self._tf = tf
+
+  def stop(self) -> bool:
+    """True on every worker iff some worker has been signalled (a collective when multi-worker)."""
+    if self._count is None:
+      return signalled()
+    return float(self._count(self._tf.constant(float(signalled())))) > 0
+
+
+class Preempted(Exception):
+  """Raised by the loop once the preemption checkpoint is written."""
+
+  def __init__(self, step: int):
+    super().__init__(step)
+    self.step = step
