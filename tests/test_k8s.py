@@ -196,14 +196,29 @@ def test_manifests_render_and_validate(kind, variant, crd_schemas):
     spec = workload["spec"]
     assert spec["network"] == {"enableDNSHostnames": True, "publishNotReadyAddresses": True}
     assert spec["failurePolicy"]["maxRestarts"] == 3  # Any failed Job restarts the whole set...
-    assert spec["failurePolicy"]["rules"] == [  # ...except bad input (exit 2): it fails.
-        {"name": "BadInput", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]
+    # ...except bad input (exit 2): it fails; and preemption (75): restarts, not counted.
+    assert [(r["name"], r["action"], r["onJobFailureReasons"], r["onJobFailureMessagePatterns"])
+            for r in spec["failurePolicy"]["rules"]] == [
+        ("BadInput", "FailJobSet", ["PodFailurePolicy"], ["failed with exit code 2 matching"]),
+        ("Preempted", "RestartJobSetAndIgnoreMaxRestarts", ["PodFailurePolicy"],
+         ["failed with exit code 75 matching"])]
     jobs = {rj["name"]: rj["template"]["spec"] for rj in spec["replicatedJobs"]}
     assert {k: v["completions"] for k, v in jobs.items()} == (
         {"chief": 1, "worker": workers, "ps": ps} if ps else {"worker": workers})
     for job in jobs.values():
       assert job["completionMode"] == "Indexed" and job["backoffLimit"] == 0
-      assert job["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"] == [2]
+      assert [(r["action"], r["onExitCodes"]["values"]) for r in job["podFailurePolicy"]["rules"]
+              ] == [("FailJob", [2]), ("FailJob", [75])]
+      # The JobSet's patterns match the message the Job controller writes for these rules.
+      message = ("Container tensorflow for pod default/gpt-worker-0-1-x7k2p failed with exit "
+                 "code {} matching FailJob rule at index {}")
+      for code, index, rule in ((2, 0, "BadInput"), (75, 1, "Preempted")):
+        matching = [r["name"] for r in spec["failurePolicy"]["rules"]
+                    if any(re.search(p, message.format(code, index))
+                           for p in r["onJobFailureMessagePatterns"])]
+        assert matching[:1] == [rule]
+      assert not any(re.search(p, message.format(1, 0)) or re.search(p, message.format(137, 0))
+                     for r in spec["failurePolicy"]["rules"] for p in r["onJobFailureMessagePatterns"])
     assert spec["successPolicy"]["targetReplicatedJobs"] == (["chief"] if ps else ["worker"])
   else:
     service = objs[1]
@@ -315,7 +330,7 @@ def free_ports(count):
 def test_two_pods_of_a_rendered_indexed_job_train_together(tmp_path):
   """The pods' environment and command line as rendered; only their hostnames become 127.0.0.1."""
   train_flags = [*TINY, "--strategy=multi_worker_mirrored", "--jit_compile=false",
-                 "--eval_steps=0", "--train_steps=3", "--checkpoint_every=3",
+                 "--eval_steps=0", "--train_steps=2", "--checkpoint_every=2",
                  "--input_sharding=data", f"--model_dir={tmp_path}/runs/gpt"]
   objs = render("indexed-job", ["--workers=2", "--pvc=claim", f"--mount_path={tmp_path}"],
                 train_flags)
@@ -335,14 +350,15 @@ def test_two_pods_of_a_rendered_indexed_job_train_together(tmp_path):
                                   cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True))
   try:
-    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]  # ~20 s on an idle 2-core machine
   finally:
     for p in procs:
       if p.poll() is None:
         p.kill()
+        p.wait()
   assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
   assert "2 workers" in outputs[0], outputs[0][-2000:]
-  assert [r["step"] for r in read_metrics(f"{tmp_path}/runs/gpt")] == [1, 2, 3]
+  assert [r["step"] for r in read_metrics(f"{tmp_path}/runs/gpt")] == [1, 2]
   assert os.path.exists(f"{tmp_path}/runs/gpt/checkpoints/checkpoint")
 
 

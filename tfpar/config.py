@@ -131,9 +131,18 @@ class Config:
     return dataclasses.asdict(self)
 
 
+def model_from_flags(f) -> ModelConfig:
+  """The validated model shape alone (tfpar.plan needs no model_dir or data)."""
+  d_ff = f.d_ff if f.d_ff is not None else 4 * f.d_model
+  m = ModelConfig(vocab_size=f.vocab_size, seq_len=f.seq_len, num_layers=f.num_layers,
+                  d_model=f.d_model, num_heads=f.num_heads, d_ff=d_ff, dropout=f.dropout,
+                  positions=f.positions)
+  validate_model(m)
+  return m
+
+
 def from_flags(f) -> Config:
   """Builds and validates a Config from parsed absl FLAGS (or any object with those attrs)."""
-  d_ff = f.d_ff if f.d_ff is not None else 4 * f.d_model
   warmup = f.warmup_steps if f.warmup_steps is not None else max(1, f.train_steps // 20)
   stage_layers = None
   if f.stage_layers:
@@ -145,9 +154,7 @@ def from_flags(f) -> Config:
   if not f.model_dir:
     raise ConfigError("--model_dir is not set: pass --model_dir=DIR for checkpoints and metrics")
   cfg = Config(
-      model=ModelConfig(seq_len=f.seq_len, num_layers=f.num_layers, d_model=f.d_model,
-                        num_heads=f.num_heads, d_ff=d_ff, dropout=f.dropout,
-                        positions=f.positions),
+      model=model_from_flags(f),
       data=DataConfig(data=f.data, tfrecord_key=f.tfrecord_key, eval_fraction=f.eval_fraction,
                       input_sharding=f.input_sharding),
       optim=OptimConfig(learning_rate=f.learning_rate, warmup_steps=warmup,
@@ -210,24 +217,14 @@ def _bounded_ints(cfg: Config) -> None:
         raise ConfigError(f"--{field.name}={value} is too large: it must be below 2^31")
 
 
-def validate(cfg: Config) -> None:
-  """Raises ConfigError naming the first flag that cannot work, and how to fix it."""
-  m, d, o, t, s, p = cfg.model, cfg.data, cfg.optim, cfg.train, cfg.dist, cfg.parallel
-  _finite_floats(cfg)
-  if not 0 <= t.seed <= MAX_SEED:
-    raise ConfigError(f"--seed={t.seed} must be in [0, 2^32-1]: e.g. --seed=0")
-  _bounded_ints(cfg)
+def validate_model(m: ModelConfig) -> None:
+  """Raises ConfigError naming the first model flag that cannot work."""
   for value, flag in ((m.seq_len, "seq_len"), (m.num_layers, "num_layers"),
-                      (m.d_model, "d_model"), (m.num_heads, "num_heads"), (m.d_ff, "d_ff"),
-                      (t.train_steps, "train_steps"), (t.global_batch_size, "global_batch_size"),
-                      (t.log_every, "log_every"), (t.checkpoint_every, "checkpoint_every"),
-                      (t.keep_checkpoints, "keep_checkpoints"), (t.steps_per_call, "steps_per_call"),
-                      (s.num_cpu_devices, "num_cpu_devices"), (s.ps_shards, "ps_shards"),
-                      (p.pipeline_stages, "pipeline_stages"), (p.microbatches, "microbatches"),
-                      (p.tensor_parallel, "tensor_parallel")):
+                      (m.d_model, "d_model"), (m.num_heads, "num_heads"), (m.d_ff, "d_ff")):
     _positive(value, flag)
-  if t.eval_every < 0 or t.eval_steps < 0:
-    raise ConfigError("--eval_every and --eval_steps must be >= 0: use 0 to evaluate only at the end")
+  if m.vocab_size < VOCAB_SIZE:
+    raise ConfigError(f"--vocab_size={m.vocab_size} is smaller than the {VOCAB_SIZE} byte values "
+                      f"the data pipeline feeds: use --vocab_size >= {VOCAB_SIZE}")
   if m.d_model % m.num_heads:
     raise ConfigError(f"--num_heads={m.num_heads} does not divide --d_model={m.d_model}: "
                       "pick a head count that divides d_model (e.g. 4 or 8 for 256)")
@@ -236,6 +233,25 @@ def validate(cfg: Config) -> None:
                       f"d_model/num_heads={m.d_model // m.num_heads}: change --num_heads")
   if not 0.0 <= m.dropout < 1.0:
     raise ConfigError(f"--dropout={m.dropout} must be in [0, 1): e.g. --dropout=0.1")
+
+
+def validate(cfg: Config) -> None:
+  """Raises ConfigError naming the first flag that cannot work, and how to fix it."""
+  m, d, o, t, s, p = cfg.model, cfg.data, cfg.optim, cfg.train, cfg.dist, cfg.parallel
+  _finite_floats(cfg)
+  if not 0 <= t.seed <= MAX_SEED:
+    raise ConfigError(f"--seed={t.seed} must be in [0, 2^32-1]: e.g. --seed=0")
+  _bounded_ints(cfg)
+  validate_model(m)
+  for value, flag in ((t.train_steps, "train_steps"), (t.global_batch_size, "global_batch_size"),
+                      (t.log_every, "log_every"), (t.checkpoint_every, "checkpoint_every"),
+                      (t.keep_checkpoints, "keep_checkpoints"), (t.steps_per_call, "steps_per_call"),
+                      (s.num_cpu_devices, "num_cpu_devices"), (s.ps_shards, "ps_shards"),
+                      (p.pipeline_stages, "pipeline_stages"), (p.microbatches, "microbatches"),
+                      (p.tensor_parallel, "tensor_parallel")):
+    _positive(value, flag)
+  if t.eval_every < 0 or t.eval_steps < 0:
+    raise ConfigError("--eval_every and --eval_steps must be >= 0: use 0 to evaluate only at the end")
   if not 0.0 < d.eval_fraction < 0.5:
     raise ConfigError(f"--eval_fraction={d.eval_fraction} must be in (0, 0.5): e.g. 0.05")
   if d.data is not None:

@@ -43,6 +43,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   _define(flags.DEFINE_integer, fv, "d_ff", None, "MLP hidden width (default 4 * d_model).")
   _define(flags.DEFINE_float, fv, "dropout", 0.0, "Dropout rate (0 for pretraining-style runs, as nanoGPT).")
   _define(flags.DEFINE_enum, fv, "positions", "learned", ["learned", "rotary"], "Position encoding.")
+  _define(flags.DEFINE_integer, fv, "vocab_size", 256,
+          "Embedding rows (256: byte-level, what the data pipeline feeds; larger sizes "
+          "model a tokenizer's vocabulary, e.g. for tfpar.plan).")
   # Optimisation.
   _define(flags.DEFINE_integer, fv, "train_steps", 200, "Optimizer steps in total (a resumed run stops here too).")
   _define(flags.DEFINE_integer, fv, "global_batch_size", 16, "Sequences per step, summed over all replicas.")
@@ -85,6 +88,29 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   _define(flags.DEFINE_integer, fv, "data_parallel", None,
                        "Model replicas for model-parallel runs (default: what the devices allow).")
   _define(flags.DEFINE_bool, fv, "remat", False, "Recompute each block's activations in the backward pass.")
+  return fv
+
+
+PLAN_FORMATS = ("text", "json")
+
+
+def define_plan_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValues:
+  """Defines the flags of `python -m tfpar.plan` on top of the training flags (idempotent)."""
+  fv = define_flags(flag_values)
+  if "cluster" in fv:
+    return fv
+  _define(flags.DEFINE_string, fv, "cluster", None,
+          "Devices to plan for: a100-40gb:N, a100-80gb:N, h100-80gb:N, tpu-v4:N, tpu-v5p:N, "
+          "cpu:N (logical CPUs of this host) or a YAML cluster file (docs/planner.md).")
+  _define(flags.DEFINE_integer, fv, "top", 5, "How many plans to print.")
+  _define(flags.DEFINE_string, fv, "emit_flags", None,
+          "Write the best plan as a flagfile for python -m tfpar.train to this path.")
+  _define(flags.DEFINE_bool, fv, "explain", False,
+          "Print the cost model's formulas with the best plan's numbers substituted.")
+  _define(flags.DEFINE_enum, fv, "format", "text", list(PLAN_FORMATS), "Output format.")
+  _define(flags.DEFINE_enum, fv, "system", "tfpar", ["tfpar", "megatron"],
+          "Layout to plan for: what tfpar runs (GPipe, embedding unsplit, a replica per worker) "
+          "or Megatron-LM's (1F1B, vocabulary-parallel embedding; for comparison).")
   return fv
 
 

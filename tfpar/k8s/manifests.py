@@ -12,8 +12,10 @@ on every interface. What differs is who writes TF_CONFIG and who restarts:
   coordinator survives a lost worker, restart pods on failure.
 - JobSet (`jobset.x-k8s.io/v1alpha2`): one replicated job per task type; any
   failed Job restarts the whole JobSet (`failurePolicy.maxRestarts`), except
-  exit status 2 (bad input), which fails it at once. Pods build TF_CONFIG with
-  `tfpar.cluster` from their index and the hostnames in `TFPAR_CLUSTER`.
+  exit status 2 (bad input), which fails it at once, and 75 (preempted, every
+  worker saved), which restarts it without using up a restart. Pods build
+  TF_CONFIG with `tfpar.cluster` from their index and the hostnames in
+  `TFPAR_CLUSTER`.
 - Indexed Job + headless Service: one Job of every task (chief, workers, ps by
   completion index); a failure fails the Job (no group restarts). With
   parameter servers the Job succeeds when the chief (index 0) does.
@@ -24,6 +26,7 @@ import json
 from typing import Dict, List, Optional, Tuple
 
 from tfpar import cluster as cluster_lib
+from tfpar import status
 
 CONTAINER = "tensorflow"  # The name TFJob injects TF_CONFIG into; used for every kind.
 PORT_NAME = "tfjob-port"  # The port name TFJob's operator reads the TF port from.
@@ -31,7 +34,6 @@ PORT_NAME = "tfjob-port"  # The port name TFJob's operator reads the TF port fro
 # no handler for, so a bare `python` as PID 1 would ignore SIGTERM.
 ENTRYPOINT = ("tini", "--", "python", "-m", "tfpar.train")
 UID = 1000  # The Dockerfile's unprivileged user.
-USAGE_ERROR = 2  # tfpar.train's status for bad input: restarting cannot help.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,12 +95,13 @@ def hostnames(job: Job) -> Dict[str, List[str]]:
   return spec
 
 
-def _container(job: Job, role: str) -> dict:
+def _container(job: Job, role: Optional[str]) -> dict:
   requests = {"cpu": job.cpu, "memory": job.memory}
   limits = {"memory": job.memory}
-  if role == "worker" and job.gpus_per_worker:
+  computes = role in ("worker", None)  # None: one template for every task type.
+  if computes and job.gpus_per_worker:
     limits["nvidia.com/gpu"] = str(job.gpus_per_worker)
-  if role == "worker" and job.tpu_topology:
+  if computes and job.tpu_topology:
     limits["google.com/tpu"] = str(job.tpus_per_worker)
   container = {
       "name": CONTAINER,
@@ -121,7 +124,8 @@ def _container(job: Job, role: str) -> dict:
   return container
 
 
-def _pod_template(job: Job, role: str) -> dict:
+def _pod_template(job: Job, role: Optional[str]) -> dict:
+  """The pods of task type `role` (None: one template for every task type)."""
   spec = {
       "containers": [_container(job, role)],
       # Time from SIGTERM (eviction, preemption) to SIGKILL: enough to save a checkpoint.
@@ -139,10 +143,11 @@ def _pod_template(job: Job, role: str) -> dict:
   if job.pvc:
     spec["volumes"] = [{"name": "model-dir",
                         "persistentVolumeClaim": {"claimName": job.pvc}}]
-  if role == "worker" and job.tpu_topology:
+  if role in ("worker", None) and job.tpu_topology:
     spec["nodeSelector"] = {"cloud.google.com/gke-tpu-accelerator": job.tpu_accelerator,
                             "cloud.google.com/gke-tpu-topology": job.tpu_topology}
-  return {"metadata": {"labels": dict(job.labels, **{"tfpar/task-type": role})}, "spec": spec}
+  labels = dict(job.labels, **({"tfpar/task-type": role} if role else {}))
+  return {"metadata": {"labels": labels}, "spec": spec}
 
 
 def _metadata(job: Job, name: Optional[str] = None) -> dict:
@@ -171,16 +176,18 @@ def tfjob(job: Job) -> dict:
   }
 
 
-def _indexed_job_spec(job: Job, role: str, count: int) -> dict:
+def _indexed_job_spec(job: Job, role: Optional[str], count: int) -> dict:
   return {
       "completionMode": "Indexed",
       "completions": count,
       "parallelism": count,
       "backoffLimit": 0,  # One failed pod fails the Job: the JobSet (or you) restart the group.
-      "podFailurePolicy": {"rules": [{
-          "action": "FailJob",
-          "onExitCodes": {"containerName": CONTAINER, "operator": "In",
-                          "values": [USAGE_ERROR]}}]},
+      # The Job's failure message then names the exit code, which the JobSet's
+      # failure policy reads.
+      "podFailurePolicy": {"rules": [
+          {"action": "FailJob",
+           "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [code]}}
+          for code in (status.BAD_INPUT, status.PREEMPTED)]},
       "template": _pod_template(job, role),
   }
 
@@ -191,10 +198,16 @@ def jobset(job: Job) -> dict:
       "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
       "failurePolicy": {
           "maxRestarts": job.max_restarts,
-          # Exit status 2 is bad input (PodFailurePolicy in the Job): fail, do not
-          # restart. Any other failure restarts every Job of the set.
-          "rules": [{"name": "BadInput", "action": "FailJobSet",
-                     "onJobFailureReasons": ["PodFailurePolicy"]}],
+          # Bad input fails the set; a preempted job (every worker saved) restarts
+          # without using up a restart; any other failure restarts every Job of
+          # the set. The Job controller's message reads "Container tensorflow for
+          # pod NS/POD failed with exit code N matching FailJob rule at index I".
+          "rules": [
+              {"name": name, "action": action, "onJobFailureReasons": ["PodFailurePolicy"],
+               "onJobFailureMessagePatterns": [f"failed with exit code {code} matching"]}
+              for name, action, code in (
+                  ("BadInput", "FailJobSet", status.BAD_INPUT),
+                  ("Preempted", "RestartJobSetAndIgnoreMaxRestarts", status.PREEMPTED))],
       },
       # Parameter servers and workers serve until the chief is done.
       "successPolicy": ({"operator": "Any", "targetReplicatedJobs": ["chief"]} if job.ps
@@ -210,13 +223,13 @@ def jobset(job: Job) -> dict:
 def indexed_job(job: Job) -> dict:
   """One Indexed Job holding every task; pod i is task i of chief, workers, ps."""
   total = sum(count for _, count in job.roles)
-  spec = _indexed_job_spec(job, "worker", total)
+  # With parameter servers, one pod template serves every task type: they all
+  # get the worker's resources.
+  spec = _indexed_job_spec(job, None if job.ps else "worker", total)
   if job.ps:
     # Servers never finish on their own: the Job succeeds when the chief does,
     # and Kubernetes then ends the remaining pods.
     spec["successPolicy"] = {"rules": [{"succeededIndexes": "0"}]}
-    # One pod template for every task: they all get the worker's resources.
-    spec["template"]["metadata"]["labels"].pop("tfpar/task-type")
   return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _metadata(job), "spec": spec}
 
 

@@ -27,6 +27,8 @@ import json
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from tfpar import config as config_lib
 from tfpar import storage
 from tfpar.config import Config, ConfigError, ModelConfig
@@ -63,25 +65,30 @@ def count_params(m: ModelConfig, tensor_parallel: int = 1) -> ParamCounts:
 
 def balance_stages(num_layers: int, stages: int, block: int, first_extra: int,
                    last_extra: int) -> Tuple[int, ...]:
-  """Blocks per stage (contiguous, >= 1 each) minimising the largest stage's parameters."""
-  # best[k][i]: smallest possible max-load placing blocks [0, i) on stages [0, k).
-  inf = float("inf")
-  best = [[inf] * (num_layers + 1) for _ in range(stages + 1)]
-  cut = [[0] * (num_layers + 1) for _ in range(stages + 1)]
-  best[0][0] = 0
-  for k in range(1, stages + 1):
-    for i in range(k, num_layers + 1):
-      for j in range(k - 1, i):
-        load = (i - j) * block + (first_extra if k == 1 else 0) + \
-            (last_extra if k == stages else 0)
-        cost = max(best[k - 1][j], load)
-        if cost < best[k][i]:
-          best[k][i], cut[k][i] = cost, j
-  counts, i = [], num_layers
-  for k in range(stages, 0, -1):
+  """Blocks per stage (contiguous, >= 1 each) minimising the largest stage's parameters.
+
+  Dynamic programming over (stages used, blocks placed), vectorised over the
+  block counts (tfpar.plan calls it for every K of thousands of devices).
+  """
+  n, k_all = num_layers, stages
+  # best[k, i]: smallest possible max-load placing blocks [0, i) on stages [0, k);
+  # cut[k, i]: where stage k-1 starts in that placement (the first j achieving it).
+  best = np.full((k_all + 1, n + 1), np.inf)
+  best[0, 0] = 0
+  cut = np.zeros((k_all + 1, n + 1), dtype=int)
+  i = np.arange(n + 1)[:, None]
+  j = np.arange(n + 1)[None, :]
+  for k in range(1, k_all + 1):
+    load = (i - j) * float(block) + (first_extra if k == 1 else 0) + \
+        (last_extra if k == k_all else 0)  # stage k-1 holds blocks [j, i)
+    cost = np.where((j < i) & (j >= k - 1), np.maximum(best[k - 1][None, :], load), np.inf)
+    cut[k] = np.argmin(cost, axis=1)
+    best[k] = cost[np.arange(n + 1), cut[k]]
+  counts, i = [], n
+  for k in range(k_all, 0, -1):
     counts.append(i - cut[k][i])
     i = cut[k][i]
-  return tuple(reversed(counts))
+  return tuple(int(c) for c in reversed(counts))
 
 
 @dataclasses.dataclass(frozen=True)
