@@ -94,6 +94,19 @@ class DistConfig:
   collective_timeout: int = 300
   tpu: str = "local"
   ps_shards: int = 1
+  all_reduce_pack_mb: float = 0.0  # 0: TensorFlow picks the pack size.
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionConfig:
+  """How the data-parallel gradient all-reduce is compressed (tfpar.parallel.compression)."""
+  method: str = "none"  # none | fp16 | bf16 | powersgd
+  rank: int = 4
+  warmup_steps: int = 0
+  min_size: int = 1024  # PowerSGD sends smaller matrices uncompressed.
+
+
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +133,7 @@ class Config:
   train: TrainConfig = TrainConfig()
   dist: DistConfig = DistConfig()
   parallel: ParallelConfig = ParallelConfig()
+  compression: CompressionConfig = CompressionConfig()
 
   def replace(self, **sections) -> "Config":
     """Returns a copy with fields replaced, e.g. `cfg.replace(train={"train_steps": 5})`."""
@@ -168,10 +182,14 @@ def from_flags(f) -> Config:
                         jit_compile=f.jit_compile, on_nonfinite=f.on_nonfinite),
       dist=DistConfig(strategy=f.strategy, num_cpu_devices=f.num_cpu_devices,
                       collective=f.collective, collective_timeout=f.collective_timeout,
-                      tpu=f.tpu, ps_shards=f.ps_shards),
+                      tpu=f.tpu, ps_shards=f.ps_shards,
+                      all_reduce_pack_mb=f.all_reduce_pack_mb),
       parallel=ParallelConfig(pipeline_stages=f.pipeline_stages, microbatches=f.microbatches,
                               stage_layers=stage_layers, tensor_parallel=f.tensor_parallel,
                               data_parallel=f.data_parallel, remat=f.remat),
+      compression=CompressionConfig(method=f.grad_compression, rank=f.powersgd_rank,
+                                    warmup_steps=f.powersgd_warmup_steps,
+                                    min_size=f.powersgd_min_size),
   )
   validate(cfg)
   return cfg
@@ -286,6 +304,43 @@ def validate(cfg: Config) -> None:
     # On a CPU host the replicas are the logical CPUs (on GPUs the engine checks again).
     check_batch(t.global_batch_size, s.num_cpu_devices)
   _validate_parallel(cfg)
+  _validate_compression(cfg)
+
+
+def _validate_compression(cfg: Config) -> None:
+  c, s, p = cfg.compression, cfg.dist, cfg.parallel
+  if c.method not in COMPRESSIONS:
+    raise ConfigError(f"--grad_compression={c.method} is unknown: use one of "
+                      f"{', '.join(COMPRESSIONS)}")
+  if c.rank < 1:
+    raise ConfigError(f"--powersgd_rank={c.rank} must be at least 1: e.g. --powersgd_rank=4")
+  if c.warmup_steps < 0 or c.min_size < 0:
+    raise ConfigError("--powersgd_warmup_steps and --powersgd_min_size must be >= 0")
+  if s.all_reduce_pack_mb < 0:
+    raise ConfigError(f"--all_reduce_pack_mb={s.all_reduce_pack_mb} must be >= 0 "
+                      "(0: TensorFlow picks the pack size)")
+  if s.all_reduce_pack_mb and s.strategy != "multi_worker_mirrored":
+    raise ConfigError(f"--all_reduce_pack_mb is for --strategy=multi_worker_mirrored, not "
+                      f"--strategy={s.strategy}: drop the flag")
+  if c.method == "none":
+    return
+  why = {
+      "parameter_server": "its workers push gradients to the parameter servers one by one, "
+                          "asynchronously; no all-reduce between replicas runs",
+      "tpu": "TPUStrategy all-reduces inside its compiled step over the TPU interconnect, "
+             "which tfpar does not compress",
+  }.get(s.strategy)
+  if s.strategy == "one_device" and not p.model_parallel:
+    why = "one device is one replica: there is no gradient all-reduce to compress"
+  if p.model_parallel and s.strategy != "multi_worker_mirrored" and (
+      p.data_parallel or s.num_cpu_devices // (p.pipeline_stages * p.tensor_parallel)) <= 1:
+    raise ConfigError(f"--grad_compression={c.method} needs data-parallel replicas and this plan "
+                      "has one (--data_parallel=1): use --data_parallel=2 or more, or "
+                      "--grad_compression=none")
+  if why:
+    raise ConfigError(f"--grad_compression={c.method} does not combine with --strategy="
+                      f"{s.strategy}: {why}. Use --strategy=mirrored or multi_worker_mirrored, "
+                      "or --grad_compression=none")
 
 
 def check_batch(global_batch_size: int, replicas: int, microbatches: int = 1,

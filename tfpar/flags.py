@@ -79,6 +79,18 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   _define(flags.DEFINE_integer, fv, "collective_timeout", 300,
                        "Seconds a collective waits for a peer before the job fails (1 to 86400).")
   _define(flags.DEFINE_string, fv, "tpu", "local", "TPU to use with --strategy=tpu: local, a name, or grpc://ADDR.")
+  _define(flags.DEFINE_float, fv, "all_reduce_pack_mb", 0.0,
+          "multi_worker_mirrored: pack the gradient all-reduce into chunks of this many MiB "
+          "(CommunicationOptions.bytes_per_pack; 0: TensorFlow decides).")
+  # Gradient compression (tfpar.parallel.compression; docs/compression.md).
+  _define(flags.DEFINE_enum, fv, "grad_compression", "none", ["none", "fp16", "bf16", "powersgd"],
+          "Compress the data-parallel gradient all-reduce: fp16/bf16 casts (half the bytes), "
+          "powersgd sends a rank --powersgd_rank approximation with error feedback.")
+  _define(flags.DEFINE_integer, fv, "powersgd_rank", 4, "PowerSGD rank R: (m + n) x R floats per m x n matrix.")
+  _define(flags.DEFINE_integer, fv, "powersgd_warmup_steps", 0,
+          "Uncompressed steps before PowerSGD starts (the first gradients change fastest).")
+  _define(flags.DEFINE_integer, fv, "powersgd_min_size", 1024,
+          "PowerSGD sends matrices with fewer elements than this (and all vectors) uncompressed.")
   _define(flags.DEFINE_integer, fv, "ps_shards", 1, "Partition large variables over this many parameter servers.")
   # Model parallelism.
   _define(flags.DEFINE_integer, fv, "pipeline_stages", 1, "Pipeline stages (devices) per model replica.")

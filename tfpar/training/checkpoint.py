@@ -41,6 +41,15 @@ _SEED_STATE = re.compile(r"(^|/)seed_generator(_\d+)?/seed_generator_state$")
 _AXES = {"attn": CausalSelfAttention.SHARD_AXES, "mlp": MLP.SHARD_AXES}
 
 
+# Entries a checkpoint may lack (see CanonicalCheckpointer.restore).
+OPTIONAL_PREFIX = "compression/"
+
+
+def _checkpoint_key(name: str) -> str:
+  """The key tf.train.Checkpoint stores host variable `state[name]` under."""
+  return f"state/{name.replace('.', '..').replace('/', '.S')}/.ATTRIBUTES/VARIABLE_VALUE"
+
+
 class CheckpointMismatchError(ValueError):
   """The checkpoint in --model_dir was written for another model."""
 
@@ -214,6 +223,21 @@ class CanonicalCheckpointer:
     shutil.rmtree(tmp, ignore_errors=True)
     return None
 
+  def _restore_one(self, prefix: str) -> List[str]:
+    """Restores one checkpoint into the host variables; returns the state names left fresh.
+
+    Gradient-compression state (tfpar.parallel.compression) is optional: a
+    checkpoint written without it, or for another replica count, restores the
+    model and optimizer and leaves that state at its start (residuals zero).
+    """
+    stored = tf.train.load_checkpoint(prefix).get_variable_to_shape_map()
+    fresh = [name for name, var in self._host.items() if name.startswith(OPTIONAL_PREFIX)
+             and stored.get(_checkpoint_key(name)) != list(var.shape)]
+    checkpoint = self._checkpoint if not fresh else tf.train.Checkpoint(
+        state={name: var for name, var in self._host.items() if name not in fresh})
+    checkpoint.restore(prefix).assert_existing_objects_matched()
+    return fresh
+
   def restore(self, path: Optional[str] = None, log=print) -> Optional[str]:
     """Restores `path`, or the newest readable checkpoint, into every copy.
 
@@ -229,7 +253,7 @@ class CanonicalCheckpointer:
     problems = []
     for prefix in candidates:
       try:
-        self._checkpoint.restore(prefix).assert_existing_objects_matched()
+        fresh = self._restore_one(prefix)
       except Exception as e:  # pylint: disable=broad-except
         if is_readable(prefix):  # It reads fine: it was written for another model.
           raise CheckpointMismatchError(
@@ -240,9 +264,12 @@ class CanonicalCheckpointer:
       if problems:
         log(f"warning: checkpoint {'; '.join(problems)} is unreadable: restored "
             f"{os.path.basename(prefix)} instead")
-      values = {name: var.numpy() for name, var in self._host.items()}
+      values = {name: var.numpy() for name, var in self._host.items() if name not in fresh}
       for layout in self.layouts:
-        assign_canonical(layout, values)
+        assign_canonical({k: v for k, v in layout.items() if k not in fresh}, values)
+      if fresh and self.is_chief:
+        print(f"tfpar: {prefix} holds no gradient-compression state for this run "
+              f"({', '.join(fresh)}): it starts afresh", flush=True)
       if self.is_chief and not path:
         self._rewrite_state(prefix)
       return prefix

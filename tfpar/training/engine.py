@@ -15,6 +15,8 @@ import tensorflow as tf
 from tfpar.config import Config, check_batch
 from tfpar.data import pipeline
 from tfpar.models import GPT
+from tfpar.parallel import plan as plan_lib
+from tfpar.parallel.compression import GradientReducer, Traffic
 from tfpar.training.checkpoint import CheckpointMismatchError, model_layout
 from tfpar.training.optimizer import make_optimizer, inner_optimizer
 from tfpar.training.step import EvalStep, TrainStep
@@ -35,14 +37,34 @@ class Engine:
   the run's step), `_train_fn(iterator, n) -> (losses[n], grad_norms[n])` and
   `_eval_fn(iterator, n) -> mean loss`; it also provides `layouts`,
   `num_replicas`, `train_iterator(start_step)`, `eval_iterator()` and `describe()`.
+  `_train_fn` takes a third argument, `compressed` (a Python bool: one trace
+  each), when the engine has a `reducer` (tfpar.parallel.compression).
   """
 
   optimizer = None
+  reducer = None
 
   def train(self, iterator, num_steps: int):
-    """Runs `num_steps` steps; returns per-step (losses, grad_norms) as numpy."""
-    losses, norms = self._train_fn(iterator, tf.constant(num_steps))
-    return np.asarray(losses), np.asarray(norms)
+    """Runs `num_steps` steps; returns per-step (losses, grad_norms) as numpy.
+
+    Warmup steps (uncompressed) and compressed steps run as separate calls:
+    the choice is made when tracing, not by a tf.cond around collectives.
+    """
+    if self.reducer is None:
+      losses, norms = self._train_fn(iterator, tf.constant(num_steps))
+      return np.asarray(losses), np.asarray(norms)
+    losses, norms = [], []
+    for n, compressed in self.reducer.phases(self.step, num_steps):
+      l, g = self._train_fn(iterator, tf.constant(n), compressed)
+      losses.append(np.asarray(l))
+      norms.append(np.asarray(g))
+    return np.concatenate(losses), np.concatenate(norms)
+
+  def traffic(self, step: int) -> Traffic:
+    """Bytes one replica handed to the collectives in step `step` (1-based; once it ran)."""
+    if self.reducer is None:
+      return Traffic(0, 0)
+    return self.reducer.traffic.get(self.reducer.compresses_at(step - 1), Traffic(0, 0))
 
   def evaluate(self, iterator, num_steps: int) -> float:
     """Mean held-out loss over `num_steps` global batches."""
@@ -105,11 +127,21 @@ class DataParallelEngine(Engine):
       inner_optimizer(self.optimizer).build(self.model.trainable_variables)
       if self.optimizer is not inner_optimizer(self.optimizer):
         self.optimizer.build(self.model.trainable_variables)
-    self.layouts = [model_layout(self.model, self.optimizer)]
+    variables = self.model.trainable_variables
+    # PowerSGD state: one set per replica of this process, on the replica's device.
+    self._local_devices = list(strategy.extended.worker_devices)
+    self._replica_of_device = {plan_lib.device_key(d): i
+                               for i, d in enumerate(self._local_devices)}
+    self.reducer = GradientReducer(cfg.compression, variables, num_replicas=self.num_replicas,
+                                state_devices=[[d] * len(variables) for d in self._local_devices],
+                                seed=cfg.train.seed)
+    self.layouts = [{**model_layout(self.model, self.optimizer),
+                     **self.reducer.checkpoint_entries(strategy)}]
     jit = cfg.train.jit_compile
     # One replica: nothing runs between gradients and update, so XLA compiles both.
     self._train_step = TrainStep(self.model, self.optimizer, global_tokens=self.global_tokens,
                                  jit_compile=jit, fuse_update=self.num_replicas == 1,
+                                 reducer=self.reducer,
                                  skip_nonfinite=cfg.train.on_nonfinite == "skip")
     self._eval_step = EvalStep(self.model, global_tokens=self.global_tokens, jit_compile=jit)
     self._train_fn = tf.function(self._train_steps)
@@ -134,12 +166,19 @@ class DataParallelEngine(Engine):
     return iter(self._dataset(self.corpus.eval, 0, shuffle=False))
 
   # --- steps ------------------------------------------------------------------
-  def _train_steps(self, iterator, num_steps):
+  def _replica_train(self, inputs, targets, compressed):
+    replica = 0
+    if self.reducer.stateful and len(self._local_devices) > 1:  # Which local replica runs this.
+      device = tf.nest.flatten(tf.distribute.get_replica_context().devices)[0]
+      replica = self._replica_of_device[plan_lib.device_key(device)]
+    return self._train_step(inputs, targets, replica=replica, compressed=compressed)
+
+  def _train_steps(self, iterator, num_steps, compressed=False):
     losses = tf.TensorArray(tf.float32, size=num_steps)
     norms = tf.TensorArray(tf.float32, size=num_steps)
     for i in tf.range(num_steps):
       inputs, targets = next(iterator)
-      loss, norm = self.strategy.run(self._train_step, args=(inputs, targets))
+      loss, norm = self.strategy.run(self._replica_train, args=(inputs, targets, compressed))
       losses = losses.write(i, self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None))
       # The norm is of the all-reduced gradient: the same on every replica.
       norms = norms.write(i, self.strategy.experimental_local_results(norm)[0])

@@ -67,6 +67,14 @@ def _finite_mean(values) -> float:
   return float(np.mean(finite)) if finite else float("nan")
 
 
+def _comm(record: dict) -> str:
+  """' | comm 12.3 of 394.0 KiB/step (32.0x)': gradient bytes per replica, sent of float32."""
+  sent, full = record["comm_bytes"], record["comm_bytes_uncompressed"]
+  if not full:
+    return ""
+  return f" | comm {sent / 1024:,.1f} of {full / 1024:,.1f} KiB/step ({full / sent:.1f}x)"
+
+
 def _next_boundary(step: int, cfg: Config) -> int:
   t = cfg.train
   nexts = [t.train_steps, (step // t.log_every + 1) * t.log_every,
@@ -99,7 +107,7 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
     return {}
   iterator = engine.train_iterator(step)
   tokens_per_step = t.global_batch_size * cfg.model.seq_len
-  window_losses, window_norms, window_time = [], [], 0.0
+  window_losses, window_norms, window_traffic, window_time = [], [], [], 0.0
   window_skipped, skipped_total = 0, 0
   last = {}
   agreement = preemption.Agreement(getattr(engine, "strategy", None))
@@ -115,6 +123,7 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
     step += n
     window_losses.extend(losses.tolist())
     window_norms.extend(norms.tolist())
+    window_traffic.extend(engine.traffic(s) for s in range(step - n + 1, step + 1))
     window_time += elapsed
     done = step >= t.train_steps
     # Every worker asks after every chunk (a collective when multi-worker), so all agree.
@@ -125,17 +134,21 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
                 "learning_rate": engine.learning_rate(), "grad_norm": _finite_mean(window_norms),
                 "tokens_per_sec": tokens_per_step * k / window_time,
                 "step_time": window_time / k, "replicas": engine.num_replicas,
-                "workers": num_workers}
+                "workers": num_workers,
+                # Per replica per step, handed to the gradient collectives.
+                "comm_bytes": float(np.mean([x.bytes for x in window_traffic])),
+                "comm_bytes_uncompressed": float(np.mean([x.uncompressed for x in window_traffic]))}
       if t.on_nonfinite == "skip":
         record.update(skipped_steps=window_skipped, skipped_total=skipped_total)
       metrics.write(record)
       note = f" | skipped {skipped_total}" if skipped_total else ""
       metrics.progress(step, t.train_steps, record["loss"], record["tokens_per_sec"],
                        record["step_time"],
-                       f" | {_count(engine.num_replicas, 'replica')} on "
+                       _comm(record) + f" | {_count(engine.num_replicas, 'replica')} on "
                        f"{_count(num_workers, 'worker')}{note}")
       last["train"] = record
-      window_losses, window_norms, window_time, window_skipped = [], [], 0.0, 0
+      window_losses, window_norms, window_traffic, window_time = [], [], [], 0.0
+      window_skipped = 0
     if preempted:  # Before eval: the grace period is for saving.
       path = checkpointer.save(step)
       who = "" if is_chief else f"worker {worker_index}: "

@@ -2,8 +2,10 @@
 
 import tensorflow as tf
 
-from tfpar.parallel.data_parallel import all_reduce_gradients
-from tfpar.training.step import apply_or_skip, token_loss
+from tfpar.config import CompressionConfig
+from tfpar.parallel.compression import GradientReducer
+from tfpar.training.step import apply_gradients, reduce_gradients, token_loss
+
 
 class RemoteVariableTrainStep:
   """tfpar's TrainStep for variables that live on other tasks (the ps).
@@ -28,6 +30,7 @@ class RemoteVariableTrainStep:
     self.skip_nonfinite = skip_nonfinite
     self.global_tokens = global_tokens
     self.scaled = hasattr(optimizer, "inner_optimizer")  # mixed_float16 loss scaling
+    self.reducer = GradientReducer(CompressionConfig(), model.trainable_variables, num_replicas=1)
     self._grads = tf.function(self._loss_and_grads, jit_compile=jit_compile)
 
   def _loss_and_grads(self, trainable, non_trainable, inputs, targets):
@@ -42,10 +45,8 @@ class RemoteVariableTrainStep:
     trainable = [tf.convert_to_tensor(v.value) for v in self.model.trainable_variables]
     non_trainable = [tf.convert_to_tensor(v.value) for v in self.model.non_trainable_variables]
     loss, grads = self._grads(trainable, non_trainable, inputs, targets)
-    grads = all_reduce_gradients(grads)  # One replica per worker: the identity.
-    grad_norm = tf.linalg.global_norm(grads)
-    if self.scaled:  # Report the true norm, not the loss-scaled one.
-      grad_norm = grad_norm / tf.cast(self.optimizer.scale_loss(1.0), grad_norm.dtype)
-    apply_or_skip(self.optimizer, grads, self.model.trainable_variables, grad_norm,
-                  skip_nonfinite=self.skip_nonfinite)
-    return loss, grad_norm
+    # One replica per worker: the reduction is the identity (the config refuses
+    # compression here: nothing is all-reduced), then the same clip and apply.
+    grads = reduce_gradients(self.reducer, grads, densify=False)
+    return loss, apply_gradients(self.optimizer, grads, self.model.trainable_variables,
+                                 skip_nonfinite=self.skip_nonfinite)
