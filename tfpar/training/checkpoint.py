@@ -75,10 +75,20 @@ def list_checkpoints(directory: str) -> List[Tuple[int, str]]:
   return sorted(found.items(), reverse=True)
 
 
+def _reader(prefix: str):
+  """A reader of the checkpoint at `prefix`.
+
+  Not tf.train.load_checkpoint: it takes a path that is a directory for a
+  directory of checkpoints, and on ram:// (whose directories are name
+  prefixes) 'ckpt-2' is one, since 'ckpt-2.index' exists.
+  """
+  return tf.compat.v1.train.NewCheckpointReader(prefix)
+
+
 def is_readable(prefix: str) -> bool:
   """True when every tensor of the checkpoint can be read back."""
   try:
-    reader = tf.train.load_checkpoint(prefix)
+    reader = _reader(prefix)
     for key in reader.get_variable_to_shape_map():
       reader.get_tensor(key)
   except Exception:  # pylint: disable=broad-except  # Truncation fails in many ways (IndexError, OpError).
@@ -230,7 +240,7 @@ class CanonicalCheckpointer:
     checkpoint written without it, or for another replica count, restores the
     model and optimizer and leaves that state at its start (residuals zero).
     """
-    stored = tf.train.load_checkpoint(prefix).get_variable_to_shape_map()
+    stored = _reader(prefix).get_variable_to_shape_map()
     fresh = [name for name, var in self._host.items() if name.startswith(OPTIONAL_PREFIX)
              and stored.get(_checkpoint_key(name)) != list(var.shape)]
     checkpoint = self._checkpoint if not fresh else tf.train.Checkpoint(
