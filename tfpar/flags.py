@@ -66,6 +66,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   # Numerics and compilation.
   _define(flags.DEFINE_enum, fv, "precision", "float32", list(PRECISIONS), "Compute precision policy.")
   _define(flags.DEFINE_bool, fv, "jit_compile", True, "Compile the step with XLA (faster on CPU and GPU).")
+  _define(flags.DEFINE_enum, fv, "on_nonfinite", "stop", ["stop", "skip"],
+          "A step whose loss or gradient norm is NaN or infinite: 'stop' names it and exits "
+          "(status 3) without saving, so the last checkpoint is the last good state; 'skip' "
+          "drops that step's update, counts it, and goes on.")
   # Distribution.
   _define(flags.DEFINE_enum, fv, "strategy", "one_device", list(STRATEGIES), "tf.distribute strategy.")
   _define(flags.DEFINE_integer, fv, "num_cpu_devices", 1,
@@ -73,7 +77,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   _define(flags.DEFINE_enum, fv, "collective", "auto", ["auto", "ring", "nccl"],
                     "Collective implementation for multi_worker_mirrored.")
   _define(flags.DEFINE_integer, fv, "collective_timeout", 300,
-                       "Seconds a collective waits for a peer before the job fails (0: forever).")
+                       "Seconds a collective waits for a peer before the job fails (1 to 86400).")
   _define(flags.DEFINE_string, fv, "tpu", "local", "TPU to use with --strategy=tpu: local, a name, or grpc://ADDR.")
   _define(flags.DEFINE_float, fv, "all_reduce_pack_mb", 0.0,
           "multi_worker_mirrored: pack the gradient all-reduce into chunks of this many MiB "

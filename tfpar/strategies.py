@@ -75,7 +75,7 @@ def _multi_worker(dist: DistConfig, cluster: Cluster) -> tf.distribute.Strategy:
                       "--collective=ring or auto")
   options = tf.distribute.experimental.CommunicationOptions(
       bytes_per_pack=int(dist.all_reduce_pack_mb * 2**20),
-      implementation=implementation, timeout_seconds=dist.collective_timeout or None)
+      implementation=implementation, timeout_seconds=dist.collective_timeout)
   resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
   return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
                                                    communication_options=options)

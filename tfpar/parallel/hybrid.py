@@ -52,7 +52,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar import strategies
-from tfpar.config import Config, ConfigError
+from tfpar.config import Config
 from tfpar.data import pipeline as data_pipeline
 from tfpar.models import GPT
 from tfpar.parallel import plan as plan_lib
@@ -122,9 +122,6 @@ class ModelParallelEngine(Engine):
 
   def __init__(self, cfg: Config, strategy, corpus: data_pipeline.Corpus, *,
                sharding: str = "data"):
-    if cfg.train.precision == "mixed_float16":
-      raise ConfigError("--precision=mixed_float16 does not combine with model parallelism "
-                        "(no loss scaling there yet): use --precision=mixed_bfloat16 or float32")
     self.cfg = cfg
     self.corpus = corpus
     self.sharding = sharding
@@ -235,7 +232,9 @@ class ModelParallelEngine(Engine):
       per_copy, loss = self._run(replica_train, inputs, targets)
       # Cross-replica context, default strategy: each optimizer updates its own copy.
       # The reduced gradient is the same on every copy, and so is its norm.
-      norm = [apply_gradients(copy.optimizer, list(grads), copy.model.trainable_variables)
+      skip = self.cfg.train.on_nonfinite == "skip"  # Every copy sees the same norm: same branch.
+      norm = [apply_gradients(copy.optimizer, list(grads), copy.model.trainable_variables,
+                              skip_nonfinite=skip)
               for copy, (_, grads) in zip(self.copies, per_copy)][0]
       losses = losses.write(i, loss)
       norms = norms.write(i, norm)

@@ -12,12 +12,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpar.config import Config, ConfigError
+from tfpar.config import Config, check_batch
 from tfpar.data import pipeline
 from tfpar.models import GPT
 from tfpar.parallel import plan as plan_lib
 from tfpar.parallel.compression import GradientReducer, Traffic
-from tfpar.training.checkpoint import model_layout
+from tfpar.training.checkpoint import CheckpointMismatchError, model_layout
 from tfpar.training.optimizer import make_optimizer, inner_optimizer
 from tfpar.training.step import EvalStep, TrainStep
 
@@ -28,12 +28,6 @@ def build_model(cfg: Config, tensor_shards: int = 1) -> GPT:
   model = GPT(cfg.model, tensor_shards=tensor_shards, seed=cfg.train.seed)
   model.build_all()
   return model
-
-
-def check_batch(global_batch_size: int, num_replicas: int) -> None:
-  if global_batch_size % num_replicas:
-    raise ConfigError(f"--global_batch_size={global_batch_size} does not split evenly over "
-                      f"{num_replicas} replicas: use a multiple of {num_replicas}")
 
 
 class Engine:
@@ -83,6 +77,28 @@ class Engine:
   def learning_rate(self) -> float:
     return float(np.asarray(inner_optimizer(self.optimizer).learning_rate))
 
+  def check_same_step(self, step: int) -> None:
+    """Across workers: raises unless every worker restored the same step.
+
+    Workers read the checkpoint directory each for itself; one that saw
+    another file (a shared volume lagging, a checkpoint unreadable on one
+    host only) would train from other weights and data positions.
+    """
+    strategy = getattr(self, "strategy", None)
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+      return
+    mine = tf.constant([step], tf.int64)
+
+    @tf.function  # Eager collectives under MultiWorkerMirroredStrategy warn and run slowly.
+    def gather():
+      return strategy.gather(strategy.run(lambda: tf.identity(mine)), axis=0)
+
+    steps = gather().numpy().tolist()
+    if len(set(steps)) > 1:
+      raise CheckpointMismatchError(
+          f"workers restored different steps ({steps}; this worker {step}): every worker "
+          "must see the same --model_dir (a shared volume or bucket)")
+
 
 class DataParallelEngine(Engine):
   """One model replicated by a tf.distribute strategy.
@@ -102,6 +118,7 @@ class DataParallelEngine(Engine):
     self.corpus = corpus
     self.sharding = sharding
     self.num_replicas = strategy.num_replicas_in_sync
+    # config checked this for CPU hosts; GPUs and TPU cores are counted only now.
     check_batch(cfg.train.global_batch_size, self.num_replicas)
     self.global_tokens = cfg.train.global_batch_size * cfg.model.seq_len
     with strategy.scope():
@@ -124,7 +141,8 @@ class DataParallelEngine(Engine):
     # One replica: nothing runs between gradients and update, so XLA compiles both.
     self._train_step = TrainStep(self.model, self.optimizer, global_tokens=self.global_tokens,
                                  jit_compile=jit, fuse_update=self.num_replicas == 1,
-                                 reducer=self.reducer)
+                                 reducer=self.reducer,
+                                 skip_nonfinite=cfg.train.on_nonfinite == "skip")
     self._eval_step = EvalStep(self.model, global_tokens=self.global_tokens, jit_compile=jit)
     self._train_fn = tf.function(self._train_steps)
     self._eval_fn = tf.function(self._eval_steps)

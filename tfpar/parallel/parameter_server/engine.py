@@ -50,8 +50,9 @@ class ParameterServerEngine(Engine):
         self.optimizer.build(self.model.trainable_variables)
     self.layouts = [model_layout(self.model, self.optimizer)]
     jit = cfg.train.jit_compile
-    self._train_step = RemoteVariableTrainStep(self.model, self.optimizer,
-                                               global_tokens=self.global_tokens, jit_compile=jit)
+    self._train_step = RemoteVariableTrainStep(
+        self.model, self.optimizer, global_tokens=self.global_tokens, jit_compile=jit,
+        skip_nonfinite=cfg.train.on_nonfinite == "skip")
     self._eval_loss = tf.function(self._stateless_eval_loss, jit_compile=jit)
     self._worker_fn = tf.function(self._worker_step)
     self._eval_fn = tf.function(self._eval_steps)

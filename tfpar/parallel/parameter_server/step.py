@@ -20,12 +20,14 @@ class RemoteVariableTrainStep:
   `stateless_call`. The update then runs on the ps, outside XLA.
 
   Args:
-    model, optimizer, global_tokens, jit_compile: as for TrainStep.
+    model, optimizer, global_tokens, jit_compile, skip_nonfinite: as for TrainStep.
   """
 
-  def __init__(self, model, optimizer, *, global_tokens: int, jit_compile: bool):
+  def __init__(self, model, optimizer, *, global_tokens: int, jit_compile: bool,
+               skip_nonfinite: bool = False):
     self.model = model
     self.optimizer = optimizer
+    self.skip_nonfinite = skip_nonfinite
     self.global_tokens = global_tokens
     self.scaled = hasattr(optimizer, "inner_optimizer")  # mixed_float16 loss scaling
     self.reducer = GradientReducer(CompressionConfig(), model.trainable_variables, num_replicas=1)
@@ -46,4 +48,5 @@ class RemoteVariableTrainStep:
     # One replica per worker: the reduction is the identity (the config refuses
     # compression here: nothing is all-reduced), then the same clip and apply.
     grads = reduce_gradients(self.reducer, grads, densify=False)
-    return loss, apply_gradients(self.optimizer, grads, self.model.trainable_variables)
+    return loss, apply_gradients(self.optimizer, grads, self.model.trainable_variables,
+                                 skip_nonfinite=self.skip_nonfinite)
