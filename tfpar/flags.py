@@ -54,6 +54,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   _define(flags.DEFINE_integer, fv, "d_ff", None, "MLP hidden width (default 4 * d_model).")
   _define(flags.DEFINE_float, fv, "dropout", 0.0, "Dropout rate (0 for pretraining-style runs, as nanoGPT).")
   _define(flags.DEFINE_enum, fv, "positions", "learned", ["learned", "rotary"], "Position encoding.")
+  _define(flags.DEFINE_integer, fv, "vocab_size", 256,
+          "Embedding rows (256: byte-level, what the data pipeline feeds; larger sizes "
+          "model a tokenizer's vocabulary, e.g. for tfpar.plan).")
   # Vision model (--task=classify, detect, segment).
   _define(flags.DEFINE_integer, fv, "image_size", 8, "Image height and width in pixels (square).")
   _define(flags.DEFINE_integer, fv, "patch_size", 2, "ViT patch height and width; must divide --image_size.")
@@ -81,6 +84,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   # Numerics and compilation.
   _define(flags.DEFINE_enum, fv, "precision", "float32", list(PRECISIONS), "Compute precision policy.")
   _define(flags.DEFINE_bool, fv, "jit_compile", True, "Compile the step with XLA (faster on CPU and GPU).")
+  _define(flags.DEFINE_enum, fv, "on_nonfinite", "stop", ["stop", "skip"],
+          "A step whose loss or gradient norm is NaN or infinite: 'stop' names it and exits "
+          "(status 3) without saving, so the last checkpoint is the last good state; 'skip' "
+          "drops that step's update, counts it, and goes on.")
   # Distribution.
   _define(flags.DEFINE_enum, fv, "strategy", "one_device", list(STRATEGIES), "tf.distribute strategy.")
   _define(flags.DEFINE_integer, fv, "num_cpu_devices", 1,
@@ -88,8 +95,20 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   _define(flags.DEFINE_enum, fv, "collective", "auto", ["auto", "ring", "nccl"],
                     "Collective implementation for multi_worker_mirrored.")
   _define(flags.DEFINE_integer, fv, "collective_timeout", 300,
-                       "Seconds a collective waits for a peer before the job fails (0: forever).")
+                       "Seconds a collective waits for a peer before the job fails (1 to 86400).")
   _define(flags.DEFINE_string, fv, "tpu", "local", "TPU to use with --strategy=tpu: local, a name, or grpc://ADDR.")
+  _define(flags.DEFINE_float, fv, "all_reduce_pack_mb", 0.0,
+          "multi_worker_mirrored: pack the gradient all-reduce into chunks of this many MiB "
+          "(CommunicationOptions.bytes_per_pack; 0: TensorFlow decides).")
+  # Gradient compression (tfpar.parallel.compression; docs/compression.md).
+  _define(flags.DEFINE_enum, fv, "grad_compression", "none", ["none", "fp16", "bf16", "powersgd"],
+          "Compress the data-parallel gradient all-reduce: fp16/bf16 casts (half the bytes), "
+          "powersgd sends a rank --powersgd_rank approximation with error feedback.")
+  _define(flags.DEFINE_integer, fv, "powersgd_rank", 4, "PowerSGD rank R: (m + n) x R floats per m x n matrix.")
+  _define(flags.DEFINE_integer, fv, "powersgd_warmup_steps", 0,
+          "Uncompressed steps before PowerSGD starts (the first gradients change fastest).")
+  _define(flags.DEFINE_integer, fv, "powersgd_min_size", 1024,
+          "PowerSGD sends matrices with fewer elements than this (and all vectors) uncompressed.")
   _define(flags.DEFINE_integer, fv, "ps_shards", 1, "Partition large variables over this many parameter servers.")
   # Model parallelism.
   _define(flags.DEFINE_integer, fv, "pipeline_stages", 1, "Pipeline stages (devices) per model replica.")
@@ -99,6 +118,29 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   _define(flags.DEFINE_integer, fv, "data_parallel", None,
                        "Model replicas for model-parallel runs (default: what the devices allow).")
   _define(flags.DEFINE_bool, fv, "remat", False, "Recompute each block's activations in the backward pass.")
+  return fv
+
+
+PLAN_FORMATS = ("text", "json")
+
+
+def define_plan_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValues:
+  """Defines the flags of `python -m tfpar.plan` on top of the training flags (idempotent)."""
+  fv = define_flags(flag_values)
+  if "cluster" in fv:
+    return fv
+  _define(flags.DEFINE_string, fv, "cluster", None,
+          "Devices to plan for: a100-40gb:N, a100-80gb:N, h100-80gb:N, tpu-v4:N, tpu-v5p:N, "
+          "cpu:N (logical CPUs of this host) or a YAML cluster file (docs/planner.md).")
+  _define(flags.DEFINE_integer, fv, "top", 5, "How many plans to print.")
+  _define(flags.DEFINE_string, fv, "emit_flags", None,
+          "Write the best plan as a flagfile for python -m tfpar.train to this path.")
+  _define(flags.DEFINE_bool, fv, "explain", False,
+          "Print the cost model's formulas with the best plan's numbers substituted.")
+  _define(flags.DEFINE_enum, fv, "format", "text", list(PLAN_FORMATS), "Output format.")
+  _define(flags.DEFINE_enum, fv, "system", "tfpar", ["tfpar", "megatron"],
+          "Layout to plan for: what tfpar runs (GPipe, embedding unsplit, a replica per worker) "
+          "or Megatron-LM's (1F1B, vocabulary-parallel embedding; for comparison).")
   return fv
 
 

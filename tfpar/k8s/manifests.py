@@ -26,6 +26,7 @@ import json
 from typing import Dict, List, Optional, Tuple
 
 from tfpar import cluster as cluster_lib
+from tfpar import status
 
 CONTAINER = "tensorflow"  # The name TFJob injects TF_CONFIG into; used for every kind.
 PORT_NAME = "tfjob-port"  # The port name TFJob's operator reads the TF port from.
@@ -33,8 +34,6 @@ PORT_NAME = "tfjob-port"  # The port name TFJob's operator reads the TF port fro
 # no handler for, so a bare `python` as PID 1 would ignore SIGTERM.
 ENTRYPOINT = ("tini", "--", "python", "-m", "tfpar.train")
 UID = 1000  # The Dockerfile's unprivileged user.
-USAGE_ERROR = 2  # tfpar.train's status for bad input: restarting cannot help.
-PREEMPTED = 75  # tfpar.train's status after saving on SIGTERM: restart to resume.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +187,7 @@ def _indexed_job_spec(job: Job, role: Optional[str], count: int) -> dict:
       "podFailurePolicy": {"rules": [
           {"action": "FailJob",
            "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [code]}}
-          for code in (USAGE_ERROR, PREEMPTED)]},
+          for code in (status.BAD_INPUT, status.PREEMPTED)]},
       "template": _pod_template(job, role),
   }
 
@@ -204,13 +203,11 @@ def jobset(job: Job) -> dict:
           # the set. The Job controller's message reads "Container tensorflow for
           # pod NS/POD failed with exit code N matching FailJob rule at index I".
           "rules": [
-              {"name": "BadInput", "action": "FailJobSet",
-               "onJobFailureReasons": ["PodFailurePolicy"],
-               "onJobFailureMessagePatterns": [f"failed with exit code {USAGE_ERROR} matching"]},
-              {"name": "Preempted", "action": "RestartJobSetAndIgnoreMaxRestarts",
-               "onJobFailureReasons": ["PodFailurePolicy"],
-               "onJobFailureMessagePatterns": [f"failed with exit code {PREEMPTED} matching"]},
-          ],
+              {"name": name, "action": action, "onJobFailureReasons": ["PodFailurePolicy"],
+               "onJobFailureMessagePatterns": [f"failed with exit code {code} matching"]}
+              for name, action, code in (
+                  ("BadInput", "FailJobSet", status.BAD_INPUT),
+                  ("Preempted", "RestartJobSetAndIgnoreMaxRestarts", status.PREEMPTED))],
       },
       # Parameter servers and workers serve until the chief is done.
       "successPolicy": ({"operator": "Any", "targetReplicatedJobs": ["chief"]} if job.ps

@@ -12,22 +12,20 @@ runs in the replica context of whatever tf.distribute strategy is active: a
 ring over gRPC between workers (MultiWorkerMirrored), a reduce to one device
 and broadcast between logical CPUs (Mirrored), NCCL between GPUs, the TPU
 interconnect; with one replica (one_device, each parameter-server worker) it
-is the identity.
+is the identity. Every engine reaches it through the run's GradientReducer
+(tfpar.parallel.compression), which can also compress it.
 """
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import tensorflow as tf
 
+from tfpar.parallel.compression import all_reduce
 
-def all_reduce_gradients(grads: List[tf.Tensor],
-                         options: Optional[tf.distribute.experimental.CommunicationOptions] = None
-                         ) -> List[tf.Tensor]:
+
+def all_reduce_gradients(grads: List[tf.Tensor]) -> List[tf.Tensor]:
   """SUMs each gradient over the replicas in sync (identity with one replica)."""
-  ctx = tf.distribute.get_replica_context()
-  if ctx is None or ctx.num_replicas_in_sync == 1:
-    return list(grads)
-  return ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(grads), options=options)
+  return all_reduce(tf.distribute.ReduceOp.SUM, list(grads))
 
 
 # Held-out results combine by one rule (tfpar.tasks.task.Task.eval_outputs):

@@ -19,10 +19,17 @@ holding its K x T devices), nothing at all for D=1. Each replica function
   2. runs the GPipe forward/backward of tfpar.parallel.pipeline over its
      K x T devices with explicit tf.device placement,
   3. SUMs each gradient with the same gradient of the other D-1 copies
-     (`ctx.all_reduce`, tfpar.parallel.data_parallel), and RETURNS them.
+     through the run's GradientReducer (tfpar.parallel.compression), packed
+     per device: the gradients of the weights one device holds are
+     concatenated there, so a replica spanning K x T devices runs K x T
+     all-reduces per round (device (d, k, t) with its peers (d', k, t)), not
+     one per weight. PowerSGD works per weight matrix before that packing
+     (its P and Q are what gets packed), with its state beside each weight.
+     It RETURNS the reduced gradients.
 
 Then, in cross-replica context and outside any strategy scope, each copy's
-optimizer applies its reduced gradients to its own variables. (Keras 3's
+optimizer applies its reduced gradients to its own variables
+(`tfpar.training.step.apply_gradients`, the tail every engine shares). (Keras 3's
 optimizer called inside a replica context does a merge_call and a mirrored
 `extended.update`, which cannot work on per-replica, non-mirrored variables.)
 All copies apply the same summed gradient, so they stay identical.
@@ -38,21 +45,24 @@ XLA: none. A compiled cluster lives on one device and the step spans K x T
 """
 
 import collections
+import functools
 from typing import List
 
 import numpy as np
 import tensorflow as tf
 
 from tfpar import strategies, tasks
-from tfpar.config import Config, ConfigError
+from tfpar.config import Config
 from tfpar.data import pipeline as data_pipeline
 from tfpar.parallel import plan as plan_lib
 from tfpar.parallel import tensor
-from tfpar.parallel.data_parallel import all_reduce_gradients, reduce_outputs
+from tfpar.parallel.compression import GradientReducer
+from tfpar.parallel.data_parallel import reduce_outputs
 from tfpar.parallel.pipeline import Pipeline
 from tfpar.training.checkpoint import assign_canonical, model_layout, read_canonical
 from tfpar.training.engine import Engine, build_model
 from tfpar.training.optimizer import make_optimizer
+from tfpar.training.step import apply_gradients, reduce_gradients
 
 
 class ModelCopy:
@@ -98,30 +108,6 @@ def measured_bytes(copies) -> dict:
   return dict(out)
 
 
-def all_reduce_by_device(grads, variables) -> List[tf.Tensor]:
-  """SUMs each gradient over the D replicas, one all-reduce per device of the replica.
-
-  The gradients of the weights one device holds are flattened into one vector
-  there, so a replica spanning K x T devices runs K x T all-reduces per step
-  (device (d, k, t) with its peers (d', k, t)), not one per weight.
-  """
-  by_device = collections.defaultdict(list)
-  for i, v in enumerate(variables):
-    by_device[v.value.device].append(i)
-  packed = []
-  for device, indices in by_device.items():
-    with tf.device(device):
-      packed.append(tf.concat([tf.reshape(grads[i], [-1]) for i in indices], axis=0))
-  reduced = all_reduce_gradients(packed)  # Identity with one replica.
-  out = [None] * len(grads)
-  for (device, indices), flat in zip(by_device.items(), reduced):
-    with tf.device(device):
-      parts = tf.split(flat, [int(np.prod(variables[i].shape)) for i in indices])
-      for i, part in zip(indices, parts):
-        out[i] = tf.reshape(part, variables[i].shape)
-  return out
-
-
 class ModelParallelEngine(Engine):
   """Trains a task's model under a D x K x T plan (see the module docstring).
 
@@ -136,9 +122,6 @@ class ModelParallelEngine(Engine):
   """
 
   def __init__(self, cfg: Config, strategy, data, *, sharding: str = "data", task=None):
-    if cfg.train.precision == "mixed_float16":
-      raise ConfigError("--precision=mixed_float16 does not combine with model parallelism "
-                        "(no loss scaling there yet): use --precision=mixed_bfloat16 or float32")
     self.cfg = cfg
     self.task = task or tasks.make(cfg)
     self.data = data
@@ -164,7 +147,14 @@ class ModelParallelEngine(Engine):
     self._copy_of_anchor = {plan_lib.device_key(self.plan.devices[r][0][0]): i
                             for i, r in enumerate(rows)}
     self._initialise_like_one_device()
+    self.reducer = GradientReducer(
+        cfg.compression, self.copies[0].model.trainable_variables, num_replicas=self.num_replicas,
+        state_devices=[[v.value.device for v in c.model.trainable_variables]
+                       for c in self.copies],
+        pack_by_device=True, seed=cfg.train.seed)
     self.layouts = [model_layout(c.model, c.optimizer) for c in self.copies]
+    # The compression state of every copy rides in the first layout (read at save).
+    self.layouts[0].update(self.reducer.checkpoint_entries(self.strategy))
     self._train_fn = tf.function(self._train_steps)
     self._eval_fn = tf.function(self._eval_batch)
     if self.worker_index == 0 and cfg.train.model_dir:
@@ -201,17 +191,20 @@ class ModelParallelEngine(Engine):
     return iter(self._dataset(self.data.eval, 0, shuffle=False))
 
   # --- steps ------------------------------------------------------------------
-  def _copy(self) -> ModelCopy:
-    """The copy of the replica running this (replica) function."""
+  def _copy_index(self) -> int:
+    """Which of this process's copies the replica running this (replica) function holds."""
     ctx = tf.distribute.get_replica_context()
     if self.strategy is None or len(self.copies) == 1:
-      return self.copies[0]
-    return self.copies[self._copy_of_anchor[plan_lib.device_key(tf.nest.flatten(ctx.devices)[0])]]
+      return 0
+    return self._copy_of_anchor[plan_lib.device_key(tf.nest.flatten(ctx.devices)[0])]
 
-  def _replica_train(self, inputs, targets):
-    copy = self._copy()
-    loss, grads = copy.pipeline.loss_and_grads(inputs, targets)
-    return loss, all_reduce_by_device(grads, copy.model.trainable_variables)
+  def _copy(self) -> ModelCopy:
+    return self.copies[self._copy_index()]
+
+  def _replica_train(self, inputs, targets, compressed=False):
+    index = self._copy_index()
+    loss, grads = self.copies[index].pipeline.loss_and_grads(inputs, targets)
+    return loss, reduce_gradients(self.reducer, grads, replica=index, compressed=compressed)
 
   def _replica_eval(self, inputs, targets):
     return self._copy().pipeline.eval_outputs(inputs, targets)
@@ -228,19 +221,19 @@ class ModelParallelEngine(Engine):
                 for r in range(len(self.copies))]
     return per_copy, total
 
-  def _train_steps(self, iterator, num_steps):
+  def _train_steps(self, iterator, num_steps, compressed=False):
     losses = tf.TensorArray(tf.float32, size=num_steps)
     norms = tf.TensorArray(tf.float32, size=num_steps)
+    replica_train = functools.partial(self._replica_train, compressed=compressed)
     for i in tf.range(num_steps):
       inputs, targets = next(iterator)
-      per_copy, loss = self._run(self._replica_train, inputs, targets)
-      norm = None
+      per_copy, loss = self._run(replica_train, inputs, targets)
       # Cross-replica context, default strategy: each optimizer updates its own copy.
-      for copy, (_, grads) in zip(self.copies, per_copy):
-        grads = list(grads)
-        if norm is None:  # The reduced gradient: the same on every copy.
-          norm = tf.linalg.global_norm(grads)
-        copy.optimizer.apply(grads, copy.model.trainable_variables)
+      # The reduced gradient is the same on every copy, and so is its norm.
+      skip = self.cfg.train.on_nonfinite == "skip"  # Every copy sees the same norm: same branch.
+      norm = [apply_gradients(copy.optimizer, list(grads), copy.model.trainable_variables,
+                              skip_nonfinite=skip)
+              for copy, (_, grads) in zip(self.copies, per_copy)][0]
       losses = losses.write(i, loss)
       norms = norms.write(i, norm)
     return losses.stack(), norms.stack()

@@ -27,6 +27,10 @@ import json
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
+from tfpar import config as config_lib
+from tfpar import storage
 from tfpar import tasks
 from tfpar.config import Config, ConfigError, ModelConfig
 
@@ -63,25 +67,30 @@ def count_params(m: ModelConfig, tensor_parallel: int = 1) -> ParamCounts:
 
 def balance_stages(num_layers: int, stages: int, block: int, first_extra: int,
                    last_extra: int) -> Tuple[int, ...]:
-  """Blocks per stage (contiguous, >= 1 each) minimising the largest stage's parameters."""
-  # best[k][i]: smallest possible max-load placing blocks [0, i) on stages [0, k).
-  inf = float("inf")
-  best = [[inf] * (num_layers + 1) for _ in range(stages + 1)]
-  cut = [[0] * (num_layers + 1) for _ in range(stages + 1)]
-  best[0][0] = 0
-  for k in range(1, stages + 1):
-    for i in range(k, num_layers + 1):
-      for j in range(k - 1, i):
-        load = (i - j) * block + (first_extra if k == 1 else 0) + \
-            (last_extra if k == stages else 0)
-        cost = max(best[k - 1][j], load)
-        if cost < best[k][i]:
-          best[k][i], cut[k][i] = cost, j
-  counts, i = [], num_layers
-  for k in range(stages, 0, -1):
+  """Blocks per stage (contiguous, >= 1 each) minimising the largest stage's parameters.
+
+  Dynamic programming over (stages used, blocks placed), vectorised over the
+  block counts (tfpar.plan calls it for every K of thousands of devices).
+  """
+  n, k_all = num_layers, stages
+  # best[k, i]: smallest possible max-load placing blocks [0, i) on stages [0, k);
+  # cut[k, i]: where stage k-1 starts in that placement (the first j achieving it).
+  best = np.full((k_all + 1, n + 1), np.inf)
+  best[0, 0] = 0
+  cut = np.zeros((k_all + 1, n + 1), dtype=int)
+  i = np.arange(n + 1)[:, None]
+  j = np.arange(n + 1)[None, :]
+  for k in range(1, k_all + 1):
+    load = (i - j) * float(block) + (first_extra if k == 1 else 0) + \
+        (last_extra if k == k_all else 0)  # stage k-1 holds blocks [j, i)
+    cost = np.where((j < i) & (j >= k - 1), np.maximum(best[k - 1][None, :], load), np.inf)
+    cut[k] = np.argmin(cost, axis=1)
+    best[k] = cost[np.arange(n + 1), cut[k]]
+  counts, i = [], n
+  for k in range(k_all, 0, -1):
     counts.append(i - cut[k][i])
     i = cut[k][i]
-  return tuple(reversed(counts))
+  return tuple(int(c) for c in reversed(counts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,10 +183,9 @@ class ParallelPlan:
     return "\n".join(lines)
 
   def write(self, model_dir: str) -> str:
-    os.makedirs(model_dir, exist_ok=True)
+    storage.makedirs(model_dir)
     path = os.path.join(model_dir, "plan.json")
-    with open(path, "w") as f:
-      json.dump(self.to_dict(), f, indent=2)
+    storage.write_atomically(path, json.dumps(self.to_dict(), indent=2))
     return path
 
 
@@ -213,16 +221,8 @@ def make_plan(cfg: Config, devices: Sequence[str], *,
   """
   m, p = cfg.model, cfg.parallel
   k, t = p.pipeline_stages, p.tensor_parallel
-  if k > m.num_layers:
-    raise ConfigError(f"--pipeline_stages={k} is more than --num_layers={m.num_layers}: "
-                      "use at most one stage per block")
-  if m.num_heads % t or m.d_ff % t:
-    raise ConfigError(f"--tensor_parallel={t} must divide --num_heads={m.num_heads} and "
-                      f"--d_ff={m.d_ff}: pick a T that divides both")
-  if p.remat and m.dropout > 0:
-    # Keras dropout draws from a stateful seed: the recomputed forward would get new masks.
-    raise ConfigError(f"--remat with --dropout={m.dropout} would recompute blocks with other "
-                      "dropout masks than the forward used: use --dropout=0 with --remat")
+  config_lib.check_model_split(m, p, cfg.train.precision)  # The rules config checked: the same ones.
+  # Only the device counts are new here: the devices are known now.
   if worker_devices is not None:
     d = len(worker_devices)
     if p.data_parallel not in (None, d):
@@ -243,17 +243,9 @@ def make_plan(cfg: Config, devices: Sequence[str], *,
                         f"--num_cpu_devices logical CPUs): set --num_cpu_devices={d * k * t}")
     flat = list(devices)
   g = cfg.train.global_batch_size
-  if g % d:
-    raise ConfigError(f"--global_batch_size={g} does not divide over --data_parallel={d} "
-                      f"replicas: use a multiple of {d}")
-  if (g // d) % p.microbatches:
-    raise ConfigError(f"--microbatches={p.microbatches} does not divide the per-replica batch "
-                      f"{g // d}: use a divisor of {g // d}")
+  config_lib.check_batch(g, d, p.microbatches, flag=f"--data_parallel={d}")
   counts = count_params(m, t)
   if p.stage_layers is not None:
-    if len(p.stage_layers) != k or sum(p.stage_layers) != m.num_layers or min(p.stage_layers) < 1:
-      raise ConfigError(f"--stage_layers={','.join(map(str, p.stage_layers))} must give {k} "
-                        f"positive block counts summing to --num_layers={m.num_layers}")
     per_stage = tuple(p.stage_layers)
   else:
     per_stage = balance_stages(m.num_layers, k, counts.block, counts.embedding, counts.head)

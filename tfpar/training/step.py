@@ -2,15 +2,91 @@
 
 `TrainStep` is the function each replica runs under `strategy.run`. The loss
 is the task's (tfpar.tasks.task.Task.loss), already divided by the GLOBAL
-batch's count of labelled units: the task module says why, in one place.
+batch's count of labelled units: the task module says why, in one place. The
+tail of every engine's step (reduce the gradients over the data-parallel
+replicas, clip, apply) is `reduce_gradients` + `apply_gradients` here, and
+only here: TrainStep, the hybrid engine's replicas and the parameter-server
+step call them.
 """
 
 import functools
+from typing import List
 
 import tensorflow as tf
 
-from tfpar.parallel.data_parallel import all_reduce_gradients
+from tfpar.config import CompressionConfig
+from tfpar.parallel.compression import GradientReducer
 from tfpar.tasks.task import cross_entropy
+from tfpar.training.optimizer import inner_optimizer
+
+
+def reduce_gradients(reducer: GradientReducer, grads, *, replica: int = 0,
+                     compressed: bool = True, densify: bool = True) -> List[tf.Tensor]:
+  """This replica's gradients -> their sum over the replicas (compressed as the reducer says).
+
+  An embedding lookup's gradient comes as IndexedSlices. Made dense before
+  the all-reduce, the reduction sums it (rather than concatenating the
+  replicas' slices) and the clipping norm is that of the summed gradient.
+  `densify=False` keeps them sparse, for a single replica only (the
+  parameter-server step, whose ps then updates only the rows looked up).
+  """
+  if densify:
+    grads = [tf.convert_to_tensor(g) for g in grads]
+  elif reducer.num_replicas > 1:
+    raise ValueError("sparse gradients cannot be all-reduced: pass densify=True")
+  return reducer.reduce(list(grads), replica=replica, compressed=compressed)
+
+
+def apply_gradients(optimizer, grads, variables, *, skip_nonfinite: bool = False) -> tf.Tensor:
+  """Clips (by global norm, inside AdamW) and applies reduced gradients; returns their norm.
+
+  Clipping happens after the reduction, on the summed gradient: clipping each
+  replica's share would be wrong. Under mixed_float16 the gradients are still
+  loss-scaled here (the LossScaleOptimizer unscales them in `apply`); the
+  reported norm is the true one. With `skip_nonfinite` (--on_nonfinite=skip)
+  a step whose norm is NaN or infinite changes nothing (see `apply_or_skip`).
+  """
+  grad_norm = tf.linalg.global_norm(grads)
+  if hasattr(optimizer, "inner_optimizer"):
+    grad_norm = grad_norm / tf.cast(optimizer.scale_loss(1.0), grad_norm.dtype)
+  apply_or_skip(optimizer, grads, variables, grad_norm, skip_nonfinite=skip_nonfinite)
+  return grad_norm
+
+
+def apply_or_skip(optimizer, grads, variables, grad_norm, *, skip_nonfinite: bool):
+  """Applies the reduced gradients; with `skip_nonfinite`, only if their norm is finite.
+
+  A skipped step changes no weight and no AdamW slot, but counts: the step
+  counter still advances, so the learning rate schedule and the data position
+  (both functions of the step) stay where an applied step would leave them.
+  The norm is of the all-reduced gradient, the same number on every replica,
+  so every replica takes the same branch. Under mixed_float16 the
+  LossScaleOptimizer already skips non-finite gradients (and lowers its scale).
+
+  Under MirroredStrategy the update's merge_call cannot sit inside a tf.cond
+  in replica context; as Keras' LossScaleOptimizer does, the cond then runs in
+  cross-replica context and calls the update for each replica.
+  """
+  if not skip_nonfinite or hasattr(optimizer, "inner_optimizer"):
+    optimizer.apply(grads, variables)
+    return
+
+  def skip():
+    inner_optimizer(optimizer).iterations.assign_add(1)
+
+  def apply():
+    optimizer.apply(grads, variables)
+
+  finite = tf.math.is_finite(grad_norm)
+  if tf.__internal__.distribute.strategy_supports_no_merge_call():
+    tf.cond(finite, apply, skip)
+    return
+
+  def cross_replica(distribution, finite):
+    first = distribution.experimental_local_results(finite)[0]
+    tf.cond(first, lambda: distribution.extended.call_for_each_replica(apply), skip)
+
+  tf.distribute.get_replica_context().merge_call(cross_replica, args=(finite,))
 
 
 class TrainStep:
@@ -33,13 +109,21 @@ class TrainStep:
     jit_compile: compile the forward and backward pass with XLA.
     fuse_update: also compile the update into the same XLA program (only
       valid when one replica is in sync; needs jit_compile).
+    reducer: the data-parallel gradient reduction (default: an uncompressed SUM).
+    skip_nonfinite: drop the update of a step whose gradient norm is NaN or
+      infinite (--on_nonfinite=skip); see `apply_or_skip`.
   """
 
   def __init__(self, model, optimizer, *, loss_fn=None, global_tokens: int = None,
-               jit_compile: bool, fuse_update: bool = False):
+               jit_compile: bool, fuse_update: bool = False, reducer: GradientReducer = None,
+               skip_nonfinite: bool = False):
     self.model = model
+    self.skip_nonfinite = skip_nonfinite
     self.optimizer = optimizer
     self.loss_fn = loss_fn or functools.partial(cross_entropy, global_count=global_tokens)
+    self.reducer = reducer or GradientReducer(
+        CompressionConfig(), model.trainable_variables,
+        num_replicas=tf.distribute.get_strategy().num_replicas_in_sync)
     self.scaled = hasattr(optimizer, "inner_optimizer")  # mixed_float16 loss scaling
     self.fused = jit_compile and fuse_update
     if self.fused:
@@ -54,23 +138,17 @@ class TrainStep:
       scaled = self.optimizer.scale_loss(loss) if self.scaled else loss
     return loss, tape.gradient(scaled, variables)
 
-  def _step(self, inputs, targets, loss_and_grads=None):
+  def _step(self, inputs, targets, loss_and_grads=None, replica=0, compressed=True):
     loss, grads = (loss_and_grads or self._loss_and_grads)(inputs, targets)
-    # An embedding lookup's gradient comes as IndexedSlices. Made dense before
-    # the all-reduce, the reduction sums it (rather than concatenating the
-    # replicas' slices) and the clipping norm is that of the summed gradient.
-    grads = [tf.convert_to_tensor(g) for g in grads]
-    grads = all_reduce_gradients(grads)
-    grad_norm = tf.linalg.global_norm(grads)
-    if self.scaled:  # Report the true norm, not the loss-scaled one.
-      grad_norm = grad_norm / tf.cast(self.optimizer.scale_loss(1.0), grad_norm.dtype)
-    self.optimizer.apply(grads, self.model.trainable_variables)
-    return loss, grad_norm
+    grads = reduce_gradients(self.reducer, grads, replica=replica, compressed=compressed)
+    return loss, apply_gradients(self.optimizer, grads, self.model.trainable_variables,
+                                 skip_nonfinite=self.skip_nonfinite)
 
-  def __call__(self, inputs, targets):
+  def __call__(self, inputs, targets, replica: int = 0, compressed: bool = True):
+    """One step on this replica; `replica` (its local index) and `compressed` go to the reducer."""
     if self.fused:
       return self._fused_step(inputs, targets)
-    return self._step(inputs, targets, self._grads)
+    return self._step(inputs, targets, self._grads, replica, compressed)
 
 
 class EvalStep:

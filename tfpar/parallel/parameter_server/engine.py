@@ -51,8 +51,9 @@ class ParameterServerEngine(Engine):
         self.optimizer.build(self.model.trainable_variables)
     self.layouts = [model_layout(self.model, self.optimizer)]
     jit = cfg.train.jit_compile
-    self._train_step = RemoteVariableTrainStep(self.model, self.optimizer,
-                                               loss_fn=self.task.loss, jit_compile=jit)
+    self._train_step = RemoteVariableTrainStep(
+        self.model, self.optimizer, loss_fn=self.task.loss, jit_compile=jit,
+        skip_nonfinite=cfg.train.on_nonfinite == "skip")
     self._eval_outputs = tf.function(self._stateless_eval_outputs, jit_compile=jit)
     self._worker_fn = tf.function(self._worker_step)
     self._eval_fn = tf.function(self._eval_batch)

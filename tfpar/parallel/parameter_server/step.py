@@ -2,7 +2,9 @@
 
 import tensorflow as tf
 
-from tfpar.parallel.data_parallel import all_reduce_gradients
+from tfpar.config import CompressionConfig
+from tfpar.parallel.compression import GradientReducer
+from tfpar.training.step import apply_gradients, reduce_gradients
 
 
 class RemoteVariableTrainStep:
@@ -18,14 +20,17 @@ class RemoteVariableTrainStep:
   `stateless_call`. The update then runs on the ps, outside XLA.
 
   Args:
-    model, optimizer, loss_fn, jit_compile: as for TrainStep.
+    model, optimizer, loss_fn, jit_compile, skip_nonfinite: as for TrainStep.
   """
 
-  def __init__(self, model, optimizer, *, loss_fn, jit_compile: bool):
+  def __init__(self, model, optimizer, *, loss_fn, jit_compile: bool,
+               skip_nonfinite: bool = False):
     self.model = model
     self.optimizer = optimizer
     self.loss_fn = loss_fn
+    self.skip_nonfinite = skip_nonfinite
     self.scaled = hasattr(optimizer, "inner_optimizer")  # mixed_float16 loss scaling
+    self.reducer = GradientReducer(CompressionConfig(), model.trainable_variables, num_replicas=1)
     self._grads = tf.function(self._loss_and_grads, jit_compile=jit_compile)
 
   def _loss_and_grads(self, trainable, non_trainable, inputs, targets):
@@ -40,9 +45,8 @@ class RemoteVariableTrainStep:
     trainable = [tf.convert_to_tensor(v.value) for v in self.model.trainable_variables]
     non_trainable = [tf.convert_to_tensor(v.value) for v in self.model.non_trainable_variables]
     loss, grads = self._grads(trainable, non_trainable, inputs, targets)
-    grads = all_reduce_gradients(grads)  # One replica per worker: the identity.
-    grad_norm = tf.linalg.global_norm(grads)
-    if self.scaled:  # Report the true norm, not the loss-scaled one.
-      grad_norm = grad_norm / tf.cast(self.optimizer.scale_loss(1.0), grad_norm.dtype)
-    self.optimizer.apply(grads, self.model.trainable_variables)
-    return loss, grad_norm
+    # One replica per worker: the reduction is the identity (the config refuses
+    # compression here: nothing is all-reduced), then the same clip and apply.
+    grads = reduce_gradients(self.reducer, grads, densify=False)
+    return loss, apply_gradients(self.optimizer, grads, self.model.trainable_variables,
+                                 skip_nonfinite=self.skip_nonfinite)

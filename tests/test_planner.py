@@ -1,0 +1,224 @@
+"""tfpar.plan: the cost model against the built model, tfpar's placement, Megatron's table and bad input."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import TINY, make_config, read_metrics, run_module
+from tfpar.config import ModelConfig
+from tfpar.parallel import plan as plan_lib
+from tfpar.planner import clusters, cost, megatron, search
+
+SHAPES = [
+    ModelConfig(seq_len=32, num_layers=2, d_model=32, num_heads=4, d_ff=64),
+    ModelConfig(seq_len=64, num_layers=3, d_model=48, num_heads=6, d_ff=96, positions="rotary"),
+    ModelConfig(vocab_size=512, seq_len=16, num_layers=1, d_model=64, num_heads=2, d_ff=256),
+]
+
+
+# --- parameters and FLOPs against the built model ------------------------------------------
+
+@pytest.mark.parametrize("m", SHAPES)
+@pytest.mark.parametrize("t", [1, 2])
+def test_parameter_count_is_the_built_models(m, t):
+  from tfpar.models.gpt import GPT  # pylint: disable=import-outside-toplevel
+  model = GPT(m, tensor_shards=t)
+  model.build_all()
+  built = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+  c = plan_lib.count_params(m, t)
+  assert c.embedding + c.head + m.num_layers * c.block == built
+  # The planner's stages hold the same parameters: one stage, one shard of each block + the rest.
+  assert cost.stages(m, 1, t, cost.TFPAR).params.sum() == built - (t - 1) * m.num_layers * \
+      c.block_shard
+
+
+def matmul_flops(graph) -> int:
+  """2 x multiply-adds of every MatMul, BatchMatMul and Einsum in a graph and its functions."""
+  total = 0
+  for op in graph.get_operations():
+    if op.type in ("MatMul", "BatchMatMulV2"):
+      a = op.inputs[0].shape.as_list()
+      adjoint = op.get_attr("transpose_a" if op.type == "MatMul" else "adj_x")
+      total += 2 * int(np.prod(op.outputs[0].shape.as_list())) * (a[-2] if adjoint else a[-1])
+    elif op.type == "Einsum":
+      sizes = {}
+      for spec, x in zip(op.get_attr("equation").decode().split("->")[0].split(","), op.inputs):
+        sizes.update(zip(spec, x.shape.as_list()))
+      total += 2 * int(np.prod(list(sizes.values())))
+  for fn in graph._functions.values():  # pylint: disable=protected-access
+    total += matmul_flops(fn.graph) if hasattr(fn, "graph") else 0
+  return total
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_step_flops_are_a_count_of_the_models_matmuls(remat):
+  """Forward, backward and (with --remat) the recomputed forward, as traced by TensorFlow."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tfpar.models.gpt import GPT  # pylint: disable=import-outside-toplevel
+  from tfpar.parallel.pipeline import Pipeline  # pylint: disable=import-outside-toplevel
+  m, batch = SHAPES[0], 8  # seq_len 32: one attention query block, the full square.
+  model = GPT(m)
+  model.build_all()
+  tokens = tf.zeros([batch, m.seq_len], tf.int32)
+  forward = tf.function(lambda x: model(x)).get_concrete_function(tokens).graph
+  assert matmul_flops(forward) == batch * (m.num_layers * cost.layer_flops(m) +
+                                           cost.logits_flops(m))
+  pipe = Pipeline(model, stage_blocks=[range(m.num_layers)], stage_devices=["/device:CPU:0"],
+                  microbatches=1, global_tokens=batch * m.seq_len, remat=remat)
+  step = tf.function(pipe.loss_and_grads).get_concrete_function(tokens, tokens).graph
+  assert matmul_flops(step) == cost.step_flops(m, batch, remat)
+
+
+def test_narayanan_formula_is_the_step_flops_with_recompute():
+  row = megatron.TABLE_1[0]
+  assert cost.step_flops(row.model, row.batch, True) == pytest.approx(
+      cost.narayanan_flops(row.model, row.batch), rel=1e-12)
+
+
+# --- bytes per device against what tfpar places -------------------------------------------
+
+PLACED = {
+    "pipeline": ["--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=4"],
+    "tensor": ["--num_cpu_devices=2", "--tensor_parallel=2"],
+    "hybrid": ["--strategy=mirrored", "--num_cpu_devices=8", "--data_parallel=2",
+               "--pipeline_stages=2", "--tensor_parallel=2", "--microbatches=2"],
+    "hybrid_4_blocks": ["--strategy=mirrored", "--num_cpu_devices=8", "--data_parallel=2",
+                        "--pipeline_stages=2", "--tensor_parallel=2", "--microbatches=2",
+                        "--num_layers=4"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLACED))
+def test_predicted_bytes_per_device_match_tfpars_placement(name, tmp_path):
+  """The planner's weights + optimizer on the busiest device vs the real variables' bytes."""
+  from tfpar import strategies  # pylint: disable=import-outside-toplevel
+  from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
+  from tfpar.data.pipeline import Corpus  # pylint: disable=import-outside-toplevel
+  from tfpar.parallel.hybrid import ModelParallelEngine  # pylint: disable=import-outside-toplevel
+  cfg = make_config(TINY + ["--jit_compile=false", f"--model_dir={tmp_path}"] + PLACED[name])
+  tokens = np.arange(4096, dtype=np.uint8)
+  engine = ModelParallelEngine(cfg, strategies.make_strategy(cfg.dist, Cluster()),
+                               Corpus(train=tokens, eval=tokens[:512], files=()))
+  measured = max(b["parameters"] + b["optimizer"] for b in engine.measured_bytes().values())
+  p = cfg.parallel
+  plans = cost.Plans(D=np.array([engine.plan.data_parallel]), K=np.array([p.pipeline_stages]),
+                     T=np.array([p.tensor_parallel]),
+                     b=np.array([engine.plan.per_replica_batch // p.microbatches]),
+                     remat=np.array([False]))
+  cluster = clusters.parse(f"cpu:{cfg.dist.num_cpu_devices}")
+  r = cost.evaluate(cfg.model, cluster, plans, global_batch=cfg.train.global_batch_size,
+                    precision="float32", system=cost.TFPAR)
+  per_param = cost.TFPAR.weight_bytes["float32"] + cost.TFPAR.optimizer_bytes["float32"]
+  predicted = r["params_per_device"][0] * per_param
+  assert abs(predicted - measured) <= 0.1 * measured, (predicted, measured)
+
+
+# --- Megatron-LM, Narayanan et al. 2021, Table 1 --------------------------------------------
+
+@pytest.fixture(scope="module")
+def comparisons():
+  return megatron.compare_all()
+
+
+@pytest.mark.parametrize("i", range(len(megatron.TABLE_1)))
+def test_megatron_row(comparisons, i):
+  c = comparisons[i]
+  row = c.row
+  params = cost.stages(row.model, 1, 1, cost.MEGATRON).params.sum()
+  l, h, v, s = row.layers, row.hidden, megatron.VOCAB, megatron.SEQ_LEN
+  # Their eq. (2) (which leaves out the final LayerNorm's 2h), and their table's rounding.
+  assert params - 2 * h == pytest.approx(
+      12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h)), rel=1e-12)
+  assert params / 1e9 == pytest.approx(row.params_billion, rel=0.03)
+  assert c.published["fits"] and c.published["memory_bytes_per_device"] <= 80 * 2 ** 30
+  assert (c.published["data_parallel"], c.published["pipeline_stages"],
+          c.published["tensor_parallel"], c.published["remat"]) == (row.dp, row.pp, row.tp, True)
+  assert c.predicted_tflops == pytest.approx(row.tflops, rel=0.15)
+  assert c.picked["fits"] and c.picked["step_seconds"] <= c.published["step_seconds"]
+
+
+# --- the command line ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def emitted(tmp_path_factory):
+  """One planner run for 4 logical CPUs with K=2 fixed: JSON out and a flagfile."""
+  d = tmp_path_factory.mktemp("plan")
+  flagfile = str(d / "plan.flags")
+  proc = run_module("tfpar.plan", TINY + [
+      f"--model_dir={d / 'run'}", "--cluster=cpu:4", "--pipeline_stages=2", "--format=json",
+      "--top=3", f"--emit_flags={flagfile}", "--train_steps=3", "--eval_every=0"])
+  return json.loads(proc.stdout), flagfile, str(d / "run")
+
+
+def test_json_lists_plans_with_their_predictions(emitted):
+  out, _, _ = emitted
+  assert 1 <= len(out["plans"]) <= 3
+  for p in out["plans"]:
+    assert p["pipeline_stages"] == 2 and p["data_parallel"] * 2 * p["tensor_parallel"] == 4
+    assert p["fits"] and p["memory_bytes_per_device"] > 0 and p["step_seconds"] > 0
+    assert p["tflops_per_device"] > 0 and 0 < p["mfu"] < 1
+  times = [p["step_seconds"] for p in out["plans"]]
+  assert times == sorted(times)
+
+
+def test_emitted_plan_trains(emitted):
+  out, flagfile, model_dir = emitted
+  text = open(flagfile).read()
+  best = out["plans"][0]
+  assert f"--pipeline_stages=2\n" in text and f"--microbatches={best['microbatches']}\n" in text
+  run_module("tfpar.train", [f"--flagfile={flagfile}"])
+  records = read_metrics(model_dir)
+  assert [r["step"] for r in records] == [1, 2, 3] and np.isfinite(records[-1]["loss"])
+  plan = json.load(open(os.path.join(model_dir, "plan.json")))
+  assert (plan["data_parallel"], plan["pipeline_stages"], plan["tensor_parallel"],
+          plan["microbatches"]) == (best["data_parallel"], 2, best["tensor_parallel"],
+                                    best["microbatches"])
+
+
+def test_text_report_and_explain():
+  proc = run_module("tfpar.plan", ["--num_layers=24", "--d_model=2304", "--num_heads=24",
+                                   "--seq_len=2048", "--vocab_size=51200",
+                                   "--global_batch_size=512", "--precision=mixed_bfloat16",
+                                   "--cluster=a100-80gb:32", "--explain"])
+  assert "best: D=" in proc.stdout and "not chosen:" in proc.stdout
+  assert "bubble = (K-1)/(M+K-1)" in proc.stdout and "efficiency = e_max" in proc.stdout
+
+
+def write_yaml(path, **fields):
+  base = dict(devices=8, memory_bytes=2 ** 30, memory_bandwidth=1e10, peak_flops={"float32": 1e11},
+              devices_per_node=8, intra_bandwidth=1e9, intra_latency=1e-5, inter_bandwidth=1e9,
+              inter_latency=1e-5)
+  base.update(fields)
+  with open(path, "w") as f:
+    f.write("\n".join(f"{k}: {json.dumps(v)}" for k, v in base.items() if v is not None) + "\n")
+  return str(path)
+
+
+def test_yaml_cluster_is_read_and_checked(tmp_path):
+  c = clusters.parse(write_yaml(tmp_path / "ok.yaml", kind="cpu", efficiency={"op_seconds": 1e-3}))
+  assert c.devices == 8 and c.kind == "cpu" and c.efficiency.op_seconds == 1e-3
+  with pytest.raises(clusters.ClusterError, match="intra_latency"):
+    clusters.parse(write_yaml(tmp_path / "bad.yaml", intra_latency=None))
+  with pytest.raises(clusters.ClusterError, match="devices=-1"):
+    clusters.parse(write_yaml(tmp_path / "neg.yaml", devices=-1))
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--cluster=v100:8"], ["unknown cluster type 'v100'", "a100-80gb:N"]),
+    (["--cluster=MISSING_YAML"], ["is missing field(s) peak_flops"]),
+    (["--num_layers=96", "--d_model=12288", "--num_heads=96", "--seq_len=2048",
+      "--vocab_size=51200", "--precision=mixed_bfloat16", "--cluster=a100-80gb:8"],
+     ["do not fit on a100-80gb:8", "GiB per device", "fits on 64 such devices"]),
+])
+def test_bad_input_is_one_line_and_exit_2(args, words, tmp_path):
+  yaml_path = write_yaml(tmp_path / "c.yaml", peak_flops=None)
+  args = [a.replace("MISSING_YAML", yaml_path) for a in args]
+  proc = run_module("tfpar.plan", args + ["--system=megatron"] * ("--num_layers=96" in args),
+                    check=False)
+  assert proc.returncode == 2, proc.stderr
+  lines = [l for l in proc.stderr.splitlines() if l.startswith("tfpar.plan: error:")]
+  assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+  for w in words:
+    assert w in lines[0], lines[0]

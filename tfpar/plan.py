@@ -1,0 +1,150 @@
+"""Plan a large run before renting it: `python -m tfpar.plan --flagfile=X.flags --cluster=CLUSTER`.
+
+Reads the model from the same flags `tfpar.train` takes, searches every data
+x pipeline x tensor degree, micro-batch size and recompute setting the
+cluster allows, and prints the fastest plans that fit, with predicted memory
+per device, the step time split into its parts, tokens/s, TFLOP/s per device
+and MFU, and why the others lose. Given --data_parallel, --pipeline_stages,
+--tensor_parallel, --microbatches (and --remat) it evaluates that one plan.
+
+  python -m tfpar.plan --flagfile=configs/gpt_tiny.flags --cluster=a100-80gb:64 --top=5
+  python -m tfpar.plan ... --format=json            # machine-readable
+  python -m tfpar.plan ... --explain                # the formulas with numbers
+  python -m tfpar.plan ... --emit_flags=best.flags  # then: python -m tfpar.train --flagfile=best.flags
+
+The cost model is tfpar.planner.cost (formulas and sources in docs/planner.md).
+Bad input ends with one line on stderr and exit status 2.
+"""
+
+import json
+import sys
+
+from absl import app, flags
+
+from tfpar import config as config_lib
+from tfpar import flags as tfpar_flags
+from tfpar.planner import clusters, cost, report, search
+
+tfpar_flags.define_plan_flags()
+FLAGS = flags.FLAGS
+
+# Flags that a plan sets (the rest of the user's training flags are copied as given).
+PLAN_FLAGS = ("strategy", "num_cpu_devices", "data_parallel", "pipeline_stages", "tensor_parallel",
+              "microbatches", "remat", "global_batch_size", "stage_layers")
+
+
+class PlanError(ValueError):
+  """Input the planner cannot plan for; the message says what would work."""
+
+
+def fail(message: str) -> None:
+  print(f"tfpar.plan: error: {message}", file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+def fixed_degrees(fv) -> dict:
+  """The degrees the user gave explicitly: the planner evaluates only plans with them."""
+  given = lambda name: fv[name].present
+  return dict(data_parallel=fv.data_parallel if given("data_parallel") else None,
+              pipeline_stages=fv.pipeline_stages if given("pipeline_stages") else None,
+              tensor_parallel=fv.tensor_parallel if given("tensor_parallel") else None,
+              microbatches=fv.microbatches if given("microbatches") else None,
+              remat=fv.remat if given("remat") else None)
+
+
+def plan(m, cluster, *, global_batch, precision, system, fixed) -> search.Ranked:
+  """Searches (or evaluates the fixed plan); raises PlanError when nothing can run or fit."""
+  plans = search.candidates(m, cluster, global_batch, system, **fixed)
+  if not len(plans):
+    given = {k: v for k, v in fixed.items() if v is not None}
+    what = ", ".join(f"--{k}={v}" for k, v in given.items()) or "any plan"
+    raise PlanError(
+        f"{what} cannot use the {cluster.devices} devices of {cluster.name} with "
+        f"--global_batch_size={global_batch}: D x K x T must equal the devices, D divide the "
+        "batch, T divide --num_heads and --d_ff and sit in one node, K <= --num_layers"
+        + (" (tfpar runs only data parallelism on TPUs)" if cluster.kind == "tpu" and
+           system is cost.TFPAR else ""))
+  ranked = search.rank(m, cluster, plans, global_batch=global_batch, precision=precision,
+                       system=system)
+  if not ranked.results["fits"].any():
+    raise PlanError(nothing_fits(m, cluster, ranked, global_batch, precision, system, fixed))
+  return ranked
+
+
+def nothing_fits(m, cluster, ranked, global_batch, precision, system, fixed) -> str:
+  """One line: the smallest footprint found, and how many such devices (or how much memory) would do."""
+  smallest = ranked.row(ranked.order[0])
+  need = smallest["memory_bytes_per_device"]
+  line = (f"{m.num_layers} blocks of d_model={m.d_model} do not fit on {cluster.name}: the "
+          f"smallest plan ({report.degrees(smallest)}) needs {need / 2 ** 30:.1f} GiB per device, "
+          f"a device has {cluster.memory_bytes / 2 ** 30:.1f} GiB")
+  n = cluster.devices
+  if system.replica_in_node and n >= cluster.devices_per_node or \
+      system is cost.TFPAR and cluster.kind == "tpu":
+    # A tfpar replica never spans more than a node (or one TPU chip): more nodes do not help.
+    line += (f"; a tfpar replica stays in one node (or chip): use devices with >= "
+             f"{need / 2 ** 30:.0f} GiB, or a smaller model")
+    other = search.candidates(m, cluster, global_batch, cost.MEGATRON, **fixed)
+    if len(other) and cost.evaluate(m, cluster, other, global_batch=global_batch,
+                                    precision=precision, system=cost.MEGATRON)["fits"].any():
+      line += "; Megatron-LM's layout (--system=megatron: stages across nodes, 1F1B) would fit"
+    return line
+  for _ in range(16):  # Up to 65,536x the devices.
+    n *= 2
+    bigger = clusters.Cluster(**{**cluster.__dict__, "devices": n, "name": f"{n} devices"})
+    plans = search.candidates(m, bigger, global_batch, system, **fixed)
+    if len(plans) and cost.evaluate(m, bigger, plans, global_batch=global_batch,
+                                    precision=precision, system=system)["fits"].any():
+      return line + f"; it fits on {n} such devices, or on devices with >= {need / 2 ** 30:.0f} GiB"
+  return line + f"; use devices with >= {need / 2 ** 30:.0f} GiB"
+
+
+def main(argv):
+  if len(argv) > 1:
+    fail(f"unexpected arguments {argv[1:]}: flags are written --name=value")
+  try:
+    if not FLAGS.cluster:
+      raise PlanError("--cluster is not set: pass e.g. --cluster=a100-80gb:64 or a YAML file")
+    m = config_lib.model_from_flags(FLAGS)
+    if FLAGS.global_batch_size <= 0:
+      raise PlanError(f"--global_batch_size={FLAGS.global_batch_size} must be positive")
+    if FLAGS.top <= 0:
+      raise PlanError(f"--top={FLAGS.top} must be positive")
+    cluster = clusters.parse(FLAGS.cluster)
+    system = cost.SYSTEMS[FLAGS.system]
+    if cost.COMPUTE_DTYPE[FLAGS.precision] not in cluster.peak_flops:
+      raise PlanError(f"--cluster={FLAGS.cluster} gives no peak_flops for "
+                      f"{cost.COMPUTE_DTYPE[FLAGS.precision]} (--precision={FLAGS.precision})")
+    if FLAGS.emit_flags and system is not cost.TFPAR:
+      raise PlanError("--emit_flags writes tfpar flags: use it with --system=tfpar")
+    ranked = plan(m, cluster, global_batch=FLAGS.global_batch_size, precision=FLAGS.precision,
+                  system=system, fixed=fixed_degrees(FLAGS))
+  except (config_lib.ConfigError, clusters.ClusterError, PlanError) as e:
+    fail(str(e))
+  best = ranked.row(ranked.order[0])
+  if FLAGS.format == "json":
+    print(json.dumps(report.to_json(m, cluster, ranked, FLAGS.top, FLAGS.precision, system),
+                     indent=2))
+  else:
+    print(report.text(m, cluster, ranked, FLAGS.top, FLAGS.precision, system))
+    if FLAGS.explain:
+      print(report.explain(m, cluster, ranked, FLAGS.precision, system))
+  if FLAGS.emit_flags:
+    # The user's training flags as given; the plan sets its own (planner flags are not copied).
+    training = tfpar_flags.define_flags(flags.FlagValues())
+    given = [FLAGS[name].serialize() for name in training
+             if name not in PLAN_FLAGS and FLAGS[name].present]
+    path = report.write_flagfile(FLAGS.emit_flags, given, best, cluster)
+    print(f"wrote {path}: python -m tfpar.train --flagfile={path}", file=sys.stderr)
+
+
+def parse_flags(argv):
+  """absl's own parse errors (unknown flag, bad enum or int) get the same one line and exit 2."""
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:
+    fail(str(e))
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=parse_flags)

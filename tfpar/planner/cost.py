@@ -1,0 +1,289 @@
+"""The analytic cost model: memory per device and step time of a D x K x T plan.
+
+Every formula's source is in docs/planner.md; in short, for a model of L
+blocks, width h, a heads, MLP width f, sequence s, vocabulary V, global batch
+G, micro-batch b, M = G / (D b) micro-batches, recompute r (0 or 1):
+
+  FLOPs per sequence, forward:  layer = 2 s (4h^2 + 2hf) + 4 s^2 h,  logits = 2 s h V
+  FLOPs per step:               G ((3 + r) L layer + 3 logits)      (Narayanan et al. 2021)
+  bytes per parameter:          weights + gradients + optimizer (per System)
+  activations per block and micro-batch (Korthikanti et al. 2022, 16-bit values):
+                                s b h (10 + 24/T + 5 a s / (h T))   without recompute
+                                2 s b h                             with full recompute
+  pipeline bubble:              (K - 1) / (M + K - 1)               (Huang et al. 2019)
+  ring all-reduce of n bytes over p devices:  2 (p-1)/p n / bw + 2 (p-1) latency
+  compute efficiency:           e_max / (1 + w/(h/T) + r0/(b s))    (constants fitted)
+
+Two Systems share the physics and differ in layout: "tfpar" is what tfpar
+runs today (GPipe: every micro-batch's activations live until its backward;
+the embedding, tied output projection and LayerNorms unsplit on a stage's
+first device; stages balanced by parameters; a replica inside one worker),
+"megatron" is Megatron-LM as in Narayanan et al. 2021 (1F1B: at most K
+micro-batches in flight; vocabulary-parallel embedding on the first and last
+stage; L/K blocks per stage; stages across nodes) and is what the published
+table is evaluated with.
+
+Everything is vectorised over candidate plans (numpy arrays), so thousands
+of plans cost one pass per distinct (K, T).
+"""
+
+import dataclasses
+import functools
+from typing import Dict, Tuple
+
+import numpy as np
+
+from tfpar.config import ModelConfig
+from tfpar.parallel import plan as plan_lib
+from tfpar.planner.clusters import Cluster
+
+COMPUTE_DTYPE = {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
+ACTIVATION_BYTES = {"float32": 4, "mixed_bfloat16": 2, "mixed_float16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+  """How a framework lays a plan out (see the module docstring).
+
+  Attributes:
+    name: "tfpar" or "megatron".
+    schedule: "gpipe" (M micro-batches in flight) or "1f1b" (at most K - k on stage k).
+    vocab_parallel: embedding and logits split over the T shards.
+    uniform_stages: L/K blocks per stage (K must divide L); else balanced by parameters.
+    replica_in_node: a replica's K x T devices sit in one node (tfpar: one worker).
+    weight_bytes, grad_bytes, optimizer_bytes: bytes per parameter, by precision.
+  """
+  name: str
+  schedule: str
+  vocab_parallel: bool
+  uniform_stages: bool
+  replica_in_node: bool
+  weight_bytes: Dict[str, int]
+  grad_bytes: Dict[str, int]
+  optimizer_bytes: Dict[str, int]
+
+
+_FP32 = plan_lib.BYTES_PER_PARAM
+TFPAR = System(
+    name="tfpar", schedule="gpipe", vocab_parallel=False, uniform_stages=False,
+    replica_in_node=True,
+    # Variables stay float32 under every policy; their gradients are float32 too.
+    weight_bytes={p: _FP32 for p in COMPUTE_DTYPE}, grad_bytes={p: _FP32 for p in COMPUTE_DTYPE},
+    optimizer_bytes={p: plan_lib.OPTIMIZER_SLOTS * _FP32 for p in COMPUTE_DTYPE})
+MEGATRON = System(
+    name="megatron", schedule="1f1b", vocab_parallel=True, uniform_stages=True,
+    replica_in_node=False,
+    # Mixed precision: 16-bit weights, float32 main gradients, float32 master + Adam m, v.
+    weight_bytes={"float32": 4, "mixed_bfloat16": 2, "mixed_float16": 2},
+    grad_bytes={"float32": 4, "mixed_bfloat16": 4, "mixed_float16": 4},
+    optimizer_bytes={"float32": 8, "mixed_bfloat16": 12, "mixed_float16": 12})
+SYSTEMS = {"tfpar": TFPAR, "megatron": MEGATRON}
+
+
+# --- FLOPs ---------------------------------------------------------------------
+
+def layer_flops(m: ModelConfig) -> int:
+  """Forward matmul FLOPs of one block for one sequence: projections, MLP, scores and mixing."""
+  s, h, f = m.seq_len, m.d_model, m.d_ff
+  return 2 * s * (4 * h * h + 2 * h * f) + 4 * s * s * h
+
+
+def logits_flops(m: ModelConfig) -> int:
+  """Forward FLOPs of the output projection for one sequence."""
+  return 2 * m.seq_len * m.d_model * m.vocab_size
+
+
+def step_flops(m: ModelConfig, global_batch: int, recompute: bool) -> int:
+  """FLOPs of one training step: forward, backward (2x forward) and the recomputed forward."""
+  return global_batch * ((3 + int(recompute)) * m.num_layers * layer_flops(m) +
+                         3 * logits_flops(m))
+
+
+def narayanan_flops(m: ModelConfig, global_batch: int) -> float:
+  """Narayanan et al. 2021, eq. (3): 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), recompute included."""
+  b, s, l, h, v = global_batch, m.seq_len, m.num_layers, m.d_model, m.vocab_size
+  return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+# --- Collectives ------------------------------------------------------------------
+
+def all_reduce_seconds(nbytes, p, bandwidth, latency):
+  """Ring all-reduce: 2 (p-1) steps of n/p bytes each (reduce-scatter, then all-gather)."""
+  p = np.asarray(p, dtype=float)
+  return np.where(p > 1, 2 * (p - 1) / p * nbytes / bandwidth + 2 * (p - 1) * latency, 0.0)
+
+
+def all_gather_seconds(nbytes, p, bandwidth, latency):
+  """Ring all-gather of n bytes in total: p - 1 steps of n/p bytes."""
+  p = np.asarray(p, dtype=float)
+  return np.where(p > 1, (p - 1) / p * nbytes / bandwidth + (p - 1) * latency, 0.0)
+
+
+def p2p_seconds(nbytes, bandwidth, latency):
+  return nbytes / bandwidth + latency
+
+
+# --- Memory ----------------------------------------------------------------------
+
+def activation_bytes_per_block(m: ModelConfig, b, t, recompute, precision: str):
+  """Activations one block keeps for the backward of one micro-batch of b sequences.
+
+  Korthikanti et al. 2022, eq. (2) (tensor parallel, no sequence parallelism),
+  in 16-bit values; float32 activations double it. Full recompute keeps only
+  the block's input, 2 s b h bytes in 16 bits.
+  """
+  s, h, a = m.seq_len, m.d_model, m.num_heads
+  scale = ACTIVATION_BYTES[precision] / 2
+  full = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale
+  return np.where(recompute, 2 * s * b * h * scale, full), full
+
+
+# --- Stages ------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+  """The K stages of a replica under one (K, T): blocks and parameters on each's busiest device."""
+  blocks: np.ndarray  # [K] blocks per stage
+  params: np.ndarray  # [K] parameters on the stage's first device (t = 0)
+  logits: np.ndarray  # [K] 1 on the stage computing the logits
+
+
+def stages(m: ModelConfig, k: int, t: int, system: System) -> Stages:
+  """Blocks and per-device parameters of each stage, from tfpar.parallel.plan's counts."""
+  return _stages(m, k, t, system.name)
+
+
+@functools.lru_cache(maxsize=None)
+def _stages(m: ModelConfig, k: int, t: int, system_name: str) -> Stages:
+  system = SYSTEMS[system_name]
+  c = plan_lib.count_params(m, t)
+  if system.uniform_stages:
+    blocks = np.full(k, m.num_layers // k)
+  else:
+    blocks = np.array(plan_lib.balance_stages(m.num_layers, k, c.block, c.embedding, c.head))
+  params = blocks * (c.block_shard + c.block_unsplit)
+  if system.vocab_parallel:
+    vocab_table = m.vocab_size * m.d_model // t
+    params[0] += vocab_table + (c.embedding - m.vocab_size * m.d_model)  # + positions, unsplit
+    params[-1] += c.head + (vocab_table if k > 1 else 0)  # Megatron's copy of the tied table.
+  else:
+    params[0] += c.embedding
+    params[-1] += c.head
+  logits = np.zeros(k)
+  logits[-1] = 1
+  return Stages(blocks=blocks.astype(float), params=params.astype(float), logits=logits)
+
+
+# --- The model -----------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Plans:
+  """Candidate plans as parallel arrays (one entry per plan)."""
+  D: np.ndarray
+  K: np.ndarray
+  T: np.ndarray
+  b: np.ndarray  # micro-batch size (sequences)
+  remat: np.ndarray  # bool
+
+  def __len__(self):
+    return len(self.D)
+
+  def take(self, index) -> "Plans":
+    return Plans(**{f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)})
+
+
+COMPONENTS = ("compute", "bubble", "tensor_comm", "pipeline_comm", "data_comm")
+MEMORY_PARTS = ("weights", "gradients", "optimizer", "activations", "pipeline_buffers")
+
+
+def efficiency(cluster: Cluster, width, rows):
+  """Fraction of peak reached on matmuls of inner width `width` (h/T) and `rows` (b s)."""
+  e = cluster.efficiency
+  return e.max_efficiency / (1 + e.width_half / width + e.rows_half / rows)
+
+
+def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: int,
+             precision: str, system: System) -> Dict[str, np.ndarray]:
+  """Predicted memory and time of every plan.
+
+  Returns:
+    A dict of arrays over plans: M, memory parts (bytes on the busiest device)
+    and `memory_bytes`, time components (seconds per step) and `step_seconds`,
+    `fits`, `tokens_per_second`, `tflops_per_device` (executed FLOPs, recompute
+    included, as Narayanan et al. count), `mfu` (model FLOPs, no recompute, over peak),
+    `efficiency`.
+  """
+  n = len(plans)
+  out = {key: np.zeros(n) for key in COMPONENTS + MEMORY_PARTS + ("efficiency",)}
+  D, K, T, b = (np.asarray(x, dtype=float) for x in (plans.D, plans.K, plans.T, plans.b))
+  r = np.asarray(plans.remat, dtype=float)
+  M = global_batch / (D * b)
+  s, h = m.seq_len, m.d_model
+  act = ACTIVATION_BYTES[precision]
+  peak = cluster.peak_flops.get(COMPUTE_DTYPE[precision])
+  if peak is None:
+    raise ValueError(f"cluster {cluster.name} has no peak_flops for {COMPUTE_DTYPE[precision]}")
+  eff = efficiency(cluster, h / T, b * s)
+  out["efficiency"] = eff
+  per_param = (system.weight_bytes[precision], system.grad_bytes[precision],
+               system.optimizer_bytes[precision])
+  # Bandwidth of each group: inside a node while the group's span fits in one.
+  dpn = cluster.devices_per_node
+  bw = lambda span: np.where(span <= dpn, cluster.intra_bandwidth, cluster.inter_bandwidth)
+  lat = lambda span: np.where(span <= dpn, cluster.intra_latency, cluster.inter_latency)
+  f_layer, f_logits = layer_flops(m), logits_flops(m)
+  slot = np.zeros(n)
+  for k, t in set(zip(plans.K.tolist(), plans.T.tolist())):
+    idx = np.flatnonzero((plans.K == k) & (plans.T == t))
+    st = stages(m, int(k), int(t), system)
+    tv = t if system.vocab_parallel else 1
+    bi, ri, mi, ei = b[idx, None], r[idx, None], M[idx, None], eff[idx, None]  # [P, 1] vs [K]
+    # Time of one micro-batch on each stage: matmuls, fixed per-op costs, tensor-parallel sums.
+    flops = bi * ((3 + ri) * st.blocks * f_layer / t + 3 * st.logits * f_logits / tv)
+    compute = flops / (peak * ei)
+    ops = st.blocks * (2 + ri) * cluster.efficiency.op_seconds
+    # Elementwise ops (LayerNorm, GELU, softmax, dropout, bias) are bound by memory
+    # bandwidth: the forward writes the block's activations, the backward reads them
+    # and writes as many gradients, a recompute writes them again.
+    _, touched = activation_bytes_per_block(m, bi, t, ri > 0, precision)
+    ops = ops + st.blocks * (3 + ri) * touched / cluster.memory_bandwidth
+    tp = st.blocks * (4 + 2 * ri) * all_reduce_seconds(bi * s * h * act, t, bw(t), lat(t))
+    busiest = np.argmax(compute + ops + tp, axis=1)
+    rows = np.arange(len(idx))
+    out["compute"][idx] = mi[:, 0] * (compute + ops)[rows, busiest]
+    out["tensor_comm"][idx] = mi[:, 0] * tp[rows, busiest]
+    slot[idx] = (compute + ops + tp)[rows, busiest]
+    # Memory of each stage's first device; the plan needs the largest.
+    per_block, full = activation_bytes_per_block(m, bi, t, ri > 0, precision)
+    in_flight = mi if system.schedule == "gpipe" else np.minimum(mi, k - np.arange(k))
+    acts = in_flight * st.blocks * per_block + ri * full
+    acts = acts + st.logits * 8 * bi * s * m.vocab_size / tv * (in_flight if system.schedule ==
+                                                                "gpipe" else 1)
+    state = st.params * sum(per_param)
+    worst = np.argmax(acts + state, axis=1)
+    for part, bytes_per in zip(("weights", "gradients", "optimizer"), per_param):
+      out[part][idx] = st.params[worst] * bytes_per
+    out["activations"][idx] = acts[rows, worst]
+    out["pipeline_buffers"][idx] = np.where(k > 1, 2 * b[idx] * s * h * act, 0.0)
+    # The device holding the most parameters (its gradients are the largest all-reduce).
+    out["params_per_device"] = out.get("params_per_device", np.zeros(n))
+    out["params_per_device"][idx] = st.params.max()
+  # Pipeline: activations to the next stage and gradients back, per micro-batch.
+  p2p = np.where(K > 1, 2 * p2p_seconds(b * s * h * act, bw(K * T), lat(K * T)), 0.0)
+  out["pipeline_comm"] = M * p2p
+  out["bubble"] = (K - 1) * (slot + p2p)
+  # Data parallel: one all-reduce of the busiest device's gradients across D replicas.
+  grads = out["params_per_device"] * system.grad_bytes[precision]
+  out["data_comm"] = all_reduce_seconds(grads, D, bw(D * K * T), lat(D * K * T))
+  out["M"] = M
+  out["step_seconds"] = sum(out[c] for c in COMPONENTS)
+  out["memory_bytes"] = sum(out[p] for p in MEMORY_PARTS)
+  out["fits"] = out["memory_bytes"] <= cluster.memory_bytes
+  devices = D * K * T
+  executed = np.where(r > 0, float(step_flops(m, global_batch, True)),
+                      float(step_flops(m, global_batch, False)))
+  out["tokens_per_second"] = global_batch * s / out["step_seconds"]
+  out["tflops_per_device"] = executed / out["step_seconds"] / devices / 1e12
+  out["mfu"] = float(step_flops(m, global_batch, False)) / out["step_seconds"] / devices / peak
+  out["bubble_fraction"] = (K - 1) / (M + K - 1)
+  return out

@@ -1,0 +1,115 @@
+"""The published runs the cost model is calibrated against.
+
+Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM" (SC21), Table 1: A100 80 GB, sequence 2048,
+vocabulary 51,200, mixed precision, Adam, full activation recompute, 8 GPUs
+per node, data-parallel size = GPUs / (TP x PP). The achieved TFLOP/s per GPU
+count narayanan_flops (recompute included).
+
+`python scripts/planner_table.py` prints the docs/planner.md table from here.
+"""
+
+import dataclasses
+from typing import List
+
+import numpy as np
+
+from tfpar.config import ModelConfig
+from tfpar.planner import clusters, cost, search
+
+SEQ_LEN, VOCAB = 2048, 51200
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  params_billion: float
+  heads: int
+  hidden: int
+  layers: int
+  tp: int
+  pp: int
+  gpus: int
+  batch: int
+  tflops: float  # achieved per GPU
+
+  @property
+  def model(self) -> ModelConfig:
+    return ModelConfig(vocab_size=VOCAB, seq_len=SEQ_LEN, num_layers=self.layers,
+                       d_model=self.hidden, num_heads=self.heads, d_ff=4 * self.hidden)
+
+  @property
+  def dp(self) -> int:
+    return self.gpus // (self.tp * self.pp)
+
+
+TABLE_1 = [Row(*r) for r in [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]]
+PRECISION = "mixed_float16"
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+  row: Row
+  published: dict  # the planner's evaluation of the published D x K x T (best micro-batch)
+  picked: dict  # the planner's own choice for the same model, GPUs and batch
+
+  @property
+  def predicted_tflops(self) -> float:
+    """Per-GPU TFLOP/s as the paper counts them (narayanan_flops over the predicted step)."""
+    return cost.narayanan_flops(self.row.model, self.row.batch) / \
+        self.published["step_seconds"] / self.row.gpus / 1e12
+
+
+def compare(row: Row, efficiency: clusters.Efficiency = None, search_own: bool = True) -> Comparison:
+  """Evaluates the published plan and (search_own) searches the planner's own.
+
+  `efficiency` replaces the cluster's constants (scripts/planner_table.py --fit).
+  """
+  cluster = clusters.parse(f"a100-80gb:{row.gpus}")
+  if efficiency is not None:
+    cluster = dataclasses.replace(cluster, efficiency=efficiency)
+  kwargs = dict(global_batch=row.batch, precision=PRECISION, system=cost.MEGATRON)
+  published = search.candidates(row.model, cluster, row.batch, cost.MEGATRON,
+                                data_parallel=row.dp, pipeline_stages=row.pp,
+                                tensor_parallel=row.tp, remat=True)
+  ranked_published = search.rank(row.model, cluster, published, **kwargs)
+  published_best = ranked_published.row(ranked_published.order[0])
+  if not search_own:
+    return Comparison(row=row, published=published_best, picked=published_best)
+  free = search.candidates(row.model, cluster, row.batch, cost.MEGATRON)
+  ranked_free = search.rank(row.model, cluster, free, **kwargs)
+  return Comparison(row=row, published=published_best, picked=ranked_free.row(ranked_free.order[0]))
+
+
+def compare_all(efficiency: clusters.Efficiency = None, search_own: bool = True) -> List[Comparison]:
+  return [compare(row, efficiency, search_own) for row in TABLE_1]
+
+
+def table(comparisons: List[Comparison]) -> str:
+  """The docs/planner.md table: published, predicted, picked."""
+  lines = ["| params (B) | GPUs | batch | published TP x PP | published TFLOP/s | predicted "
+           "TFLOP/s (published plan) | error | GiB/GPU | step s | picked D x K x T, micro-batch, "
+           "recompute | picked step s | speed-up | picked GiB/GPU |",
+           "|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+  for c in comparisons:
+    r, p, k = c.row, c.published, c.picked
+    err = c.predicted_tflops / r.tflops - 1
+    lines.append(
+        f"| {r.params_billion} | {r.gpus} | {r.batch} | {r.tp} x {r.pp} | {r.tflops:.0f} | "
+        f"{c.predicted_tflops:.1f} | {err:+.1%} | {p['memory_bytes_per_device'] / 2 ** 30:.1f} | "
+        f"{p['step_seconds']:.2f} | "
+        f"{k['data_parallel']} x {k['pipeline_stages']} x {k['tensor_parallel']}, "
+        f"{k['microbatch_size']}, {'on' if k['remat'] else 'off'} | {k['step_seconds']:.2f} | "
+        f"{p['step_seconds'] / k['step_seconds']:.2f}x | "
+        f"{k['memory_bytes_per_device'] / 2 ** 30:.1f} |")
+  return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""Search: every D x K x T x micro-batch x recompute plan a cluster allows, ranked by the cost model.
+
+Candidates: T divides the head count and d_ff and stays inside a node (tensor
+parallelism sums activations twice per sub-block: it needs the fastest link);
+K <= L (and divides L where the System wants uniform stages); D = N / (K T)
+divides the global batch; the micro-batch b divides G / D; recompute on and
+off. With tfpar, a replica's K x T devices sit in one worker, so across nodes
+K T divides the devices of a node, and on TPUs only data parallelism runs.
+The candidates of 4,096 devices number a few thousand: one vectorised pass.
+"""
+
+import dataclasses
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from tfpar.config import ModelConfig
+from tfpar.planner import cost
+from tfpar.planner.clusters import Cluster
+
+MAX_MICROBATCH = 64  # Beyond this b the matmuls are as efficient as they get.
+
+
+def divisors(n: int) -> List[int]:
+  return [i for i in range(1, n + 1) if n % i == 0]
+
+
+def candidates(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost.System, *,
+               data_parallel: Optional[int] = None, pipeline_stages: Optional[int] = None,
+               tensor_parallel: Optional[int] = None, microbatches: Optional[int] = None,
+               remat: Optional[bool] = None) -> cost.Plans:
+  """All plans using every device of the cluster; any degree given fixes that degree."""
+  n, dpn = cluster.devices, cluster.devices_per_node
+  rows = []
+  # A tensor-parallel group sits inside one node: T divides the node (or the whole host).
+  t_options = [t for t in divisors(m.num_heads) if m.d_ff % t == 0 and n % t == 0 and
+               (dpn % t == 0 if n > dpn else t <= n)]
+  for t in t_options if tensor_parallel is None else [tensor_parallel]:
+    for k in divisors(n // t) if pipeline_stages is None else [pipeline_stages]:
+      if k > m.num_layers or (system.uniform_stages and m.num_layers % k):
+        continue
+      if n % (k * t):
+        continue
+      d = n // (k * t)
+      if data_parallel is not None and d != data_parallel:
+        continue
+      if system.replica_in_node and n > dpn and dpn % (k * t):
+        continue
+      if system is cost.TFPAR and cluster.kind == "tpu" and k * t > 1:
+        continue  # tfpar's TPUStrategy path is data parallel only.
+      if global_batch % d:
+        continue
+      per_replica = global_batch // d
+      for mb in divisors(per_replica):
+        b = per_replica // mb
+        if microbatches is not None and mb != microbatches:
+          continue
+        if microbatches is None and b > MAX_MICROBATCH:
+          continue
+        for r in (False, True) if remat is None else (remat,):
+          rows.append((d, k, t, b, r))
+  if not rows:
+    return cost.Plans(*(np.zeros(0, dtype=int) for _ in range(4)), np.zeros(0, dtype=bool))
+  a = np.array(rows)
+  return cost.Plans(D=a[:, 0], K=a[:, 1], T=a[:, 2], b=a[:, 3], remat=a[:, 4].astype(bool))
+
+
+@dataclasses.dataclass
+class Ranked:
+  """Plans and their predictions, fastest fitting plan first."""
+  plans: cost.Plans
+  results: Dict[str, np.ndarray]
+  order: np.ndarray  # indices: fitting plans by step time, then the others by memory
+
+  def row(self, i: int) -> dict:
+    """One plan as a plain dict (what --format=json prints)."""
+    p, r = self.plans, self.results
+    out = {"data_parallel": int(p.D[i]), "pipeline_stages": int(p.K[i]),
+           "tensor_parallel": int(p.T[i]), "microbatch_size": int(p.b[i]),
+           "microbatches": int(round(r["M"][i])), "remat": bool(p.remat[i]),
+           "fits": bool(r["fits"][i]), "memory_bytes_per_device": float(r["memory_bytes"][i]),
+           "memory": {k: float(r[k][i]) for k in cost.MEMORY_PARTS},
+           "step_seconds": float(r["step_seconds"][i]),
+           "time": {k: float(r[k][i]) for k in cost.COMPONENTS},
+           "tokens_per_second": float(r["tokens_per_second"][i]),
+           "tflops_per_device": float(r["tflops_per_device"][i]), "mfu": float(r["mfu"][i]),
+           "bubble_fraction": float(r["bubble_fraction"][i])}
+    if not out["fits"]:
+      out["rejected"] = "out of memory"
+    return out
+
+
+def rank(m: ModelConfig, cluster: Cluster, plans: cost.Plans, *, global_batch: int,
+         precision: str, system: cost.System) -> Ranked:
+  results = cost.evaluate(m, cluster, plans, global_batch=global_batch, precision=precision,
+                          system=system)
+  fits = results["fits"]
+  fitting = np.flatnonzero(fits)
+  others = np.flatnonzero(~fits)
+  order = np.concatenate([fitting[np.argsort(results["step_seconds"][fitting], kind="stable")],
+                          others[np.argsort(results["memory_bytes"][others], kind="stable")]])
+  return Ranked(plans=plans, results=results, order=order)
+
+
+def why_slower(ranked: Ranked, i: int, best: int) -> str:
+  """Why plan i loses to the best plan: memory, or the time component that grew most."""
+  r = ranked.results
+  if not r["fits"][i]:
+    return f"out of memory ({r['memory_bytes'][i] / 2 ** 30:.1f} GiB per device)"
+  grown = {c: r[c][i] - r[c][best] for c in cost.COMPONENTS}
+  worst = max(grown, key=grown.get)
+  names = {"compute": "compute (smaller matmuls or recompute)", "bubble": "pipeline bubble",
+           "tensor_comm": "tensor-parallel bandwidth", "pipeline_comm": "pipeline bandwidth",
+           "data_comm": "data-parallel bandwidth"}
+  return (f"{r['step_seconds'][i] / r['step_seconds'][best]:.2f}x slower: {names[worst]} "
+          f"+{grown[worst]:.3g} s")
