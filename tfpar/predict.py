@@ -28,6 +28,8 @@ from typing import List, Sequence
 import numpy as np
 from absl import flags
 
+from tfpar import storage
+
 # A colour per class id for masks and boxes (class 0, background, stays clear).
 PALETTE = np.array([[0, 0, 0], [230, 25, 75], [60, 180, 75], [255, 225, 25], [0, 130, 200],
                     [245, 130, 48], [145, 30, 180], [70, 240, 240], [240, 50, 230],
@@ -73,7 +75,7 @@ def check(fv: flags.FlagValues) -> None:
   d = fv.model_dir
   if not d:
     raise PredictError("--model_dir is not set: pass the --model_dir of a tfpar.train run")
-  if not os.path.exists(os.path.join(d, "config.json")):
+  if not storage.exists(os.path.join(d, "config.json")):
     raise PredictError(f"--model_dir={d} has no config.json: pass the --model_dir of a "
                        "tfpar.train run")
   if not fv.image:
@@ -85,8 +87,7 @@ def check(fv: flags.FlagValues) -> None:
 def read_config(model_dir: str):
   """The run's Config from model_dir/config.json (dropout off: nothing random at inference)."""
   from tfpar import config as config_lib  # pylint: disable=import-outside-toplevel
-  with open(os.path.join(model_dir, "config.json")) as f:
-    saved = json.load(f)
+  saved = json.loads(storage.read_text(os.path.join(model_dir, "config.json")))
   sections = {}
   for field in config_lib.dataclasses.fields(config_lib.Config):
     kind = field.default.__class__
