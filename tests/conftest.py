@@ -29,6 +29,14 @@ def run_module(module, args, *, env=None, timeout=600, check=True):
   return proc
 
 
+def start_module(module, args, *, env=None) -> subprocess.Popen:
+  """Starts `python -m module args` (stdout and stderr together, text); the caller waits."""
+  full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO)
+  full_env.update(env or {})
+  return subprocess.Popen([sys.executable, "-m", module, *args], env=full_env, cwd=REPO, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
 def read_metrics(model_dir, kind="train"):
   with open(os.path.join(model_dir, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f if line.strip()]

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, TINY, read_metrics, run_module, train_in_process
+from conftest import REPO, TINY, read_metrics, run_module, start_module, train_in_process
 
 # --min_lr_ratio=1: a constant rate after warmup, so a run stopped at 40 is the
 # first half of the 80-step run. --powersgd_min_size=0: TINY's matrices are small.
@@ -192,8 +192,12 @@ def test_powersgd_stopped_at_40_and_resumed_matches_the_uninterrupted_run(tmp_pa
   args = RUN + ["--log_every=1", "--steps_per_call=1", "--grad_compression=powersgd"]
   env = {"TF_NUM_INTEROP_THREADS": "1"}
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  run_module("tfpar.train", args + [f"--train_steps={STEPS}", f"--model_dir={straight}"], env=env)
-  run_module("tfpar.train", args + ["--train_steps=40", f"--model_dir={resumed}"], env=env)
+  # The uninterrupted run and the first half at once (each mostly one thread).
+  first = [start_module("tfpar.train", args + [f"--train_steps={n}", f"--model_dir={d}"], env=env)
+           for n, d in ((STEPS, straight), (40, resumed))]
+  for proc in first:
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
   from tfpar.training.checkpoint import read_checkpoint  # pylint: disable=import-outside-toplevel
   saved = read_checkpoint(str(resumed / "checkpoints" / "ckpt-40"))
   errors = saved["compression/powersgd@error"]
