@@ -20,9 +20,10 @@ setup(
         "pyyaml",  # python -m tfpar.k8s render prints YAML.
     ],
     extras_require={
-        # The tests run scripts/bench.py's smoke test, which trains keras-hub's GPT2Backbone.
-        # kubernetes and jsonschema validate the rendered manifests offline.
-        "test": ["pytest>=8", "keras-hub>=0.32", "kubernetes", "jsonschema"],
+        # The tests run scripts/bench.py's smoke test, which trains keras-hub's GPT2Backbone;
+        # kubernetes and jsonschema validate the rendered manifests offline; hypothesis drives
+        # the property tests of the flag validator.
+        "test": ["pytest>=8", "keras-hub>=0.32", "kubernetes", "jsonschema", "hypothesis>=6"],
         "bench": ["keras-hub>=0.32"],
     },
 )

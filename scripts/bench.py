@@ -1,6 +1,12 @@
 """Training throughput, each system in its own fresh process, rounds alternated.
 
     python scripts/bench.py --rounds=3 --out=bench.json
+    python scripts/bench.py --sections=data_parallel --steps=12 --rounds=1 --out=bench_dp.json
+
+The data_parallel section (mirrored and multi_worker_mirrored against one
+device, per gradient compression; whole CLI jobs, some of two processes) is
+scripts/bench_dp.py, which says how it measures; the rest of this docstring
+is about the other sections.
 
 runs two sections (`--sections`), each a table:
 
@@ -237,6 +243,9 @@ def _kerashub(shape, precision, steps):
 PIPELINE = ["--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=4"]
 TENSOR = ["--num_cpu_devices=2", "--tensor_parallel=2"]
 
+# Whole CLI jobs (two of its configurations are two processes each), measured by
+# scripts/bench_dp.py rather than as SECTIONS systems.
+DATA_PARALLEL = "data_parallel"
 SECTIONS = {
     "peer": Section(
         title="tfpar beside keras-hub (same model, same AdamW, same data)",
@@ -396,7 +405,7 @@ def main(argv):
       raise app.UsageError("--only measures one --precision")
     print(RESULT + json.dumps(measure(FLAGS.only, FLAGS.precision[0])), flush=True)
     return
-  unknown = [s for s in FLAGS.sections if s not in SECTIONS]
+  unknown = [s for s in FLAGS.sections if s not in SECTIONS and s != DATA_PARALLEL]
   if unknown:
     raise app.UsageError(f"--sections: unknown {unknown}; known: {', '.join(SECTIONS)}")
   report = {"command": " ".join(["python"] + sys.argv), "vocab": VOCAB,
@@ -404,7 +413,14 @@ def main(argv):
             "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "sections": {}}
   for name in FLAGS.sections:
-    report["sections"][name] = run_section(name)
+    if name == DATA_PARALLEL:
+      import bench_dp  # pylint: disable=import-outside-toplevel
+      png = os.path.splitext(FLAGS.out)[0] + "_data_parallel.png" if FLAGS.out else None
+      report["sections"][name] = bench_dp.run(
+          steps=FLAGS.steps, rounds=FLAGS.rounds, log_every=max(1, FLAGS.steps // 6),
+          quick=FLAGS.quick, only=FLAGS.systems, png=png)
+    else:
+      report["sections"][name] = run_section(name)
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:
       json.dump(report, f, indent=2)

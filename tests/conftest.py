@@ -17,7 +17,9 @@ TINY = ["--num_layers=2", "--d_model=32", "--num_heads=4", "--d_ff=64", "--seq_l
 
 def run_module(module, args, *, env=None, timeout=600, check=True):
   """Runs `python -m module args` and returns the CompletedProcess (text)."""
-  full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO)
+  full_env = dict(os.environ, PYTHONPATH=REPO)
+  # tfpar's own default (TensorFlow's C++ start-up lines silenced), not this process's level.
+  full_env.pop("TF_CPP_MIN_LOG_LEVEL", None)
   full_env.update(env or {})
   proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                         env=full_env, timeout=timeout, cwd=REPO)
@@ -25,6 +27,14 @@ def run_module(module, args, *, env=None, timeout=600, check=True):
     raise AssertionError(f"{module} {' '.join(args)} exited {proc.returncode}\n"
                          f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
   return proc
+
+
+def start_module(module, args, *, env=None) -> subprocess.Popen:
+  """Starts `python -m module args` (stdout and stderr together, text); the caller waits."""
+  full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO)
+  full_env.update(env or {})
+  return subprocess.Popen([sys.executable, "-m", module, *args], env=full_env, cwd=REPO, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def read_metrics(model_dir, kind="train"):
@@ -57,7 +67,12 @@ def make_config(args):
 
 
 def train_in_process(args):
-  """Runs a whole training job in this process (no TF_CONFIG); returns its last records."""
-  from tfpar import runner  # pylint: disable=import-outside-toplevel
+  """Runs a whole training job in this process (no TF_CONFIG), checked as the CLI checks it.
+
+  Returns its last records.
+  """
+  from tfpar import config, runner  # pylint: disable=import-outside-toplevel
   from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
-  return runner.run(make_config(args), Cluster())
+  cfg = make_config(args)
+  config.check_run(cfg, Cluster())
+  return runner.run(cfg, Cluster())

@@ -15,12 +15,12 @@ SEQ_LEN = 32  # TINY's --seq_len
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
   """A run trained the way the CLI trains (config.json included), in this process."""
-  from tfpar import runner, train  # pylint: disable=import-outside-toplevel
+  from tfpar import runner  # pylint: disable=import-outside-toplevel
   from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
   path = str(tmp_path_factory.mktemp("run"))
   cfg = make_config(TINY + ["--jit_compile=false", "--train_steps=4", "--dropout=0.1",
                             f"--model_dir={path}"])
-  runner.run(cfg, Cluster(), check_model_dir=train.check_model_dir)
+  runner.run(cfg, Cluster())
   return path
 
 

@@ -127,6 +127,7 @@ def assert_every_line_prefixed(job):
 @pytest.mark.parametrize("args, message", [
     (["--num_workers=2"], "no '--' before the training flags"),
     (["--num_workers=0", "--", "--model_dir=/tmp/x"], "--num_workers=0 must be at least 1"),
+    (["--num_workers=1000", "--", "--model_dir=/tmp/x"], "more than 32 tasks on this machine"),
     (["--workers=2", "--", "--model_dir=/tmp/x"], "unknown launcher argument '--workers=2'"),
     (["--num_workers=two", "--", "--model_dir=/tmp/x"], "--num_workers=two is not an integer"),
     (["--num_workers=2", "--", "--strategy=multi_worker_mirrored"], "--model_dir is not set"),

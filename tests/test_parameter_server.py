@@ -125,7 +125,7 @@ def test_ps_shards_partition_variables_over_two_ps_and_resume(tmp_path):
   model_dir = str(tmp_path / "ps_shards")
   flags = ["--ps_shards=2", "--learning_rate=3e-3"]
   proc = run_ps_job(model_dir, num_ps=2, train_steps=20, extra=flags)
-  described = re.search(r"'sharded_variables': (\d+), 'sharded_slots': (\d+)", proc.stdout)
+  described = re.search(r"sharded variables (\d+), sharded slots (\d+)", proc.stdout)
   assert described, proc.stdout[-2000:]
   # Every weight of rank >= 1 and its two AdamW slots are cut over the 2 ps.
   assert int(described.group(1)) > 0 and int(described.group(2)) == 2 * int(described.group(1))
@@ -153,12 +153,13 @@ def test_ps_shards_partition_variables_over_two_ps_and_resume(tmp_path):
 
 def test_ps_shards_more_than_ps_and_missing_tasks_are_clear_errors():
   from tfpar.cluster import Cluster, ClusterError  # pylint: disable=import-outside-toplevel
-  from tfpar.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from tfpar import config  # pylint: disable=import-outside-toplevel
   from tfpar.parallel import parameter_server  # pylint: disable=import-outside-toplevel
   spec = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
-  dist = make_config(PS_FLAGS + ["--model_dir=unused", "--ps_shards=2"]).dist
-  with pytest.raises(ConfigError, match=r"--ps_shards=2 is more than the 1 parameter server"):
-    parameter_server.make_strategy(dist, Cluster(spec=spec, task_type="chief"))
+  cfg = make_config(PS_FLAGS + ["--model_dir=unused", "--ps_shards=2"])
+  # Checked against TF_CONFIG before TensorFlow starts (tfpar.config.check_run).
+  with pytest.raises(config.ConfigError, match=r"--ps_shards=2 is more than the 1 parameter server"):
+    config.check_run(cfg, Cluster(spec=spec, task_type="chief"))
   with pytest.raises(ClusterError, match="missing: ps"):
     parameter_server.serve(Cluster(spec={"chief": spec["chief"], "worker": spec["worker"]},
                                    task_type="worker"))

@@ -120,6 +120,9 @@ def test_cli_end_to_end(tmp_path):
   proc = run_module("tfpar.train", FAST + ["--train_steps=10", "--eval_every=5",
                                            "--checkpoint_every=5", f"--model_dir={model_dir}"])
   assert "step     10/10" in proc.stdout  # the progress line a person watches
+  # What runs, in a sentence, first; none of TensorFlow's C++ start-up lines (cuInit, ...).
+  assert proc.stdout.startswith("tfpar: training a 2-layer GPT of "), proc.stdout[:500]
+  assert proc.stderr.strip() == "", proc.stderr[-2000:]
   train = read_metrics(model_dir)
   assert [r["step"] for r in train] == list(range(1, 11))
   for r in train:

@@ -7,6 +7,8 @@ TensorFlow initialises; nothing below the entry point reads `FLAGS`.
 
 from absl import flags
 
+from tfpar import tasks
+
 
 def _define(define, flag_values, *args, **kwargs):
   define(*args, flag_values=flag_values, **kwargs)
@@ -20,6 +22,11 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   if "train_steps" in flag_values:
     return flag_values
   fv = flag_values
+  # What is learned.
+  _define(flags.DEFINE_enum, fv, "task", "lm", list(tasks.NAMES),
+          "What to train: 'lm' a byte-level GPT on text; with a ViT on images, 'classify' "
+          "(a class per image), 'detect' (boxes and classes) or 'segment' (a class per pixel) "
+          "(the model, data, loss and metrics come from tfpar.tasks).")
   # Data.
   _define(flags.DEFINE_string, fv, 
       "data", None,
@@ -33,6 +40,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
       "How workers split the input: 'data' gives each worker its slice of every global batch "
       "(step-for-step identical to one device); 'file' gives each worker its own files; "
       "'auto' picks 'file' when there are at least 4 files per worker, else 'data'.")
+  _define(flags.DEFINE_integer, fv, "max_shift", 1,
+          "Images: in training, shift each image by up to this many pixels (0: off).")
+  _define(flags.DEFINE_bool, fv, "random_flip", False,
+          "Images: in training, flip left-right at random (off: a mirrored digit is another digit).")
   # Output.
   _define(flags.DEFINE_string, fv, "model_dir", None, "Where checkpoints, summaries and metrics.jsonl go.")
   # Model.
@@ -46,6 +57,13 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   _define(flags.DEFINE_integer, fv, "vocab_size", 256,
           "Embedding rows (256: byte-level, what the data pipeline feeds; larger sizes "
           "model a tokenizer's vocabulary, e.g. for tfpar.plan).")
+  # Vision model (--task=classify, detect, segment).
+  _define(flags.DEFINE_integer, fv, "image_size", 8, "Image height and width in pixels (square).")
+  _define(flags.DEFINE_integer, fv, "patch_size", 2, "ViT patch height and width; must divide --image_size.")
+  _define(flags.DEFINE_integer, fv, "num_channels", 1, "Image channels (1 grey, 3 RGB).")
+  _define(flags.DEFINE_integer, fv, "num_classes", 10, "Classes of the task's labels (ids 0..num_classes-1).")
+  _define(flags.DEFINE_enum, fv, "pooling", "cls", ["cls", "mean"],
+          "How the ViT pools patches for the classifier: a class token, or the mean of patches.")
   # Optimisation.
   _define(flags.DEFINE_integer, fv, "train_steps", 200, "Optimizer steps in total (a resumed run stops here too).")
   _define(flags.DEFINE_integer, fv, "global_batch_size", 16, "Sequences per step, summed over all replicas.")
@@ -66,6 +84,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   # Numerics and compilation.
   _define(flags.DEFINE_enum, fv, "precision", "float32", list(PRECISIONS), "Compute precision policy.")
   _define(flags.DEFINE_bool, fv, "jit_compile", True, "Compile the step with XLA (faster on CPU and GPU).")
+  _define(flags.DEFINE_enum, fv, "on_nonfinite", "stop", ["stop", "skip"],
+          "A step whose loss or gradient norm is NaN or infinite: 'stop' names it and exits "
+          "(status 3) without saving, so the last checkpoint is the last good state; 'skip' "
+          "drops that step's update, counts it, and goes on.")
   # Distribution.
   _define(flags.DEFINE_enum, fv, "strategy", "one_device", list(STRATEGIES), "tf.distribute strategy.")
   _define(flags.DEFINE_integer, fv, "num_cpu_devices", 1,
@@ -73,8 +95,20 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   _define(flags.DEFINE_enum, fv, "collective", "auto", ["auto", "ring", "nccl"],
                     "Collective implementation for multi_worker_mirrored.")
   _define(flags.DEFINE_integer, fv, "collective_timeout", 300,
-                       "Seconds a collective waits for a peer before the job fails (0: forever).")
+                       "Seconds a collective waits for a peer before the job fails (1 to 86400).")
   _define(flags.DEFINE_string, fv, "tpu", "local", "TPU to use with --strategy=tpu: local, a name, or grpc://ADDR.")
+  _define(flags.DEFINE_float, fv, "all_reduce_pack_mb", 0.0,
+          "multi_worker_mirrored: pack the gradient all-reduce into chunks of this many MiB "
+          "(CommunicationOptions.bytes_per_pack; 0: TensorFlow decides).")
+  # Gradient compression (tfpar.parallel.compression; docs/compression.md).
+  _define(flags.DEFINE_enum, fv, "grad_compression", "none", ["none", "fp16", "bf16", "powersgd"],
+          "Compress the data-parallel gradient all-reduce: fp16/bf16 casts (half the bytes), "
+          "powersgd sends a rank --powersgd_rank approximation with error feedback.")
+  _define(flags.DEFINE_integer, fv, "powersgd_rank", 4, "PowerSGD rank R: (m + n) x R floats per m x n matrix.")
+  _define(flags.DEFINE_integer, fv, "powersgd_warmup_steps", 0,
+          "Uncompressed steps before PowerSGD starts (the first gradients change fastest).")
+  _define(flags.DEFINE_integer, fv, "powersgd_min_size", 1024,
+          "PowerSGD sends matrices with fewer elements than this (and all vectors) uncompressed.")
   _define(flags.DEFINE_integer, fv, "ps_shards", 1, "Partition large variables over this many parameter servers.")
   # Model parallelism.
   _define(flags.DEFINE_integer, fv, "pipeline_stages", 1, "Pipeline stages (devices) per model replica.")

@@ -10,7 +10,6 @@ and exit status 2. These few flags belong to this tool alone, so they live
 here, on their own FlagValues, not among the training flags.
 """
 
-import glob
 import json
 import os
 import sys
@@ -42,16 +41,18 @@ class GenerateError(ValueError):
 
 
 def check(fv: flags.FlagValues) -> None:
-  """Validates the flags and the run directory before TensorFlow starts."""
+  """Validates the flags and the run directory (through tf.io.gfile: gs:// works)."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  gfile = tf.io.gfile
   d = fv.model_dir
   if not d:
     raise GenerateError("--model_dir is not set: pass the --model_dir of a tfpar.train run")
-  if not os.path.isdir(d):
+  if not gfile.isdir(d):
     raise GenerateError(f"--model_dir={d} does not exist: pass the --model_dir of a tfpar.train run")
-  if not os.path.exists(os.path.join(d, "config.json")):
+  if not gfile.exists(os.path.join(d, "config.json")):
     raise GenerateError(f"--model_dir={d} has no config.json: it is not a tfpar.train run "
                         "directory (train into it first)")
-  if not glob.glob(os.path.join(d, "checkpoints", "ckpt-*.index")):
+  if not gfile.glob(os.path.join(d, "checkpoints", "ckpt-*.index")):
     raise GenerateError(f"--model_dir={d} has no checkpoint yet: train into it first "
                         f"(python -m tfpar.train --model_dir={d} ...)")
   if fv.max_new_tokens < 0:
@@ -107,9 +108,11 @@ def load_model(model_dir: str):
   from tfpar.models import GPT  # pylint: disable=import-outside-toplevel
   from tfpar.training import checkpoint  # pylint: disable=import-outside-toplevel
 
-  with open(os.path.join(model_dir, "config.json")) as f:
+  with tf.io.gfile.GFile(os.path.join(model_dir, "config.json")) as f:
     model_flags = json.load(f)["model"]
-  path = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))
+  # The newest checkpoint whose files read back whole (a truncated one is passed over).
+  path = next((p for _, p in checkpoint.list_checkpoints(os.path.join(model_dir, "checkpoints"))
+               if checkpoint.is_readable(p)), None)
   if path is None:
     raise GenerateError(f"--model_dir={model_dir} has no readable checkpoint: train into it first")
   keras.mixed_precision.set_global_policy("float32")
@@ -158,11 +161,12 @@ def main(argv: Sequence[str]) -> None:
     fail(str(e))
   if len(rest) > 1:
     fail(f"unexpected arguments {rest[1:]}: flags are written --name=value")
+  from tfpar import console  # pylint: disable=import-outside-toplevel
+  console.import_tensorflow_quietly()
   try:
     check(fv)
   except GenerateError as e:
     fail(str(e))
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   from tfpar.data import corpus  # pylint: disable=import-outside-toplevel
   from tfpar.training.checkpoint import CheckpointMismatchError  # pylint: disable=import-outside-toplevel
   try:

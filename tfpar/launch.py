@@ -65,6 +65,9 @@ USAGE = ("python -m tfpar.launch --num_workers=N [--num_ps=P] [--max_restarts=R]
 # Seconds a task gets after SIGTERM when a peer has failed, before SIGKILL.
 # Short: a task whose peer died cannot finish a step or a save anyway.
 TERMINATE_GRACE = 5.0
+# Local tasks are whole TensorFlow processes (~0.5 GB each) sharing one machine's
+# cores: 32 is past what a workstation runs usefully; more is a typo.
+MAX_LOCAL_TASKS = 32
 # The longest wait between two restarts (--restart_backoff doubles up to it).
 MAX_BACKOFF = 60.0
 # Seconds the other workers get to finish once the chief of a multi-worker job
@@ -129,6 +132,11 @@ def parse_args(argv: Sequence[str]) -> LaunchConfig:
     raise LaunchError(f"--num_workers={values['num_workers']} must be at least 1")
   if values["num_ps"] < 0 or values["max_restarts"] < 0:
     raise LaunchError("--num_ps and --max_restarts must be >= 0")
+  if values["num_workers"] + values["num_ps"] > MAX_LOCAL_TASKS:
+    raise LaunchError(f"--num_workers={values['num_workers']} --num_ps={values['num_ps']}: "
+                      f"more than {MAX_LOCAL_TASKS} tasks on this machine; each is a whole "
+                      "TensorFlow process (hundreds of MB); for more, use a cluster "
+                      "(python -m tfpar.k8s render)")
   cfg = LaunchConfig(train_args=tuple(train_args), **values)
   num_tasks = len(cluster_tasks(cfg))
   if cfg.port_base and not 1024 <= cfg.port_base <= 65535 - num_tasks:
@@ -436,9 +444,13 @@ def launch(cfg: LaunchConfig) -> int:
         say(f"job succeeded ({len(job.tasks)} tasks)")
         return 0
       what = f"{failed.label} {describe_status(code)}"
-      if code == status.BAD_INPUT:
+      if code == status.PREEMPTED:  # Name every task that saved, whichever exited first.
+        saved = [t.label for t, c in job.codes().items() if c == status.PREEMPTED]
+        what = f"{', '.join(saved)} {describe_status(code)}"
+      if code in (status.BAD_INPUT, status.NONFINITE):
         job.stop()
-        say(f"{what} (bad input, see its error line): stopped every task; the job failed with "
+        why = "bad input" if code == status.BAD_INPUT else "a NaN or infinite step"
+        say(f"{what} ({why}, see its error line): stopped every task; the job failed with "
             f"status {code}, not restarted: it would fail again")
         return code
       preempted = code == status.PREEMPTED

@@ -1,26 +1,51 @@
-"""Builds a run from a validated config: devices, strategy, data, engine, loop."""
+"""Builds a run from a validated config: devices, strategy, task and its data, engine, loop."""
 
+import json
+import os
 import re
 
 import keras
 from absl import logging as absl_logging
 import tensorflow as tf
 
+from tfpar import console
+from tfpar import storage
 from tfpar import strategies
+from tfpar import tasks
 from tfpar.cluster import Cluster, ClusterError, PeerError
 from tfpar.config import Config, ConfigError
 from tfpar.data import corpus as corpus_lib
-from tfpar.data import pipeline
 from tfpar.training import loop, preemption
-from tfpar.training.checkpoint import CheckpointMismatchError
+from tfpar.training.checkpoint import (CheckpointMismatchError, CheckpointUnreadableError,
+                                       NonFiniteStateError)
 from tfpar.training.engine import DataParallelEngine
 
 # Errors that come from the user's input: one line, exit 2, no traceback.
-USER_ERRORS = (ConfigError, ClusterError, corpus_lib.DataError, CheckpointMismatchError)
+USER_ERRORS = (ConfigError, ClusterError, corpus_lib.DataError, CheckpointMismatchError,
+               CheckpointUnreadableError)
+# A NaN or infinite step under --on_nonfinite=stop: one line, exit 3, nothing saved.
+NONFINITE_ERRORS = (loop.NonFiniteError, NonFiniteStateError)
 
 
-def run(cfg: Config, cluster: Cluster, check_model_dir=None) -> dict:
-  """Runs training as this task of the cluster; returns the loop's last records."""
+def write_run_config(cfg: Config) -> None:
+  """The chief records the run's flags in <model_dir>/config.json, once.
+
+  tfpar.config.check_run compares a resume against it; tfpar.generate rebuilds
+  the model from it. Written whole, then renamed: other workers may read it
+  at the same moment.
+  """
+  path = os.path.join(cfg.train.model_dir, "config.json")
+  if not storage.exists(path):
+    storage.makedirs(cfg.train.model_dir)
+    storage.write_atomically(path, json.dumps(cfg.to_dict(), indent=2))
+
+
+def run(cfg: Config, cluster: Cluster) -> dict:
+  """Runs training as this task of the cluster; returns the loop's last records.
+
+  The caller has validated `cfg` and checked it against the run directory and
+  the cluster (tfpar.config.from_flags and check_run).
+  """
   tf.get_logger().setLevel("WARNING")  # tf.distribute's per-call INFO lines drown the progress.
   absl_logging.set_verbosity(absl_logging.WARNING)  # so does the checkpoint saver, at every save
   strategies.setup_devices(cfg.dist.num_cpu_devices)
@@ -32,29 +57,23 @@ def run(cfg: Config, cluster: Cluster, check_model_dir=None) -> dict:
   strategy = strategies.make_strategy(cfg.dist, cluster)
   preemption.watch()  # Again: multi-worker strategies install TF's own SIGTERM handler.
   is_chief = cluster.is_chief
-  if check_model_dir is not None:
-    check_model_dir(cfg, is_chief)
   num_workers = cluster.num_workers if cfg.dist.strategy == "multi_worker_mirrored" else 1
   worker_index = cluster.worker_index if num_workers > 1 else 0
-  files = corpus_lib.list_files(cfg.data.data)
-  sharding = pipeline.choose_sharding(cfg.data.input_sharding, len(files), num_workers)
-  corpus = pipeline.load_corpus(cfg.data.data, seq_len=cfg.model.seq_len,
-                                eval_fraction=cfg.data.eval_fraction,
-                                tfrecord_key=cfg.data.tfrecord_key, worker_index=worker_index,
-                                num_workers=num_workers, sharding=sharding)
+  task = tasks.make(cfg)
+  data, sharding = task.load_data(worker_index=worker_index, num_workers=num_workers)
   if cfg.parallel.model_parallel:
     from tfpar.parallel import hybrid  # pylint: disable=import-outside-toplevel
-    engine = hybrid.ModelParallelEngine(cfg, strategy, corpus, sharding=sharding)
+    engine = hybrid.ModelParallelEngine(cfg, strategy, data, sharding=sharding, task=task)
   elif cfg.dist.strategy == "parameter_server":
     from tfpar.parallel import parameter_server  # pylint: disable=import-outside-toplevel
-    engine = parameter_server.ParameterServerEngine(cfg, strategy, corpus)
+    engine = parameter_server.ParameterServerEngine(cfg, strategy, data, task=task)
     num_workers = engine.num_workers  # For the logs (the chief reads the data for all of them).
   else:
-    engine = DataParallelEngine(cfg, strategy, corpus, sharding=sharding)
+    engine = DataParallelEngine(cfg, strategy, data, sharding=sharding, task=task)
   if is_chief:
-    share = "" if len(corpus.files) == len(files) else f" of {len(files)} (this worker's share)"
-    print(f"tfpar: {engine.describe()} | data: {len(corpus.files)}{share} files, "
-          f"{len(corpus.train):,} train / {len(corpus.eval):,} held-out bytes, "
+    write_run_config(cfg)  # Only now: bad data found above leaves --model_dir untouched.
+    print(f"tfpar: {console.describe_run(cfg, engine.describe())} | "
+          f"data: {task.describe_data(data)}, "
           f"{sharding}-level input sharding", flush=True)
   try:
     return loop.run(cfg, engine, is_chief=is_chief, worker_index=worker_index,

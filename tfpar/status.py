@@ -8,6 +8,9 @@ Read without TensorFlow (the launcher imports it).
                  policy) resumes from the latest checkpoint.
   2   BAD_INPUT  flags, data, TF_CONFIG or a model_dir of another model: one
                  line says what to fix; restarting would fail the same way.
+  3   NONFINITE  a NaN or infinite loss or gradient norm under --on_nonfinite=stop:
+                 nothing was saved after the last good checkpoint; restarting
+                 would meet the same numbers (lower --learning_rate, or skip).
   75  PREEMPTED  SIGTERM (eviction, maintenance, Ctrl-C to the launcher): every
                  worker saved a checkpoint at the same step; start the same
                  command again to resume exactly there. 75 is EX_TEMPFAIL of
@@ -17,4 +20,5 @@ Read without TensorFlow (the launcher imports it).
 OK = 0
 CRASH = 1
 BAD_INPUT = 2
+NONFINITE = 3
 PREEMPTED = 75

@@ -74,7 +74,8 @@ def _multi_worker(dist: DistConfig, cluster: Cluster) -> tf.distribute.Strategy:
     raise ConfigError("--collective=nccl needs GPUs and this machine has none: use "
                       "--collective=ring or auto")
   options = tf.distribute.experimental.CommunicationOptions(
-      implementation=implementation, timeout_seconds=dist.collective_timeout or None)
+      bytes_per_pack=int(dist.all_reduce_pack_mb * 2**20),
+      implementation=implementation, timeout_seconds=dist.collective_timeout)
   resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
   return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
                                                    communication_options=options)

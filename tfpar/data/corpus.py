@@ -48,11 +48,16 @@ def list_files(data: Optional[str]) -> List[str]:
 
 def _read_documents(path: str, tfrecord_key: str) -> List[bytes]:
   import tensorflow as tf
+  from google.protobuf.message import DecodeError  # pylint: disable=import-outside-toplevel
   if path.endswith(TFRECORD_SUFFIXES):
     docs = []
     try:
       for record in tf.data.TFRecordDataset(path).as_numpy_iterator():
-        example = tf.train.Example.FromString(record)
+        try:
+          example = tf.train.Example.FromString(record)
+        except DecodeError:
+          raise DataError(f"{path}: a record is not a tf.train.Example: write each text as "
+                          f"an Example with a bytes feature '{tfrecord_key}'") from None
         feature = example.features.feature.get(tfrecord_key)
         if feature is None:
           raise DataError(f"{path}: a record has no feature '{tfrecord_key}': "
@@ -62,8 +67,12 @@ def _read_documents(path: str, tfrecord_key: str) -> List[bytes]:
       raise DataError(f"{path} is not a valid TFRecord file: check the file or rename it "
                       "without a .tfrecord suffix to read it as text") from None
     return docs
-  with tf.io.gfile.GFile(path, "rb") as f:
-    return [f.read()]
+  try:
+    with tf.io.gfile.GFile(path, "rb") as f:
+      return [f.read()]
+  except tf.errors.OpError as e:
+    raise DataError(f"{path} cannot be read ({e.message.splitlines()[0]}): check the file or "
+                    "its permissions, or pass another --data") from None
 
 
 def read_tokens(files: Sequence[str], tfrecord_key: str = "text") -> np.ndarray:

@@ -76,26 +76,38 @@ def num_windows(tokens: np.ndarray, seq_len: int) -> int:
   return (len(tokens) - 1) // seq_len
 
 
+def sample_positions(shard: Shard, *, start_step: int = 0) -> tf.data.Dataset:
+  """Endless dataset of per-replica batches of global sample positions p, int64 [B]."""
+  b, g = shard.per_replica_batch, shard.global_batch_size
+
+  def positions(k):
+    step = start_step + k // shard.local_replicas
+    replica = shard.first_replica + k % shard.local_replicas
+    return step * g + replica * b + tf.range(b, dtype=tf.int64)  # [B]
+
+  return tf.data.Dataset.range(2**62).map(positions, num_parallel_calls=tf.data.AUTOTUNE,
+                                          deterministic=True)
+
+
+def index_at(positions, num_samples: int, *, seed: int, shuffle: bool = True):
+  """The sample each position p reads: index_shuffle(p mod N, seed=(seed, p div N)), int64."""
+  epoch, within = positions // num_samples, positions % num_samples
+  if not shuffle:
+    return within
+  n = tf.shape(positions, out_type=tf.int64)
+  seeds = tf.stack([tf.fill(n, tf.constant(seed, tf.int64)), epoch,
+                    tf.zeros(n, tf.int64)], axis=-1)  # [..., 3]: one permutation per epoch
+  # The raw op: tf.random.experimental.index_shuffle mis-pads a batch of seeds.
+  return tf.raw_ops.RandomIndexShuffle(
+      index=within, seed=seeds, max_index=tf.fill(n, tf.cast(num_samples - 1, tf.int64)))
+
+
 def sample_indices(num_samples: int, shard: Shard, *, seed: int, start_step: int = 0,
                    shuffle: bool = True) -> tf.data.Dataset:
   """Endless dataset of per-replica batches of sample (window) indices, int64 [B]."""
-  b, g = shard.per_replica_batch, shard.global_batch_size
-
-  def indices(k):
-    step = start_step + k // shard.local_replicas
-    replica = shard.first_replica + k % shard.local_replicas
-    positions = step * g + replica * b + tf.range(b, dtype=tf.int64)  # [B]
-    epoch, within = positions // num_samples, positions % num_samples
-    if not shuffle:
-      return within
-    seeds = tf.stack([tf.fill([b], tf.constant(seed, tf.int64)), epoch,
-                      tf.zeros([b], tf.int64)], axis=1)  # [B, 3]: one permutation per epoch
-    # The raw op: tf.random.experimental.index_shuffle mis-pads a batch of seeds.
-    return tf.raw_ops.RandomIndexShuffle(
-        index=within, seed=seeds, max_index=tf.fill([b], tf.cast(num_samples - 1, tf.int64)))
-
-  return tf.data.Dataset.range(2**62).map(indices, num_parallel_calls=tf.data.AUTOTUNE,
-                                          deterministic=True)
+  return sample_positions(shard, start_step=start_step).map(
+      lambda p: index_at(p, num_samples, seed=seed, shuffle=shuffle),
+      num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
 def window_dataset(tokens: np.ndarray, seq_len: int, shard: Shard, *, seed: int,

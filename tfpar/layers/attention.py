@@ -1,4 +1,4 @@
-"""Causal multi-head self-attention (one shard of the heads, or all of them)."""
+"""Multi-head self-attention, causal (GPT) or not (ViT); one shard of the heads, or all of them."""
 
 import keras
 from keras import ops
@@ -54,18 +54,28 @@ def causal_attention(q, k, v, num_blocks: int = 1):
   return outputs[0] if num_blocks == 1 else ops.concatenate(outputs, axis=1)
 
 
-class CausalSelfAttention(keras.layers.Layer):
-  """Masked self-attention over `num_heads` heads, without the output bias.
+def full_attention(q, k, v):
+  """softmax(q k^T / sqrt(D)) v over q, k, v [B, T, H, D] -> [B, T, H, D]: no mask."""
+  scale = ops.sqrt(ops.cast(ops.shape(q)[-1], q.dtype))
+  scores = ops.einsum("bqhd,bkhd->bhqk", q, k) / scale  # [B, H, T, T]
+  probs = ops.cast(ops.softmax(ops.cast(scores, "float32"), axis=-1), v.dtype)
+  return ops.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+class SelfAttention(keras.layers.Layer):
+  """Self-attention over `num_heads` heads, without the output bias.
 
   The output bias lives in `Block`, so that tensor-parallel shards (each a
-  `CausalSelfAttention` over `num_heads / T` heads) sum to exactly the full
-  layer: out = sum_t softmax(Q_t K_t^T / sqrt(d)) V_t W_o[t] + b_o.
+  `SelfAttention` over `num_heads / T` heads) sum to exactly the full
+  layer: out = sum_t softmax(Q_t K_t^T / sqrt(d) [+ mask]) V_t W_o[t] + b_o.
 
   Args:
     num_heads: heads computed by this layer.
     head_dim: width of each head.
     d_model: width of the input and output.
     rotary: apply rotary position embedding to queries and keys.
+    causal: position i attends only to positions <= i (a language model);
+      False lets every position see every other (image patches).
 
   Call args:
     x: [B, T, d_model]. Returns [B, T, d_model].
@@ -77,12 +87,13 @@ class CausalSelfAttention(keras.layers.Layer):
   SHARD_AXES = {"query/kernel": 1, "query/bias": 0, "key/kernel": 1, "key/bias": 0,
                 "value/kernel": 1, "value/bias": 0, "output/kernel": 0}
 
-  def __init__(self, *, num_heads, head_dim, d_model, rotary=False, **kwargs):
+  def __init__(self, *, num_heads, head_dim, d_model, rotary=False, causal=True, **kwargs):
     super().__init__(**kwargs)
     self.num_heads = num_heads
     self.head_dim = head_dim
     self.d_model = d_model
     self.rotary = rotary
+    self.causal = causal
     width = num_heads * head_dim
     init = keras.initializers.RandomNormal(stddev=0.02)
     self.query = keras.layers.Dense(width, kernel_initializer=init, name="query")
@@ -102,9 +113,12 @@ class CausalSelfAttention(keras.layers.Layer):
     q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
     if self.rotary:
       q, k = rotary(q), rotary(k)
-    y = causal_attention(q, k, v, query_blocks(x.shape[1]))  # [B, T, H, D]
+    if self.causal:
+      y = causal_attention(q, k, v, query_blocks(x.shape[1]))  # [B, T, H, D]
+    else:
+      y = full_attention(q, k, v)
     return self.output_dense(ops.reshape(y, (b, t, self.num_heads * self.head_dim)))
 
   def get_config(self):
     return {**super().get_config(), "num_heads": self.num_heads, "head_dim": self.head_dim,
-            "d_model": self.d_model, "rotary": self.rotary}
+            "d_model": self.d_model, "rotary": self.rotary, "causal": self.causal}

@@ -5,14 +5,14 @@ import contextlib
 import keras
 from keras import ops
 
-from tfpar.layers.attention import CausalSelfAttention
+from tfpar.layers.attention import SelfAttention
 from tfpar.layers.mlp import MLP
 
 
 class Block(keras.layers.Layer):
   """x + Attn(LN(x)), then x + MLP(LN(x)) (GPT-2 / nanoGPT order).
 
-  With `tensor_shards=T` the attention holds T `CausalSelfAttention` shards of
+  With `tensor_shards=T` the attention holds T `SelfAttention` shards of
   num_heads / T heads and the MLP T shards of d_ff / T columns; their partial
   outputs are summed, then the single output bias is added (see those layers
   for why the sum is exact). T=1 is the ordinary block. Where and how each
@@ -27,23 +27,25 @@ class Block(keras.layers.Layer):
     d_ff: MLP hidden width in total.
     dropout: residual dropout rate.
     rotary: rotary position embedding in attention.
+    causal: causal attention (GPT); False for image patches (ViT).
     tensor_shards: T, how many shards attention and MLP are split into.
     seed: dropout seed.
   """
 
-  def __init__(self, *, d_model, num_heads, d_ff, dropout=0.0, rotary=False, tensor_shards=1,
-               seed=None, **kwargs):
+  def __init__(self, *, d_model, num_heads, d_ff, dropout=0.0, rotary=False, causal=True,
+               tensor_shards=1, seed=None, **kwargs):
     super().__init__(**kwargs)
     self.d_model, self.num_heads, self.d_ff = d_model, num_heads, d_ff
     self.dropout_rate, self.rotary, self.tensor_shards = dropout, rotary, tensor_shards
+    self.causal = causal
     self.seed = seed
     self.shard_scope = lambda t: contextlib.nullcontext()
     self.shard_fn = lambda layer: layer
     self.ln_1 = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_1")
     self.ln_2 = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_2")
-    self.attn = [CausalSelfAttention(num_heads=num_heads // tensor_shards,
-                                     head_dim=d_model // num_heads, d_model=d_model,
-                                     rotary=rotary, name=f"attn_shard_{t}")
+    self.attn = [SelfAttention(num_heads=num_heads // tensor_shards,
+                               head_dim=d_model // num_heads, d_model=d_model,
+                               rotary=rotary, causal=causal, name=f"attn_shard_{t}")
                  for t in range(tensor_shards)]
     self.mlp = [MLP(d_ff=d_ff // tensor_shards, d_model=d_model, name=f"mlp_shard_{t}")
                 for t in range(tensor_shards)]
@@ -78,4 +80,4 @@ class Block(keras.layers.Layer):
   def get_config(self):
     return {**super().get_config(), "d_model": self.d_model, "num_heads": self.num_heads,
             "d_ff": self.d_ff, "dropout": self.dropout_rate, "rotary": self.rotary,
-            "tensor_shards": self.tensor_shards, "seed": self.seed}
+            "causal": self.causal, "tensor_shards": self.tensor_shards, "seed": self.seed}

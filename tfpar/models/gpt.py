@@ -45,12 +45,13 @@ class GPT(keras.Model):
               tensor_shards=tensor_shards, seed=seed + 2 * (i + 1), name=f"block_{i}")
         for i in range(config.num_layers)]
     self.ln_f = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_f")
+    self.block_shape = (None, config.seq_len, config.d_model)  # What each block is built for.
 
   def build_all(self):
     """Creates every weight now (under whatever device scope the caller holds)."""
     self.build_embed()
     for block in self.blocks:
-      block.build((None, self.config.seq_len, self.config.d_model))
+      block.build(self.block_shape)
     self.build_head()
     self.built = True
 

@@ -2,8 +2,8 @@
 
 Placement. `MirroredStrategy` creates every variable on all of its own devices
 and ignores `tf.device`, so model-parallel weights are NOT created under any
-strategy scope. Instead this engine builds one GPT copy per data-parallel
-replica, outside every scope, each stage's (and shard's) weights under
+strategy scope. Instead this engine builds one copy of the task's model per
+data-parallel replica, outside every scope, each stage's (and shard's) weights under
 `tf.device` of its device in the plan (tfpar.parallel.plan), and one AdamW per
 copy beside it (its slots are created colocated with their variables; its step
 counter on the replica's first device, the "anchor"). Every copy starts from
@@ -19,10 +19,17 @@ holding its K x T devices), nothing at all for D=1. Each replica function
   2. runs the GPipe forward/backward of tfpar.parallel.pipeline over its
      K x T devices with explicit tf.device placement,
   3. SUMs each gradient with the same gradient of the other D-1 copies
-     (`ctx.all_reduce`, tfpar.parallel.data_parallel), and RETURNS them.
+     through the run's GradientReducer (tfpar.parallel.compression), packed
+     per device: the gradients of the weights one device holds are
+     concatenated there, so a replica spanning K x T devices runs K x T
+     all-reduces per round (device (d, k, t) with its peers (d', k, t)), not
+     one per weight. PowerSGD works per weight matrix before that packing
+     (its P and Q are what gets packed), with its state beside each weight.
+     It RETURNS the reduced gradients.
 
 Then, in cross-replica context and outside any strategy scope, each copy's
-optimizer applies its reduced gradients to its own variables. (Keras 3's
+optimizer applies its reduced gradients to its own variables
+(`tfpar.training.step.apply_gradients`, the tail every engine shares). (Keras 3's
 optimizer called inside a replica context does a merge_call and a mirrored
 `extended.update`, which cannot work on per-replica, non-mirrored variables.)
 All copies apply the same summed gradient, so they stay identical.
@@ -40,31 +47,33 @@ the send/recv, the all-reduce and the update run between those programs.
 """
 
 import collections
+import functools
 from typing import List
 
 import numpy as np
 import tensorflow as tf
 
-from tfpar import strategies
-from tfpar.config import Config, ConfigError
+from tfpar import strategies, tasks
+from tfpar.config import Config
 from tfpar.data import pipeline as data_pipeline
-from tfpar.models import GPT
 from tfpar.parallel import plan as plan_lib
 from tfpar.parallel import tensor
-from tfpar.parallel.data_parallel import all_reduce_gradients
+from tfpar.parallel.compression import GradientReducer
+from tfpar.parallel.data_parallel import reduce_outputs
 from tfpar.parallel.pipeline import Pipeline
 from tfpar.training.checkpoint import assign_canonical, model_layout, read_canonical
 from tfpar.training.engine import Engine, build_model
 from tfpar.training.optimizer import make_optimizer
+from tfpar.training.step import apply_gradients, reduce_gradients
 
 
 class ModelCopy:
-  """One data-parallel replica: a GPT spread over its plan row, its optimizer, its pipeline."""
+  """One data-parallel replica: the model over its plan row, its optimizer, its pipeline."""
 
-  def __init__(self, cfg: Config, plan: plan_lib.ParallelPlan, row, *, global_tokens: int):
+  def __init__(self, cfg: Config, plan: plan_lib.ParallelPlan, row, *, task):
     self.devices = row  # row[k][t]
     first, last = row[0][0], row[-1][0]
-    self.model = GPT(cfg.model, tensor_shards=plan.tensor_parallel, seed=cfg.train.seed)
+    self.model = task.build_model(tensor_shards=plan.tensor_parallel, seed=cfg.train.seed)
     with tf.device(first):
       self.model.build_embed()
     for stage in plan.stages:
@@ -72,7 +81,7 @@ class ModelCopy:
         block = self.model.blocks[i]
         tensor.place_shards(block, row[stage.index], jit_compile=cfg.train.jit_compile)
         with tf.device(row[stage.index][0]):  # Unsplit weights: the stage's first device.
-          block.build((None, cfg.model.seq_len, cfg.model.d_model))
+          block.build(self.model.block_shape)
     with tf.device(last):
       self.model.build_head()
     self.model.built = True
@@ -81,8 +90,9 @@ class ModelCopy:
       self.optimizer.build(self.model.trainable_variables)  # Slots colocate with their weights.
     self.pipeline = Pipeline(self.model, stage_blocks=[s.blocks for s in plan.stages],
                              stage_devices=[shards[0] for shards in row],
-                             microbatches=plan.microbatches, global_tokens=global_tokens,
-                             remat=plan.remat, jit_compile=cfg.train.jit_compile)
+                             microbatches=plan.microbatches, loss_fn=task.loss,
+                             eval_fn=task.eval_outputs, remat=plan.remat,
+                             jit_compile=cfg.train.jit_compile)
 
   @property
   def variables(self):
@@ -101,51 +111,24 @@ def measured_bytes(copies) -> dict:
   return dict(out)
 
 
-def all_reduce_by_device(grads, variables) -> List[tf.Tensor]:
-  """SUMs each gradient over the D replicas, one all-reduce per device of the replica.
-
-  The gradients of the weights one device holds are flattened into one vector
-  there, so a replica spanning K x T devices runs K x T all-reduces per step
-  (device (d, k, t) with its peers (d', k, t)), not one per weight.
-  """
-  by_device = collections.defaultdict(list)
-  for i, v in enumerate(variables):
-    by_device[v.value.device].append(i)
-  packed = []
-  for device, indices in by_device.items():
-    with tf.device(device):
-      packed.append(tf.concat([tf.reshape(grads[i], [-1]) for i in indices], axis=0))
-  reduced = all_reduce_gradients(packed)  # Identity with one replica.
-  out = [None] * len(grads)
-  for (device, indices), flat in zip(by_device.items(), reduced):
-    with tf.device(device):
-      parts = tf.split(flat, [int(np.prod(variables[i].shape)) for i in indices])
-      for i, part in zip(indices, parts):
-        out[i] = tf.reshape(part, variables[i].shape)
-  return out
-
-
 class ModelParallelEngine(Engine):
-  """Trains a GPT under a D x K x T plan (see the module docstring).
+  """Trains a task's model under a D x K x T plan (see the module docstring).
 
   Args:
     cfg: the run's config.
     strategy: the runner's strategy; only a MultiWorkerMirroredStrategy is
       used (as the data-parallel dimension across workers). On one host the
       engine makes its own MirroredStrategy over the D anchors (none for D=1).
-    corpus: this worker's token streams.
+    data: what this worker reads (the task's `load_data`: `.train`, `.eval`).
     sharding: 'data' or 'file', as the runner chose for the input.
+    task: what is trained (default: the task cfg names).
   """
 
-  def __init__(self, cfg: Config, strategy, corpus: data_pipeline.Corpus, *,
-               sharding: str = "data"):
-    if cfg.train.precision == "mixed_float16":
-      raise ConfigError("--precision=mixed_float16 does not combine with model parallelism "
-                        "(no loss scaling there yet): use --precision=mixed_bfloat16 or float32")
+  def __init__(self, cfg: Config, strategy, data, *, sharding: str = "data", task=None):
     self.cfg = cfg
-    self.corpus = corpus
+    self.task = task or tasks.make(cfg)
+    self.data = data
     self.sharding = sharding
-    self.global_tokens = cfg.train.global_batch_size * cfg.model.seq_len
     local = strategies.compute_devices(cfg.dist.num_cpu_devices)
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
       resolver = strategy.cluster_resolver
@@ -162,14 +145,21 @@ class ModelParallelEngine(Engine):
       rows = list(range(d))
     self.num_replicas = self.plan.data_parallel
     self.copies: List[ModelCopy] = [
-        ModelCopy(cfg, self.plan, self.plan.devices[r], global_tokens=self.global_tokens)
+        ModelCopy(cfg, self.plan, self.plan.devices[r], task=self.task)
         for r in rows]
     self._copy_of_anchor = {plan_lib.device_key(self.plan.devices[r][0][0]): i
                             for i, r in enumerate(rows)}
     self._initialise_like_one_device()
+    self.reducer = GradientReducer(
+        cfg.compression, self.copies[0].model.trainable_variables, num_replicas=self.num_replicas,
+        state_devices=[[v.value.device for v in c.model.trainable_variables]
+                       for c in self.copies],
+        pack_by_device=True, seed=cfg.train.seed)
     self.layouts = [model_layout(c.model, c.optimizer) for c in self.copies]
+    # The compression state of every copy rides in the first layout (read at save).
+    self.layouts[0].update(self.reducer.checkpoint_entries(self.strategy))
     self._train_fn = tf.function(self._train_steps)
-    self._eval_fn = tf.function(self._eval_steps)
+    self._eval_fn = tf.function(self._eval_batch)
     if self.worker_index == 0 and cfg.train.model_dir:
       print(f"tfpar: {self.plan.format()}", flush=True)
       self.plan.write(cfg.train.model_dir)
@@ -177,86 +167,86 @@ class ModelParallelEngine(Engine):
   def _initialise_like_one_device(self):
     """Every copy gets the weights `build_model(cfg)` creates on one device."""
     with tf.device(self.copies[0].devices[0][0]):
-      reference = build_model(self.cfg)
+      reference = build_model(self.cfg, task=self.task)
     values = read_canonical(model_layout(reference))
     for copy in self.copies:
       assign_canonical(model_layout(copy.model), values)
     del reference
 
   # --- data -------------------------------------------------------------------
-  def _dataset(self, tokens, start_step: int, shuffle: bool):
-    g, seq, seed = self.cfg.train.global_batch_size, self.cfg.model.seq_len, self.cfg.train.seed
+  def _dataset(self, split, start_step: int, shuffle: bool):
+    g = self.cfg.train.global_batch_size
     if self.strategy is None:
-      return data_pipeline.window_dataset(tokens, seq, data_pipeline.Shard(g), seed=seed,
-                                          start_step=start_step, shuffle=shuffle)
+      return self.task.dataset(split, data_pipeline.Shard(g), start_step=start_step,
+                               shuffle=shuffle)
 
     def dataset_fn(ctx: tf.distribute.InputContext):
       shard = data_pipeline.shard_for_pipeline(ctx, g,
                                                file_level=self.sharding == "file" and shuffle)
-      return data_pipeline.window_dataset(tokens, seq, shard, seed=seed, start_step=start_step,
-                                          shuffle=shuffle)
+      return self.task.dataset(split, shard, start_step=start_step, shuffle=shuffle)
 
     return self.strategy.distribute_datasets_from_function(dataset_fn)
 
   def train_iterator(self, start_step: int):
-    return iter(self._dataset(self.corpus.train, start_step, shuffle=True))
+    return iter(self._dataset(self.data.train, start_step, shuffle=True))
 
   def eval_iterator(self):
-    return iter(self._dataset(self.corpus.eval, 0, shuffle=False))
+    return iter(self._dataset(self.data.eval, 0, shuffle=False))
 
   # --- steps ------------------------------------------------------------------
-  def _copy(self) -> ModelCopy:
-    """The copy of the replica running this (replica) function."""
+  def _copy_index(self) -> int:
+    """Which of this process's copies the replica running this (replica) function holds."""
     ctx = tf.distribute.get_replica_context()
     if self.strategy is None or len(self.copies) == 1:
-      return self.copies[0]
-    return self.copies[self._copy_of_anchor[plan_lib.device_key(tf.nest.flatten(ctx.devices)[0])]]
+      return 0
+    return self._copy_of_anchor[plan_lib.device_key(tf.nest.flatten(ctx.devices)[0])]
 
-  def _replica_train(self, inputs, targets):
-    copy = self._copy()
-    loss, grads = copy.pipeline.loss_and_grads(inputs, targets)
-    return loss, all_reduce_by_device(grads, copy.model.trainable_variables)
+  def _copy(self) -> ModelCopy:
+    return self.copies[self._copy_index()]
+
+  def _replica_train(self, inputs, targets, compressed=False):
+    index = self._copy_index()
+    loss, grads = self.copies[index].pipeline.loss_and_grads(inputs, targets)
+    return loss, reduce_gradients(self.reducer, grads, replica=index, compressed=compressed)
 
   def _replica_eval(self, inputs, targets):
-    return self._copy().pipeline.loss(inputs, targets, training=False)
+    return self._copy().pipeline.eval_outputs(inputs, targets)
 
   def _run(self, fn, inputs, targets):
-    """(per-copy results, summed loss) of fn over the data-parallel replicas."""
+    """(per-copy (loss, grads), summed loss) of fn over the data-parallel replicas."""
     if self.strategy is None:
       out = fn(inputs, targets)
-      return [out], (out[0] if isinstance(out, tuple) else out)
+      return [out], out[0]
     out = self.strategy.run(fn, args=(inputs, targets))
-    loss = out[0] if isinstance(out, tuple) else out
-    total = self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
+    total = self.strategy.reduce(tf.distribute.ReduceOp.SUM, out[0], axis=None)
     local = [self.strategy.experimental_local_results(x) for x in tf.nest.flatten(out)]
     per_copy = [tf.nest.pack_sequence_as(out, [x[r] for x in local])
                 for r in range(len(self.copies))]
     return per_copy, total
 
-  def _train_steps(self, iterator, num_steps):
+  def _train_steps(self, iterator, num_steps, compressed=False):
     losses = tf.TensorArray(tf.float32, size=num_steps)
     norms = tf.TensorArray(tf.float32, size=num_steps)
+    replica_train = functools.partial(self._replica_train, compressed=compressed)
     for i in tf.range(num_steps):
       inputs, targets = next(iterator)
-      per_copy, loss = self._run(self._replica_train, inputs, targets)
-      norm = None
+      per_copy, loss = self._run(replica_train, inputs, targets)
       # Cross-replica context, default strategy: each optimizer updates its own copy.
-      for copy, (_, grads) in zip(self.copies, per_copy):
-        grads = list(grads)
-        if norm is None:  # The reduced gradient: the same on every copy.
-          norm = tf.linalg.global_norm(grads)
-        copy.optimizer.apply(grads, copy.model.trainable_variables)
+      # The reduced gradient is the same on every copy, and so is its norm.
+      skip = self.cfg.train.on_nonfinite == "skip"  # Every copy sees the same norm: same branch.
+      norm = [apply_gradients(copy.optimizer, list(grads), copy.model.trainable_variables,
+                              skip_nonfinite=skip)
+              for copy, (_, grads) in zip(self.copies, per_copy)][0]
       losses = losses.write(i, loss)
       norms = norms.write(i, norm)
     return losses.stack(), norms.stack()
 
-  def _eval_steps(self, iterator, num_steps):
-    total = tf.constant(0.0)
-    for _ in tf.range(num_steps):
-      inputs, targets = next(iterator)
-      _, loss = self._run(self._replica_eval, inputs, targets)
-      total += loss
-    return total / tf.cast(num_steps, tf.float32)
+  def _eval_batch(self, iterator):
+    inputs, targets = next(iterator)
+    if self.strategy is None:
+      return self._replica_eval(inputs, targets)
+    return reduce_outputs(self.strategy, self.strategy.run(self._replica_eval,
+                                                           args=(inputs, targets)))
 
   # --- state ------------------------------------------------------------------
   @property

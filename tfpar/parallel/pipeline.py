@@ -28,7 +28,7 @@ the same dependencies, scheduled greedily. Activations move between stages by
 send/recv.
 
 Gradient accumulation: the step's loss is the sum of the M micro-batch losses,
-each already divided by the GLOBAL token count (tfpar.training.step.token_loss),
+each already divided by the GLOBAL batch's count (the task's loss, tfpar.tasks.task),
 so the gradient of that sum is the sum of the micro-batch gradients (one AddN
 per variable, on its device) and equals the full-batch gradient. One optimizer
 update follows, after the data-parallel reduction (tfpar.parallel.hybrid).
@@ -56,30 +56,33 @@ import keras
 import tensorflow as tf
 
 from tfpar.parallel import plan as plan_lib
-from tfpar.training.step import token_loss
+from tfpar.parallel.data_parallel import combine_outputs
 
 
 class Pipeline:
   """The micro-batched forward and backward of one model copy over its stages.
 
   Args:
-    model: a GPT whose weights already live on their stages' devices.
+    model: a task's model (embed, blocks, head) whose weights already live
+      on their stages' devices.
     stage_blocks: block indices of each stage, e.g. [(0, 1), (2, 3)].
     stage_devices: each stage's first device (its residual stream and
       unsplit weights); tensor shards are placed by tfpar.parallel.tensor.
     microbatches: M.
-    global_tokens: tokens in the GLOBAL batch (the loss divisor).
+    loss_fn: (outputs, targets) -> a share of the GLOBAL mean loss (the task's `loss`).
+    eval_fn: (outputs, targets) -> dict of eval outputs (the task's `eval_outputs`).
     remat: recompute each block's activations in the backward pass.
   """
 
   def __init__(self, model, *, stage_blocks: Sequence[Sequence[int]],
-               stage_devices: Sequence[str], microbatches: int, global_tokens: int,
+               stage_devices: Sequence[str], microbatches: int, loss_fn, eval_fn=None,
                remat: bool = False, jit_compile: bool = False):
     self.model = model
     self.stage_blocks = [list(b) for b in stage_blocks]
     self.stage_devices = list(stage_devices)
     self.microbatches = microbatches
-    self.global_tokens = global_tokens
+    self.loss_fn = loss_fn
+    self.eval_fn = eval_fn
     self.remat = remat
     self.jit_compile = jit_compile
     self._stages = {}
@@ -119,23 +122,31 @@ class Pipeline:
     self._stages[key] = _chain(fns)
     return self._stages[key]
 
-  def loss(self, inputs, targets, training: bool = False):
-    """Sum over micro-batches of token_loss: this replica's share of the global mean."""
+  def _forward(self, inputs, targets, per_microbatch, training: bool):
+    """per_microbatch(outputs, targets) of every micro-batch, on the last stage."""
     devices = self.stage_devices
-    xs = tf.split(inputs, self.microbatches)  # M x [B/M, S]
-    ys = tf.split(targets, self.microbatches)
-    losses = []
+    last = len(devices) - 1
+    xs, ys = _split(inputs, self.microbatches), _split(targets, self.microbatches)  # M x [B/M, ...]
+    results = []
     for x, y in zip(xs, ys):
       h = x
       for k, device in enumerate(devices):
         with tf.device(device):  # The activation h crosses to this stage here.
-          h = self._stage(k, training, self._token_loss)(h, y if k == len(devices) - 1 else None)
-      losses.append(h)
-    with tf.device(devices[-1]):
+          h = self._stage(k, training, per_microbatch)(h, y if k == last else None)
+      results.append(h)
+    return results
+
+  def loss(self, inputs, targets, training: bool = False):
+    """Sum over micro-batches of the task's loss: this replica's share of the global mean."""
+    losses = self._forward(inputs, targets, self.loss_fn, training)
+    with tf.device(self.stage_devices[-1]):
       return tf.add_n(losses)
 
-  def _token_loss(self, logits, targets):
-    return token_loss(logits, targets, self.global_tokens)
+  def eval_outputs(self, inputs, targets):
+    """The task's eval outputs of this replica's batch (micro-batches combined)."""
+    parts = self._forward(inputs, targets, self.eval_fn, training=False)
+    with tf.device(self.stage_devices[-1]):
+      return combine_outputs(parts)
 
   def loss_and_grads(self, inputs, targets):
     """(loss, gradients of model.trainable_variables), gradients on their variables' devices."""
@@ -189,6 +200,12 @@ def _chain(fns):
       h = fn(h, y)
     return h
   return fns[0] if len(fns) == 1 else chained
+
+
+def _split(batch, m: int) -> list:
+  """A batch (a tensor or a nest of them, e.g. a dict of targets) as m micro-batches."""
+  parts = [tf.split(t, m) for t in tf.nest.flatten(batch)]
+  return [tf.nest.pack_sequence_as(batch, [p[i] for p in parts]) for i in range(m)]
 
 
 def _dense(grads, variables) -> List[tf.Tensor]:

@@ -29,6 +29,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from tfpar import config as config_lib
+from tfpar import storage
+from tfpar import tasks
 from tfpar.config import Config, ConfigError, ModelConfig
 
 BYTES_PER_PARAM = 4  # Variables stay float32 under every precision policy (fp32 masters).
@@ -39,8 +42,8 @@ STEP_COUNTER_BYTES = 8  # AdamW's int64 iteration count.
 @dataclasses.dataclass(frozen=True)
 class ParamCounts:
   """Parameters of each part of the model, per tensor-parallel shard where split."""
-  embedding: int  # token (+ learned position) tables: stage 0, device t=0
-  head: int  # final LayerNorm: stage K-1, device t=0
+  embedding: int  # the model's embed part (GPT: token + position tables): stage 0, device t=0
+  head: int  # the model's head part (GPT: final LayerNorm): stage K-1, device t=0
   block_unsplit: int  # LayerNorms + attention/MLP output biases: device t=0 of its stage
   block_shard: int  # one shard's attention (H/T heads) + MLP (d_ff/T columns)
   shards: int = 1  # T
@@ -51,13 +54,14 @@ class ParamCounts:
 
 
 def count_params(m: ModelConfig, tensor_parallel: int = 1) -> ParamCounts:
-  """Parameter counts from the shapes of tfpar.layers (no TensorFlow needed)."""
+  """Parameter counts from the shapes alone: the blocks (tfpar.layers.Block, the
+  same in every model) counted here, the embedding and head by the task."""
   d, t = m.d_model, tensor_parallel
   width, hidden = d // t, m.d_ff // t  # This shard's attention width and MLP width.
   attn = 3 * (d * width + width) + width * d  # q, k, v kernels + biases; output rows
   mlp = d * hidden + hidden + hidden * d  # fc_in kernel + bias; fc_out rows
-  embedding = m.vocab_size * d + (m.seq_len * d if m.positions == "learned" else 0)
-  return ParamCounts(embedding=embedding, head=2 * d, block_unsplit=2 * 2 * d + 2 * d,
+  embedding, head = tasks.get(m.task).embed_head_params(m)
+  return ParamCounts(embedding=embedding, head=head, block_unsplit=2 * 2 * d + 2 * d,
                      block_shard=attn + mlp, shards=t)
 
 
@@ -179,10 +183,9 @@ class ParallelPlan:
     return "\n".join(lines)
 
   def write(self, model_dir: str) -> str:
-    os.makedirs(model_dir, exist_ok=True)
+    storage.makedirs(model_dir)
     path = os.path.join(model_dir, "plan.json")
-    with open(path, "w") as f:
-      json.dump(self.to_dict(), f, indent=2)
+    storage.write_atomically(path, json.dumps(self.to_dict(), indent=2))
     return path
 
 
@@ -218,16 +221,8 @@ def make_plan(cfg: Config, devices: Sequence[str], *,
   """
   m, p = cfg.model, cfg.parallel
   k, t = p.pipeline_stages, p.tensor_parallel
-  if k > m.num_layers:
-    raise ConfigError(f"--pipeline_stages={k} is more than --num_layers={m.num_layers}: "
-                      "use at most one stage per block")
-  if m.num_heads % t or m.d_ff % t:
-    raise ConfigError(f"--tensor_parallel={t} must divide --num_heads={m.num_heads} and "
-                      f"--d_ff={m.d_ff}: pick a T that divides both")
-  if p.remat and m.dropout > 0:
-    # Keras dropout draws from a stateful seed: the recomputed forward would get new masks.
-    raise ConfigError(f"--remat with --dropout={m.dropout} would recompute blocks with other "
-                      "dropout masks than the forward used: use --dropout=0 with --remat")
+  config_lib.check_model_split(m, p, cfg.train.precision)  # The rules config checked: the same ones.
+  # Only the device counts are new here: the devices are known now.
   if worker_devices is not None:
     d = len(worker_devices)
     if p.data_parallel not in (None, d):
@@ -248,17 +243,9 @@ def make_plan(cfg: Config, devices: Sequence[str], *,
                         f"--num_cpu_devices logical CPUs): set --num_cpu_devices={d * k * t}")
     flat = list(devices)
   g = cfg.train.global_batch_size
-  if g % d:
-    raise ConfigError(f"--global_batch_size={g} does not divide over --data_parallel={d} "
-                      f"replicas: use a multiple of {d}")
-  if (g // d) % p.microbatches:
-    raise ConfigError(f"--microbatches={p.microbatches} does not divide the per-replica batch "
-                      f"{g // d}: use a divisor of {g // d}")
+  config_lib.check_batch(g, d, p.microbatches, flag=f"--data_parallel={d}")
   counts = count_params(m, t)
   if p.stage_layers is not None:
-    if len(p.stage_layers) != k or sum(p.stage_layers) != m.num_layers or min(p.stage_layers) < 1:
-      raise ConfigError(f"--stage_layers={','.join(map(str, p.stage_layers))} must give {k} "
-                        f"positive block counts summing to --num_layers={m.num_layers}")
     per_stage = tuple(p.stage_layers)
   else:
     per_stage = balance_stages(m.num_layers, k, counts.block, counts.embedding, counts.head)

@@ -13,6 +13,13 @@ from the step (see tfpar.data.pipeline).
 
 The canonical tensors live in host-memory variables that tf.train.Checkpoint
 and CheckpointManager write; that costs one host copy of the state at save.
+
+Integrity. Which checkpoints exist is read from their files (`ckpt-N.index`),
+not from the `checkpoint` state file, so a lost or corrupt state file never
+restarts a run at step 0. Restoring tries the newest first; one that cannot be
+read (a truncated data file, a broken index: the pod died mid-write, a copy
+was cut short) is reported in one line and the next older one is restored.
+Only when every checkpoint is unreadable does the run stop (exit 2).
 """
 
 import os
@@ -23,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from tfpar.layers import CausalSelfAttention, MLP
+from tfpar.layers import SelfAttention, MLP
 from tfpar.training.optimizer import inner_optimizer
 
 _SHARD = re.compile(r"/(attn|mlp)_shard_(\d+)/(.+)$")
@@ -31,11 +38,67 @@ _SHARD = re.compile(r"/(attn|mlp)_shard_(\d+)/(.+)$")
 # ('seed_generator_7/seed_generator_state'), so the name depends on what was
 # built before: the canonical name is the state's rank within the model instead.
 _SEED_STATE = re.compile(r"(^|/)seed_generator(_\d+)?/seed_generator_state$")
-_AXES = {"attn": CausalSelfAttention.SHARD_AXES, "mlp": MLP.SHARD_AXES}
+_AXES = {"attn": SelfAttention.SHARD_AXES, "mlp": MLP.SHARD_AXES}
+
+
+# Entries a checkpoint may lack (see CanonicalCheckpointer.restore).
+OPTIONAL_PREFIX = "compression/"
+
+
+def _checkpoint_key(name: str) -> str:
+  """The key tf.train.Checkpoint stores host variable `state[name]` under."""
+  return f"state/{name.replace('.', '..').replace('/', '.S')}/.ATTRIBUTES/VARIABLE_VALUE"
 
 
 class CheckpointMismatchError(ValueError):
   """The checkpoint in --model_dir was written for another model."""
+
+
+class NonFiniteStateError(RuntimeError):
+  """The state to save holds NaN or infinite values."""
+
+
+class CheckpointUnreadableError(ValueError):
+  """Checkpoints exist in --model_dir but none of them can be read."""
+
+
+_CKPT_INDEX = re.compile(r"ckpt-(\d+)\.index$")
+
+
+def list_checkpoints(directory: str) -> List[Tuple[int, str]]:
+  """[(step, path prefix)] of every checkpoint in `directory`, newest first, from its files."""
+  found = {}
+  for path in tf.io.gfile.glob(os.path.join(directory, "ckpt-*.index")):
+    match = _CKPT_INDEX.search(path)
+    if match:
+      found[int(match.group(1))] = path[:-len(".index")]
+  return sorted(found.items(), reverse=True)
+
+
+def _reader(prefix: str):
+  """A reader of the checkpoint at `prefix`.
+
+  Not tf.train.load_checkpoint: it takes a path that is a directory for a
+  directory of checkpoints, and on ram:// (whose directories are name
+  prefixes) 'ckpt-2' is one, since 'ckpt-2.index' exists.
+  """
+  return tf.compat.v1.train.NewCheckpointReader(prefix)
+
+
+def is_readable(prefix: str) -> bool:
+  """True when every tensor of the checkpoint can be read back."""
+  try:
+    reader = _reader(prefix)
+    for key in reader.get_variable_to_shape_map():
+      reader.get_tensor(key)
+  except Exception:  # pylint: disable=broad-except  # Truncation fails in many ways (IndexError, OpError).
+    return False
+  return True
+
+
+def _first_line(error: BaseException) -> str:
+  text = str(error).strip().splitlines()
+  return f"{type(error).__name__}: {text[0][:160] if text else ''}"
 
 
 def canonical_name(path: str) -> Tuple[str, Optional[int], int]:
@@ -143,11 +206,25 @@ class CanonicalCheckpointer:
 
   @property
   def latest(self) -> Optional[str]:
-    return tf.train.latest_checkpoint(self.directory)
+    """The newest checkpoint on disk (readable or not), or None."""
+    found = list_checkpoints(self.directory)
+    return found[0][1] if found else None
 
   def save(self, step: int) -> Optional[str]:
-    """Writes the state at `step`; returns the chief's checkpoint path."""
-    for name, value in read_canonical(self.layouts[0]).items():
+    """Writes the state at `step`; returns the chief's checkpoint path.
+
+    Raises:
+      NonFiniteStateError: a weight or slot holds a NaN or infinity; nothing
+        is written (so no good checkpoint is rotated out for it).
+    """
+    values = read_canonical(self.layouts[0])
+    bad = [name for name, value in values.items()
+           if np.issubdtype(value.dtype, np.floating) and not np.all(np.isfinite(value))]
+    if bad:
+      raise NonFiniteStateError(
+          f"step {step}: {bad[0]} (and {len(bad) - 1} more) holds NaN or infinite values: not "
+          f"saved; the newest checkpoint in {self.directory} is the last good state")
+    for name, value in values.items():
       self._host[name].assign(value)
     if self.is_chief:
       return self._manager(self.directory).save(checkpoint_number=step)
@@ -156,21 +233,76 @@ class CanonicalCheckpointer:
     shutil.rmtree(tmp, ignore_errors=True)
     return None
 
-  def restore(self, path: Optional[str] = None) -> bool:
-    """Restores `path` (default: the latest) into every copy; False if there is none."""
-    path = path or self.latest
-    if path is None:
-      return False
-    try:
-      self._checkpoint.restore(path).assert_existing_objects_matched()
-    except (AssertionError, ValueError) as e:
-      raise CheckpointMismatchError(
-          f"the checkpoint {path} does not fit this model ({str(e).splitlines()[0][:200]}): use "
-          "the model flags the run was started with, or a new --model_dir") from None
-    values = {name: var.numpy() for name, var in self._host.items()}
-    for layout in self.layouts:
-      assign_canonical(layout, values)
-    return True
+  def _restore_one(self, prefix: str) -> List[str]:
+    """Restores one checkpoint into the host variables; returns the state names left fresh.
+
+    Gradient-compression state (tfpar.parallel.compression) is optional: a
+    checkpoint written without it, or for another replica count, restores the
+    model and optimizer and leaves that state at its start (residuals zero).
+    """
+    stored = _reader(prefix).get_variable_to_shape_map()
+    fresh = [name for name, var in self._host.items() if name.startswith(OPTIONAL_PREFIX)
+             and stored.get(_checkpoint_key(name)) != list(var.shape)]
+    checkpoint = self._checkpoint if not fresh else tf.train.Checkpoint(
+        state={name: var for name, var in self._host.items() if name not in fresh})
+    checkpoint.restore(prefix).assert_existing_objects_matched()
+    return fresh
+
+  def restore(self, path: Optional[str] = None, log=print) -> Optional[str]:
+    """Restores `path`, or the newest readable checkpoint, into every copy.
+
+    Returns the path restored, or None when the directory holds no checkpoint.
+    An unreadable checkpoint is reported through `log` in one line and the
+    next older one is tried.
+
+    Raises:
+      CheckpointMismatchError: the checkpoint was written for another model.
+      CheckpointUnreadableError: checkpoints exist and none can be read.
+    """
+    candidates = [path] if path else [p for _, p in list_checkpoints(self.directory)]
+    problems = []
+    for prefix in candidates:
+      try:
+        fresh = self._restore_one(prefix)
+      except Exception as e:  # pylint: disable=broad-except
+        if is_readable(prefix):  # It reads fine: it was written for another model.
+          raise CheckpointMismatchError(
+              f"the checkpoint {prefix} does not fit this model ({_first_line(e)[:200]}): use "
+              "the model flags the run was started with, or a new --model_dir") from None
+        problems.append(f"{os.path.basename(prefix)} ({_first_line(e)})")
+        continue
+      if problems:
+        log(f"warning: checkpoint {'; '.join(problems)} is unreadable: restored "
+            f"{os.path.basename(prefix)} instead")
+      values = {name: var.numpy() for name, var in self._host.items() if name not in fresh}
+      for layout in self.layouts:
+        assign_canonical({k: v for k, v in layout.items() if k not in fresh}, values)
+      if fresh and self.is_chief:
+        print(f"tfpar: {prefix} holds no gradient-compression state for this run "
+              f"({', '.join(fresh)}): it starts afresh", flush=True)
+      if self.is_chief and not path:
+        self._rewrite_state(prefix)
+      return prefix
+    if problems:
+      raise CheckpointUnreadableError(
+          f"no checkpoint in {self.directory} can be read ({'; '.join(problems)}): move the "
+          "directory aside to start again, or restore it from a copy")
+    return None
+
+  def _rewrite_state(self, restored: str) -> None:
+    """Rewrites the `checkpoint` state file from the files on disk (it may be lost or corrupt).
+
+    CheckpointManager reads it to know which old checkpoints to delete. The
+    file is the text form of tf's CheckpointState proto; the function TF has
+    for writing it (update_checkpoint_state) is deprecated and warns.
+    """
+    lines = [f'model_checkpoint_path: "{os.path.basename(restored)}"']
+    lines += [f'all_model_checkpoint_paths: "{os.path.basename(p)}"'
+              for _, p in reversed(list_checkpoints(self.directory))]
+    path = os.path.join(self.directory, "checkpoint")
+    with tf.io.gfile.GFile(path + ".tmp", "w") as f:
+      f.write("\n".join(lines) + "\n")
+    tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
 
 
 def read_checkpoint(path: str) -> Dict[str, np.ndarray]:

@@ -1,25 +1,92 @@
 """The replica step: loss, gradients, reduction, update. Apart from the loop.
 
 `TrainStep` is the function each replica runs under `strategy.run`. The loss
-scaling by the global batch happens in `token_loss`, and only there.
+is the task's (tfpar.tasks.task.Task.loss), already divided by the GLOBAL
+batch's count of labelled units: the task module says why, in one place. The
+tail of every engine's step (reduce the gradients over the data-parallel
+replicas, clip, apply) is `reduce_gradients` + `apply_gradients` here, and
+only here: TrainStep, the hybrid engine's replicas and the parameter-server
+step call them.
 """
+
+import functools
+from typing import List
 
 import tensorflow as tf
 
-from tfpar.parallel.data_parallel import all_reduce_gradients
+from tfpar.config import CompressionConfig
+from tfpar.parallel.compression import GradientReducer
+from tfpar.tasks.task import cross_entropy
+from tfpar.training.optimizer import inner_optimizer
 
 
-def token_loss(logits, targets, global_tokens):
-  """Next-token cross-entropy summed over this replica's tokens / tokens in the GLOBAL batch.
+def reduce_gradients(reducer: GradientReducer, grads, *, replica: int = 0,
+                     compressed: bool = True, densify: bool = True) -> List[tf.Tensor]:
+  """This replica's gradients -> their sum over the replicas (compressed as the reducer says).
 
-  Dividing by the global count (not this replica's) is what makes data
-  parallelism exact: gradients are summed, not averaged, across replicas, so
-  the sum of the R replica losses (and of their gradients) is the mean over the
-  whole global batch, the same number one device computes. The same holds for
-  micro-batches, which are summed too.
+  An embedding lookup's gradient comes as IndexedSlices. Made dense before
+  the all-reduce, the reduction sums it (rather than concatenating the
+  replicas' slices) and the clipping norm is that of the summed gradient.
+  `densify=False` keeps them sparse, for a single replica only (the
+  parameter-server step, whose ps then updates only the rows looked up).
   """
-  ce = tf.nn.sparse_softmax_cross_entropy_with_logits(targets, tf.cast(logits, tf.float32))
-  return tf.reduce_sum(ce) / tf.cast(global_tokens, tf.float32)
+  if densify:
+    grads = [tf.convert_to_tensor(g) for g in grads]
+  elif reducer.num_replicas > 1:
+    raise ValueError("sparse gradients cannot be all-reduced: pass densify=True")
+  return reducer.reduce(list(grads), replica=replica, compressed=compressed)
+
+
+def apply_gradients(optimizer, grads, variables, *, skip_nonfinite: bool = False) -> tf.Tensor:
+  """Clips (by global norm, inside AdamW) and applies reduced gradients; returns their norm.
+
+  Clipping happens after the reduction, on the summed gradient: clipping each
+  replica's share would be wrong. Under mixed_float16 the gradients are still
+  loss-scaled here (the LossScaleOptimizer unscales them in `apply`); the
+  reported norm is the true one. With `skip_nonfinite` (--on_nonfinite=skip)
+  a step whose norm is NaN or infinite changes nothing (see `apply_or_skip`).
+  """
+  grad_norm = tf.linalg.global_norm(grads)
+  if hasattr(optimizer, "inner_optimizer"):
+    grad_norm = grad_norm / tf.cast(optimizer.scale_loss(1.0), grad_norm.dtype)
+  apply_or_skip(optimizer, grads, variables, grad_norm, skip_nonfinite=skip_nonfinite)
+  return grad_norm
+
+
+def apply_or_skip(optimizer, grads, variables, grad_norm, *, skip_nonfinite: bool):
+  """Applies the reduced gradients; with `skip_nonfinite`, only if their norm is finite.
+
+  A skipped step changes no weight and no AdamW slot, but counts: the step
+  counter still advances, so the learning rate schedule and the data position
+  (both functions of the step) stay where an applied step would leave them.
+  The norm is of the all-reduced gradient, the same number on every replica,
+  so every replica takes the same branch. Under mixed_float16 the
+  LossScaleOptimizer already skips non-finite gradients (and lowers its scale).
+
+  Under MirroredStrategy the update's merge_call cannot sit inside a tf.cond
+  in replica context; as Keras' LossScaleOptimizer does, the cond then runs in
+  cross-replica context and calls the update for each replica.
+  """
+  if not skip_nonfinite or hasattr(optimizer, "inner_optimizer"):
+    optimizer.apply(grads, variables)
+    return
+
+  def skip():
+    inner_optimizer(optimizer).iterations.assign_add(1)
+
+  def apply():
+    optimizer.apply(grads, variables)
+
+  finite = tf.math.is_finite(grad_norm)
+  if tf.__internal__.distribute.strategy_supports_no_merge_call():
+    tf.cond(finite, apply, skip)
+    return
+
+  def cross_replica(distribution, finite):
+    first = distribution.experimental_local_results(finite)[0]
+    tf.cond(first, lambda: distribution.extended.call_for_each_replica(apply), skip)
+
+  tf.distribute.get_replica_context().merge_call(cross_replica, args=(finite,))
 
 
 class TrainStep:
@@ -33,19 +100,30 @@ class TrainStep:
   the all-reduce runs between the compiled gradients and the update.
 
   Args:
-    model: a GPT (or any Keras model tokens -> logits).
+    model: the task's Keras model (inputs -> outputs).
     optimizer: tfpar AdamW (optionally inside a LossScaleOptimizer).
-    global_tokens: global batch size x sequence length.
+    loss_fn: (outputs, targets) -> this replica's share of the global mean
+      loss (a task's `loss`).
+    global_tokens: instead of loss_fn, the cross-entropy over this many
+      labels in the global batch (the language model's loss).
     jit_compile: compile the forward and backward pass with XLA.
     fuse_update: also compile the update into the same XLA program (only
       valid when one replica is in sync; needs jit_compile).
+    reducer: the data-parallel gradient reduction (default: an uncompressed SUM).
+    skip_nonfinite: drop the update of a step whose gradient norm is NaN or
+      infinite (--on_nonfinite=skip); see `apply_or_skip`.
   """
 
-  def __init__(self, model, optimizer, *, global_tokens: int, jit_compile: bool,
-               fuse_update: bool = False):
+  def __init__(self, model, optimizer, *, loss_fn=None, global_tokens: int = None,
+               jit_compile: bool, fuse_update: bool = False, reducer: GradientReducer = None,
+               skip_nonfinite: bool = False):
     self.model = model
+    self.skip_nonfinite = skip_nonfinite
     self.optimizer = optimizer
-    self.global_tokens = global_tokens
+    self.loss_fn = loss_fn or functools.partial(cross_entropy, global_count=global_tokens)
+    self.reducer = reducer or GradientReducer(
+        CompressionConfig(), model.trainable_variables,
+        num_replicas=tf.distribute.get_strategy().num_replicas_in_sync)
     self.scaled = hasattr(optimizer, "inner_optimizer")  # mixed_float16 loss scaling
     self.fused = jit_compile and fuse_update
     if self.fused:
@@ -56,39 +134,39 @@ class TrainStep:
   def _loss_and_grads(self, inputs, targets):
     variables = self.model.trainable_variables
     with tf.GradientTape() as tape:
-      loss = token_loss(self.model(inputs, training=True), targets, self.global_tokens)
+      loss = self.loss_fn(self.model(inputs, training=True), targets)
       scaled = self.optimizer.scale_loss(loss) if self.scaled else loss
     return loss, tape.gradient(scaled, variables)
 
-  def _step(self, inputs, targets, loss_and_grads=None):
+  def _step(self, inputs, targets, loss_and_grads=None, replica=0, compressed=True):
     loss, grads = (loss_and_grads or self._loss_and_grads)(inputs, targets)
-    # An embedding lookup's gradient comes as IndexedSlices. Made dense before
-    # the all-reduce, the reduction sums it (rather than concatenating the
-    # replicas' slices) and the clipping norm is that of the summed gradient.
-    grads = [tf.convert_to_tensor(g) for g in grads]
-    grads = all_reduce_gradients(grads)
-    grad_norm = tf.linalg.global_norm(grads)
-    if self.scaled:  # Report the true norm, not the loss-scaled one.
-      grad_norm = grad_norm / tf.cast(self.optimizer.scale_loss(1.0), grad_norm.dtype)
-    self.optimizer.apply(grads, self.model.trainable_variables)
-    return loss, grad_norm
+    grads = reduce_gradients(self.reducer, grads, replica=replica, compressed=compressed)
+    return loss, apply_gradients(self.optimizer, grads, self.model.trainable_variables,
+                                 skip_nonfinite=self.skip_nonfinite)
 
-  def __call__(self, inputs, targets):
+  def __call__(self, inputs, targets, replica: int = 0, compressed: bool = True):
+    """One step on this replica; `replica` (its local index) and `compressed` go to the reducer."""
     if self.fused:
       return self._fused_step(inputs, targets)
-    return self._step(inputs, targets, self._grads)
+    return self._step(inputs, targets, self._grads, replica, compressed)
 
 
 class EvalStep:
-  """Held-out loss on one replica's batch (scaled by the global token count, like training)."""
+  """A task's eval outputs on one replica's held-out batch (the loss scaled as in training).
 
-  def __init__(self, model, *, global_tokens: int, jit_compile: bool):
+  Args:
+    model: the task's Keras model.
+    eval_fn: (outputs, targets) -> dict of tensors (a task's `eval_outputs`).
+    jit_compile: compile with XLA.
+  """
+
+  def __init__(self, model, eval_fn, *, jit_compile: bool):
     self.model = model
-    self.global_tokens = global_tokens
-    self._loss = tf.function(self._eval_loss, jit_compile=jit_compile)
+    self.eval_fn = eval_fn
+    self._outputs = tf.function(self._eval_outputs, jit_compile=jit_compile)
 
-  def _eval_loss(self, inputs, targets):
-    return token_loss(self.model(inputs, training=False), targets, self.global_tokens)
+  def _eval_outputs(self, inputs, targets):
+    return self.eval_fn(self.model(inputs, training=False), targets)
 
   def __call__(self, inputs, targets):
-    return self._loss(inputs, targets)
+    return self._outputs(inputs, targets)

@@ -6,6 +6,7 @@ from typing import Dict, List
 import numpy as np
 import tensorflow as tf
 
+from tfpar import tasks
 from tfpar.cluster import PeerError
 from tfpar.config import Config
 from tfpar.data import pipeline
@@ -16,7 +17,6 @@ from tfpar.parallel.parameter_server.step_log import StepLog
 from tfpar.training.checkpoint import model_layout
 from tfpar.training.engine import Engine, build_model
 from tfpar.training.optimizer import inner_optimizer, make_optimizer
-from tfpar.training.step import token_loss
 
 
 class ParameterServerEngine(Engine):
@@ -27,21 +27,22 @@ class ParameterServerEngine(Engine):
   Args:
     cfg: the run's config.
     strategy: a ParameterServerStrategy (from `make_strategy`).
-    corpus: the token streams (every worker reads its own part of them).
+    data: the task's data (every worker reads its own part of `data.train`).
+    task: what is trained (default: the task cfg names).
   """
 
-  def __init__(self, cfg: Config, strategy, corpus: pipeline.Corpus):
+  def __init__(self, cfg: Config, strategy, data, *, task=None):
     self.cfg = cfg
+    self.task = task or tasks.make(cfg)
     self.strategy = strategy
-    self.corpus = corpus
+    self.data = data
     self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     self.num_workers = strategy.extended._num_workers  # pylint: disable=protected-access
     self.num_ps = strategy.extended._num_ps  # pylint: disable=protected-access
     # Replicas training at once (each on its own, asynchronously).
     self.num_replicas = self.num_workers
-    self.global_tokens = cfg.train.global_batch_size * cfg.model.seq_len
     with strategy.scope():
-      self.model = build_model(cfg)
+      self.model = build_model(cfg, task=self.task)
       self.optimizer = make_optimizer(cfg.optim, cfg.train.train_steps, cfg.train.precision)
       keras_patches.make_step_counter_atomic(inner_optimizer(self.optimizer))
       keras_patches.update_sharded_variables_directly(inner_optimizer(self.optimizer))
@@ -50,27 +51,26 @@ class ParameterServerEngine(Engine):
         self.optimizer.build(self.model.trainable_variables)
     self.layouts = [model_layout(self.model, self.optimizer)]
     jit = cfg.train.jit_compile
-    self._train_step = RemoteVariableTrainStep(self.model, self.optimizer,
-                                               global_tokens=self.global_tokens, jit_compile=jit)
-    self._eval_loss = tf.function(self._stateless_eval_loss, jit_compile=jit)
+    self._train_step = RemoteVariableTrainStep(
+        self.model, self.optimizer, loss_fn=self.task.loss, jit_compile=jit,
+        skip_nonfinite=cfg.train.on_nonfinite == "skip")
+    self._eval_outputs = tf.function(self._stateless_eval_outputs, jit_compile=jit)
     self._worker_fn = tf.function(self._worker_step)
-    self._eval_fn = tf.function(self._eval_steps)
+    self._eval_fn = tf.function(self._eval_batch)
     self.records: List[Dict] = []
     self._step_log = StepLog(cfg.train.model_dir)
 
   # --- data -------------------------------------------------------------------
   def train_iterator(self, start_step: int):
     """Per-worker iterators: worker w reads batches w, W + w, 2W + w, ... of the data order."""
-    g, w, seq_len, seed = (self.cfg.train.global_batch_size, self.num_workers,
-                           self.cfg.model.seq_len, self.cfg.train.seed)
-    tokens = self.corpus.train
+    g, w, task = self.cfg.train.global_batch_size, self.num_workers, self.task
+    split = self.data.train
 
     def dataset_fn(_):
       worker = tf.distribute.coordinator.experimental_get_current_worker_index()  # int64 []
       # W "replicas" of a G*W batch, this worker being replica `worker`.
       shard = pipeline.Shard(g * w, w, worker, 1)
-      return pipeline.window_dataset(tokens, seq_len, shard, seed=seed,
-                                     start_step=start_step // w, shuffle=True)
+      return task.dataset(split, shard, start_step=start_step // w, shuffle=True)
 
     @tf.function
     def per_worker_dataset_fn():
@@ -81,8 +81,7 @@ class ParameterServerEngine(Engine):
   def eval_iterator(self):
     """The held-out batches, read on the chief (evaluation runs there, inline)."""
     shard = pipeline.Shard(self.cfg.train.global_batch_size)
-    return iter(pipeline.window_dataset(self.corpus.eval, self.cfg.model.seq_len, shard,
-                                        seed=self.cfg.train.seed, shuffle=False))
+    return iter(self.task.dataset(self.data.eval, shard, shuffle=False))
 
   # --- steps ------------------------------------------------------------------
   def _worker_step(self, iterator):
@@ -148,25 +147,22 @@ class ParameterServerEngine(Engine):
       time.sleep(0.05)
     self.coordinator.join()
 
-  def _stateless_eval_loss(self, trainable, non_trainable, inputs, targets):
-    logits, _ = self.model.stateless_call(trainable, non_trainable, inputs, training=False)
-    return token_loss(logits, targets, self.global_tokens)
+  def _stateless_eval_outputs(self, trainable, non_trainable, inputs, targets):
+    outputs, _ = self.model.stateless_call(trainable, non_trainable, inputs, training=False)
+    return self.task.eval_outputs(outputs, targets)
 
-  def _eval_steps(self, iterator, num_steps):
-    # The weights are read from the ps once, then used as plain tensors (as
-    # in training: no ShardedVariable reaches the layers' code).
+  def _eval_batch(self, iterator):
+    # The weights are read from the ps, then used as plain tensors (as in
+    # training: no ShardedVariable reaches the layers' code).
     trainable = [tf.convert_to_tensor(v.value) for v in self.model.trainable_variables]
     non_trainable = [tf.convert_to_tensor(v.value) for v in self.model.non_trainable_variables]
-    total = tf.constant(0.0)
-    for _ in tf.range(num_steps):
-      inputs, targets = next(iterator)
-      total += self._eval_loss(trainable, non_trainable, inputs, targets)
-    return total / tf.cast(num_steps, tf.float32)
+    inputs, targets = next(iterator)
+    return self._eval_outputs(trainable, non_trainable, inputs, targets)
 
-  def evaluate(self, iterator, num_steps: int) -> float:
-    """Held-out loss, computed on the chief from the current ps weights (inline)."""
+  def eval_metrics(self, iterator, num_steps: int):
+    """Held-out metrics, computed on the chief from the current ps weights (inline)."""
     self.coordinator.join()
-    return super().evaluate(iterator, num_steps)
+    return super().eval_metrics(iterator, num_steps)
 
   def describe(self) -> dict:
     return {"strategy": "ParameterServerStrategy (async)", "replicas": self.num_replicas,

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tfpar import status
 from tfpar.cluster import Cluster, ClusterError
-from tfpar.config import ConfigError, DistConfig
+from tfpar.config import DistConfig
 
 # How often a server checks that the chief is there.
 CHIEF_POLL_SECONDS = 2.0
@@ -42,10 +42,6 @@ def make_strategy(dist: DistConfig, cluster: Cluster) -> tf.distribute.Strategy:
   if cluster.task_type != "chief":
     raise ClusterError(f"the {cluster.task_type} task of a parameter_server job serves; only "
                        "the chief builds the strategy")
-  num_ps = len(cluster.spec["ps"])
-  if dist.ps_shards > num_ps:
-    raise ConfigError(f"--ps_shards={dist.ps_shards} is more than the {num_ps} parameter "
-                      f"server(s) of the job: use --ps_shards<={num_ps} or start more ps tasks")
   partitioner = None
   if dist.ps_shards > 1:
     # Every variable of rank >= 1 is cut in ps_shards along axis 0 (fewer when

@@ -2,13 +2,15 @@
 
 import tensorflow as tf
 
-from tfpar.parallel.data_parallel import all_reduce_gradients
-from tfpar.training.step import token_loss
+from tfpar.config import CompressionConfig
+from tfpar.parallel.compression import GradientReducer
+from tfpar.training.step import apply_gradients, reduce_gradients
+
 
 class RemoteVariableTrainStep:
   """tfpar's TrainStep for variables that live on other tasks (the ps).
 
-  The same step as `tfpar.training.step.TrainStep` (token_loss, gradient
+  The same step as `tfpar.training.step.TrainStep` (the task's loss, gradient
   reduction, true norm under loss scaling, AdamW apply), split so that XLA can
   compile it: XLA reads a resource variable only on the device its cluster
   runs on ("Trying to access resource wte/embeddings/0 located in device
@@ -18,21 +20,24 @@ class RemoteVariableTrainStep:
   `stateless_call`. The update then runs on the ps, outside XLA.
 
   Args:
-    model, optimizer, global_tokens, jit_compile: as for TrainStep.
+    model, optimizer, loss_fn, jit_compile, skip_nonfinite: as for TrainStep.
   """
 
-  def __init__(self, model, optimizer, *, global_tokens: int, jit_compile: bool):
+  def __init__(self, model, optimizer, *, loss_fn, jit_compile: bool,
+               skip_nonfinite: bool = False):
     self.model = model
     self.optimizer = optimizer
-    self.global_tokens = global_tokens
+    self.loss_fn = loss_fn
+    self.skip_nonfinite = skip_nonfinite
     self.scaled = hasattr(optimizer, "inner_optimizer")  # mixed_float16 loss scaling
+    self.reducer = GradientReducer(CompressionConfig(), model.trainable_variables, num_replicas=1)
     self._grads = tf.function(self._loss_and_grads, jit_compile=jit_compile)
 
   def _loss_and_grads(self, trainable, non_trainable, inputs, targets):
     with tf.GradientTape() as tape:
       tape.watch(trainable)
       logits, _ = self.model.stateless_call(trainable, non_trainable, inputs, training=True)
-      loss = token_loss(logits, targets, self.global_tokens)
+      loss = self.loss_fn(logits, targets)
       scaled = self.optimizer.scale_loss(loss) if self.scaled else loss
     return loss, tape.gradient(scaled, trainable)
 
@@ -40,9 +45,8 @@ class RemoteVariableTrainStep:
     trainable = [tf.convert_to_tensor(v.value) for v in self.model.trainable_variables]
     non_trainable = [tf.convert_to_tensor(v.value) for v in self.model.non_trainable_variables]
     loss, grads = self._grads(trainable, non_trainable, inputs, targets)
-    grads = all_reduce_gradients(grads)  # One replica per worker: the identity.
-    grad_norm = tf.linalg.global_norm(grads)
-    if self.scaled:  # Report the true norm, not the loss-scaled one.
-      grad_norm = grad_norm / tf.cast(self.optimizer.scale_loss(1.0), grad_norm.dtype)
-    self.optimizer.apply(grads, self.model.trainable_variables)
-    return loss, grad_norm
+    # One replica per worker: the reduction is the identity (the config refuses
+    # compression here: nothing is all-reduced), then the same clip and apply.
+    grads = reduce_gradients(self.reducer, grads, densify=False)
+    return loss, apply_gradients(self.optimizer, grads, self.model.trainable_variables,
+                                 skip_nonfinite=self.skip_nonfinite)

@@ -7,9 +7,11 @@ its update produced (`write_version`), its staleness
 between), its loss and gradient norm, and its start and end time on the worker.
 """
 
-import json
 import os
 from typing import Dict, Iterable
+
+from tfpar import storage
+from tfpar.training.metrics import to_json
 
 
 class StepLog:
@@ -19,7 +21,6 @@ class StepLog:
     self.path = os.path.join(model_dir, "ps_steps.jsonl")
 
   def write(self, records: Iterable[Dict]) -> None:
-    os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-    with open(self.path, "a") as f:
-      for r in records:
-        f.write(json.dumps(r) + "\n")
+    """Appends through tf.io.gfile (gs:// works); a NaN loss is written as null."""
+    storage.makedirs(os.path.dirname(self.path) or ".")
+    storage.append_lines(self.path, [to_json(r) + "\n" for r in records])

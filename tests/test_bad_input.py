@@ -1,0 +1,232 @@
+"""Bad input: one validator (tfpar.config) before TensorFlow starts, one line, exit 2, nothing lost.
+
+The table runs in this process through the same two calls the CLI makes before
+TensorFlow starts (config.from_flags, then config.check_run against the run
+directory and TF_CONFIG); a handful of cases run as real `python -m tfpar.train`
+processes to show what a user sees. The property tests throw random numbers at
+the numeric flags: from_flags raises ConfigError or returns a config that
+makes sense, never anything else.
+"""
+
+import json
+import math
+import os
+
+import pytest
+from absl import flags as absl_flags
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import TINY, make_config, run_module, train_in_process
+from tfpar import config as config_lib
+from tfpar.cluster import Cluster
+from tfpar.config import ConfigError
+
+MWMS = lambda n: Cluster(spec={"worker": [f"127.0.0.1:{2000 + i}" for i in range(n)]},  # noqa: E731
+                         task_type="worker", task_index=0)
+PS = Cluster(spec={"chief": ["127.0.0.1:2000"], "worker": ["127.0.0.1:2001"],
+                   "ps": ["127.0.0.1:2002"]}, task_type="chief", task_index=0)
+PIPELINE = ["--pipeline_stages=2", "--num_cpu_devices=2"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+  """Paths the table points at: a file, a broken link, an unreadable glob, a saved run."""
+  root = tmp_path_factory.mktemp("bad_input")
+  (root / "a_file").write_text("not a directory")
+  (root / "texts").mkdir()
+  (root / "texts" / "good.txt").write_text("hello " * 100)
+  os.symlink(root / "gone.txt", root / "texts" / "broken.txt")
+  os.symlink(root / "gone.txt", root / "dangling.txt")
+  run = root / "run"
+  run.mkdir()
+  saved = make_config(TINY + [f"--model_dir={run}"]).to_dict()
+  (run / "config.json").write_text(json.dumps(saved))
+  broken = root / "broken_run"
+  broken.mkdir()
+  (broken / "config.json").write_text('{"model": {"d_model": 3')
+  return root
+
+
+# (extra flags on top of TINY, the cluster or None, the flag the one line must name)
+BAD = [
+    (["--seed=-1"], None, "seed"),
+    (["--seed=4294967296"], None, "seed"),
+    (["--learning_rate=nan"], None, "learning_rate"),
+    (["--learning_rate=inf"], None, "learning_rate"),
+    (["--dropout=nan"], None, "dropout"),
+    (["--eval_fraction=inf"], None, "eval_fraction"),
+    (["--min_lr_ratio=nan"], None, "min_lr_ratio"),
+    (["--weight_decay=-inf"], None, "weight_decay"),
+    (["--clip_norm=nan"], None, "clip_norm"),
+    (["--collective_timeout=0"], None, "collective_timeout"),
+    (["--collective_timeout=-5"], None, "collective_timeout"),
+    (["--collective_timeout=604800"], None, "collective_timeout"),  # a week: unbounded in effect
+    (["--strategy=mirrored", "--num_cpu_devices=65", "--global_batch_size=65"], None,
+     "num_cpu_devices"),
+    (["--train_steps=2147483648"], None, "train_steps"),
+    (["--seq_len=99999999999"], None, "seq_len"),
+    (["--steps_per_call=2147483648"], None, "steps_per_call"),
+    # Checks that used to run only once TensorFlow had started.
+    (["--remat", "--dropout=0.1"] + PIPELINE, None, "remat"),
+    (["--precision=mixed_float16"] + PIPELINE, None, "precision"),
+    (["--strategy=mirrored", "--num_cpu_devices=3"], None, "global_batch_size"),
+    (["--strategy=multi_worker_mirrored"], MWMS(3), "global_batch_size"),
+    (["--strategy=parameter_server", "--ps_shards=2"], PS, "ps_shards"),
+    (["--strategy=multi_worker_mirrored", "--data_parallel=3"] + PIPELINE, MWMS(2),
+     "data_parallel"),
+    (["--strategy=multi_worker_mirrored", "--microbatches=3"] + PIPELINE, MWMS(2),
+     "microbatches"),
+    # Files and directories.
+    (["--data={root}/dangling.txt"], None, "data"),
+    (["--data={root}/texts/*.txt"], None, "data"),  # one of them a broken link
+    (["--model_dir={root}/a_file"], None, "model_dir"),
+    (["--model_dir={root}/a_file/run"], None, "model_dir"),
+    (["--model_dir=/proc/1/tfpar-run"], None, "model_dir"),  # not writable, even for root
+    (["--model_dir={root}/broken_run"], None, "model_dir"),  # config.json cut short
+    # A resume must keep what fixes the data order, and the model.
+    (["--model_dir={root}/run", "--global_batch_size=16"], None, "global_batch_size"),
+    (["--model_dir={root}/run", "--seed=7"], None, "seed"),
+    (["--model_dir={root}/run", "--d_model=64"], None, "model_dir"),
+]
+
+
+@pytest.mark.parametrize("extra,cluster,flag", BAD,
+                         ids=[" ".join(e) + (" +TF_CONFIG" if c else "") for e, c, _ in BAD])
+def test_bad_input_is_one_line_naming_the_flag(files, extra, cluster, flag):
+  args = TINY + ["--model_dir=/tmp/tfpar-bad-input-unused"]
+  args += [a.format(root=files) for a in extra]
+  with pytest.raises(ConfigError) as info:
+    config_lib.check_run(make_config(args), cluster)
+  message = str(info.value)
+  assert f"--{flag}" in message, message
+  assert "\n" not in message
+
+
+def test_a_resume_with_the_same_flags_passes(files):
+  config_lib.check_run(make_config(TINY + [f"--model_dir={files / 'run'}",
+                                           "--train_steps=500"]), None)
+
+
+# --- the CLI: one line, exit 2, no traceback, the run directory untouched ----------------------
+
+
+def snapshot(path):
+  out = {}
+  for root, _, names in os.walk(path):
+    for name in names:
+      full = os.path.join(root, name)
+      with open(full, "rb") as f:
+        out[os.path.relpath(full, path)] = f.read()
+  return out
+
+
+def assert_one_line(proc, *words):
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr + proc.stdout
+  assert proc.stderr.count("\n") == 1, proc.stderr  # that line, and nothing else
+  assert proc.stderr.startswith("tfpar.train: error: ")
+  for word in words:
+    assert word in proc.stderr, proc.stderr
+
+
+def test_cli_seed_out_of_range(tmp_path):
+  proc = run_module("tfpar.train", TINY + [f"--model_dir={tmp_path / 'run'}", "--seed=-1"],
+                    check=False)
+  assert_one_line(proc, "--seed=-1")
+  assert not (tmp_path / "run").exists()
+
+
+def test_cli_model_dir_is_a_file(tmp_path):
+  path = tmp_path / "a_file"
+  path.write_text("keep me")
+  proc = run_module("tfpar.train", TINY + [f"--model_dir={path}"], check=False)
+  assert_one_line(proc, "--model_dir", "is a file")
+  assert path.read_text() == "keep me"
+
+
+def test_cli_resume_with_another_batch_leaves_the_run_untouched(tmp_path):
+  model_dir = tmp_path / "run"
+  args = TINY + ["--train_steps=2", "--jit_compile=false", f"--model_dir={model_dir}"]
+  train_in_process(args)
+  before = snapshot(model_dir)
+  proc = run_module("tfpar.train", args + ["--train_steps=4", "--global_batch_size=16"],
+                    check=False)
+  assert_one_line(proc, "--global_batch_size=16", "started with 8")
+  assert snapshot(model_dir) == before
+
+
+def test_cli_tfrecord_of_other_records_is_one_line(tmp_path):
+  """Found only when read (after TF starts): still one line and exit 2, and no run directory."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  data = tmp_path / "notes.tfrecord"
+  with tf.io.TFRecordWriter(str(data)) as writer:
+    for i in range(20):  # serialized tf.train.Features, not tf.train.Example
+      feature = tf.train.Feature(float_list=tf.train.FloatList(value=[float(i)] * 50))
+      writer.write(tf.train.Features(feature={"x": feature}).SerializeToString())
+  model_dir = tmp_path / "run"
+  proc = run_module("tfpar.train", TINY + [f"--model_dir={model_dir}", f"--data={data}",
+                                           "--jit_compile=false"], check=False)
+  assert_one_line(proc, str(data))
+  assert not model_dir.exists()
+
+
+# --- properties over the numeric flags ---------------------------------------------------------
+
+INT_FLAGS = ["seq_len", "num_layers", "d_model", "num_heads", "d_ff", "train_steps",
+             "global_batch_size", "seed", "log_every", "eval_every", "eval_steps",
+             "checkpoint_every", "keep_checkpoints", "steps_per_call", "num_cpu_devices",
+             "collective_timeout", "ps_shards", "warmup_steps"]
+FLOAT_FLAGS = ["learning_rate", "dropout", "eval_fraction", "min_lr_ratio", "weight_decay",
+               "clip_norm"]
+ints = st.one_of(st.integers(-3, 70), st.integers(-2 ** 64, 2 ** 64),
+                 st.sampled_from([0, 1, 2 ** 31 - 1, 2 ** 31, 2 ** 32 - 1, 2 ** 32]))
+floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True),
+                   st.floats(-2.0, 2.0), st.sampled_from([0.0, -0.0, 0.5, 1.0]))
+
+
+def assert_sensible(cfg):
+  """What every accepted config must hold, stated apart from the validator's own code."""
+  m, d, o, t, s = cfg.model, cfg.data, cfg.optim, cfg.train, cfg.dist
+  for value in (o.learning_rate, m.dropout, d.eval_fraction, o.min_lr_ratio, o.weight_decay,
+                o.clip_norm):
+    assert math.isfinite(value)
+  assert o.learning_rate > 0 and 0 <= m.dropout < 1 and 0 < d.eval_fraction < 0.5
+  assert 0 <= o.min_lr_ratio <= 1 and o.weight_decay >= 0 and o.clip_norm >= 0
+  for value in (m.seq_len, m.num_layers, m.d_model, m.num_heads, m.d_ff, t.train_steps,
+                t.global_batch_size, t.log_every, t.checkpoint_every, t.keep_checkpoints,
+                t.steps_per_call, s.ps_shards):
+    assert 1 <= value < 2 ** 31
+  assert 0 <= t.seed < 2 ** 32
+  assert 0 < s.collective_timeout <= 24 * 3600
+  assert 1 <= s.num_cpu_devices <= 64
+  assert m.d_model % m.num_heads == 0
+  assert 0 <= o.warmup_steps < t.train_steps
+  assert t.eval_every >= 0 and t.eval_steps >= 0
+  if s.strategy == "mirrored":
+    assert t.global_batch_size % s.num_cpu_devices == 0
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.sampled_from(INT_FLAGS), ints, max_size=4),
+       st.dictionaries(st.sampled_from(FLOAT_FLAGS), floats, max_size=3),
+       st.sampled_from(["one_device", "mirrored", "parameter_server"]))
+def test_numeric_flags_give_a_config_error_or_a_sensible_config(int_values, float_values,
+                                                                strategy):
+  args = TINY + ["--model_dir=/tmp/tfpar-bad-input-unused", f"--strategy={strategy}"]
+  args += [f"--{k}={v}" for k, v in int_values.items()]
+  args += [f"--{k}={v!r}" for k, v in float_values.items()]
+  try:
+    cfg = make_config(args)
+  except ConfigError as e:
+    assert "\n" not in str(e)
+    return
+  except absl_flags.Error:  # absl's own parse errors: the CLI turns them into one line too.
+    return
+  assert_sensible(cfg)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(FLOAT_FLAGS), st.sampled_from([math.nan, math.inf, -math.inf]))
+def test_a_non_finite_float_flag_is_always_refused(flag, value):
+  with pytest.raises(ConfigError, match=f"--{flag}="):
+    make_config(TINY + ["--model_dir=/tmp/tfpar-bad-input-unused", f"--{flag}={value!r}"])

@@ -1,0 +1,84 @@
+"""What a person sees: TensorFlow's start-up noise silenced unless asked, and plain sentences.
+
+TensorFlow's C++ side logs on import and at device start-up (oneDNN notices,
+"Could not find cuda drivers", an E-level "failed call to cuInit" on a machine
+without a GPU). None of it is about the run, and it buries tfpar's first line.
+`import_tensorflow_quietly` sets TF_CPP_MIN_LOG_LEVEL (read once, when TF is
+imported) and imports TF; `--verbosity` (absl's own flag) brings the lines back.
+"""
+
+import os
+import sys
+import tempfile
+from typing import Optional
+
+# absl verbosity (-3 fatal .. 0 info, 1 debug) -> TF_CPP_MIN_LOG_LEVEL (3 hides
+# errors, 2 warnings, 1 info, 0 nothing).
+_QUIET = "3"
+
+
+def cpp_log_level(verbosity: Optional[int]) -> Optional[str]:
+  """TF_CPP_MIN_LOG_LEVEL for absl's --verbosity (None: not passed on the command line)."""
+  if verbosity is None:
+    return None
+  return str(min(3, max(0, -verbosity)))
+
+
+def import_tensorflow_quietly(verbosity: Optional[int] = None) -> None:
+  """Imports TensorFlow with its C++ start-up lines silenced unless asked for.
+
+  Level 3 also hides ERROR lines: errors that stop a run reach Python as
+  exceptions, and the one E-line every CPU-only machine prints (cuInit) is not
+  an error of the run. A few lines are written before TensorFlow's logging
+  reads the level at all ("All log messages before absl::InitializeLog() ...");
+  the import therefore runs with file descriptor 2 captured, and the capture is
+  replayed if the import fails.
+
+  Args:
+    verbosity: absl's --verbosity when the user passed it, else None. An
+      explicit TF_CPP_MIN_LOG_LEVEL in the environment is kept when it is None.
+  """
+  if "tensorflow" in sys.modules:
+    return
+  level = cpp_log_level(verbosity)
+  if level is not None:
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = level
+  else:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", _QUIET)
+  if level is not None or os.environ["TF_CPP_MIN_LOG_LEVEL"] != _QUIET:
+    import tensorflow  # pylint: disable=import-outside-toplevel,unused-import
+    return
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as capture:
+    os.dup2(capture.fileno(), 2)
+    try:
+      import tensorflow  # pylint: disable=import-outside-toplevel,unused-import,redefined-outer-name
+    except BaseException:
+      os.dup2(saved, 2)
+      capture.seek(0)
+      sys.stderr.write(capture.read().decode("utf-8", "replace"))
+      raise
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+
+
+def count(n: int, noun: str) -> str:
+  """'1 replica', '2 replicas'."""
+  return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def describe_run(cfg, info: dict) -> str:
+  """One sentence saying what runs, from the config and an engine's describe() dict."""
+  skip = ("strategy", "replicas", "parameters", "measured_bytes_per_device")
+  extra = [f"{key.replace('_', ' ')} {value}" for key, value in info.items() if key not in skip]
+  how = info["strategy"] + (": " + ", ".join(extra) if extra else "")
+  m, t = cfg.model, cfg.train
+  if m.task == "lm":
+    model, batch = "GPT", f"{t.global_batch_size} sequences x {m.seq_len} tokens"
+  else:
+    model, batch = "ViT", f"{t.global_batch_size} {m.image_size}x{m.image_size} images"
+  return (f"training a {m.num_layers}-layer {model} ({m.task}) of {info['parameters']:,} "
+          f"parameters for {t.train_steps:,} steps of {batch}, "
+          f"on {count(info['replicas'], 'replica')} ({how})")

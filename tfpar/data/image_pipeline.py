@@ -1,0 +1,51 @@
+"""tf.data pipelines over an in-memory ImageSet: order, augmentation, per-replica batches.
+
+Order and sharding are the text pipeline's (tfpar.data.pipeline): global
+sample position p reads example `index_at(p)`, a seeded permutation per
+epoch, and replica g of R takes positions t*G + g*B + [0, B) of global batch
+t. So R replicas see exactly one device's global batch, and a run resumed at
+step t rebuilds the same batches with nothing stored.
+
+Each example becomes `(image, target)` by a task's `transform(example, seed)`,
+where `example` is a dict of one image's tensors (`image` float32 [S, S, C] in
+[0, 1]; `label`, or `boxes` + `classes`, or `mask`; `index`, which example of
+`data` it is) and `seed` [2] =
+(run seed, p) seeds its augmentation, so it too is a pure function of p.
+"""
+
+from typing import Callable, Dict
+
+import tensorflow as tf
+
+from tfpar.data import pipeline
+from tfpar.data.images import ImageSet
+
+
+def _tensors(data: ImageSet) -> Dict[str, tf.Tensor]:
+  fields = {"image": data.images, "label": data.labels, "boxes": data.boxes,
+            "classes": data.classes, "mask": data.masks}
+  return {k: tf.constant(v) for k, v in fields.items() if v is not None}
+
+
+def image_dataset(data: ImageSet, shard: pipeline.Shard, transform: Callable, *, seed: int,
+                  start_step: int = 0, shuffle: bool = True) -> tf.data.Dataset:
+  """Endless per-replica batches `(images [B, S, S, C], targets [B, ...])` of `data`."""
+  tensors = _tensors(data)
+  n = len(data)
+  b = shard.per_replica_batch
+
+  def example(position):
+    index = pipeline.index_at(position, n, seed=seed, shuffle=shuffle)
+    e = {k: tf.gather(v, index) for k, v in tensors.items()}
+    e["image"] = tf.cast(e["image"], tf.float32) / 255.0
+    e["index"] = index
+    return transform(e, tf.stack([tf.constant(seed, tf.int64), position]))
+
+  ds = (pipeline.sample_positions(shard, start_step=start_step).unbatch()
+        .map(example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        .batch(b, drop_remainder=True))
+  options = tf.data.Options()
+  options.deterministic = True
+  # Sharded by construction (above): tf.distribute must not shard again.
+  options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+  return ds.with_options(options).prefetch(tf.data.AUTOTUNE)

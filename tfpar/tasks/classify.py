@@ -1,0 +1,144 @@
+"""--task=classify: a Vision Transformer over image patches, one class per image.
+
+Data (nothing to download): by default scikit-learn's handwritten digits,
+1,438 training and 359 held-out 8x8 scans, always the same split (seed 0,
+whatever --seed says: tfpar.data.digit_canvas.split_digits), ink 0..16 scaled
+to 0..255; or a user's images (--data: a folder with one sub-directory per
+class, or TFRecord shards; tfpar.data.images, which checks every class id
+against --num_classes), their tail --eval_fraction held out.
+
+Order: example position p reads image `index_at(p)` of tfpar.data.pipeline,
+the same pure function of (seed, p) the text windows use, so replicas, a
+resumed run and one device see the same examples at the same step.
+
+Augmentation (training only; tfpar.data.augment): each image moves by up to
+--max_shift pixels in each direction (zero-padded, then cropped back;
+background is 0 ink), drawn from (seed, p), so it is the same on any number of
+replicas. Flips are off unless --random_flip: a mirrored digit is not the
+same digit (a flipped 2 is no 2, a 7 becomes a mirror glyph no scan shows),
+so flipping the digits would teach labels the images no longer carry.
+
+Metrics: the held-out loss and `accuracy`, over distinct held-out images
+(each eval batch carries the images' indices, so a batch that wraps around the
+held-out set does not count an image twice).
+"""
+
+import dataclasses
+from typing import Dict, List
+
+import numpy as np
+import tensorflow as tf
+
+from tfpar.data import augment, digit_canvas, images, pipeline
+from tfpar.models import ViT
+from tfpar.tasks.task import Task, cross_entropy
+
+DIGITS_SPLIT_SEED = 0  # The digits' held-out split never moves.
+DIGITS_EVAL_FRACTION = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageData:
+  """The training and held-out images (tfpar.data.images.ImageSet), and where they came from."""
+  train: images.ImageSet
+  eval: images.ImageSet
+  source: str
+
+
+def load_digits() -> ImageData:
+  """scikit-learn's digits as ImageSets of [N, 8, 8, 1] uint8, split once."""
+  def image_set(d):
+    pixels = np.round(d.images * (255 / 16)).astype(np.uint8)[..., None]  # Ink 0..16 -> 0..255.
+    return images.ImageSet(pixels, labels=d.labels, source_ids=d.ids)
+  train, held_out = digit_canvas.split_digits(DIGITS_SPLIT_SEED, DIGITS_EVAL_FRACTION)
+  return ImageData(image_set(train), image_set(held_out), "scikit-learn load_digits")
+
+
+class Classification(Task):
+  """Image classification with a ViT: inputs [B, S, S, C], targets {"label", "index"} [B].
+
+  The loss is the softmax cross-entropy averaged over the images of the
+  global batch; the held-out metrics are that loss and the accuracy;
+  throughput counts images.
+  """
+
+  unit = "images"
+
+  @property
+  def units_per_step(self) -> int:
+    return self.cfg.train.global_batch_size
+
+  @property
+  def global_count(self) -> int:
+    return self.cfg.train.global_batch_size  # One label per image.
+
+  def build_model(self, *, tensor_shards: int = 1, seed: int = 0) -> ViT:
+    return ViT(self.cfg.model, tensor_shards=tensor_shards, seed=seed)
+
+  @staticmethod
+  def embed_head_params(model_config):
+    m = model_config
+    d, tokens = m.d_model, m.num_patches + (1 if m.pooling == "cls" else 0)
+    patches = m.patch_size * m.patch_size * m.num_channels * d + d  # Conv kernel + bias.
+    embedding = patches + tokens * d + (d if m.pooling == "cls" else 0)  # + positions, class token
+    head = 2 * d + d * m.num_classes + m.num_classes  # LayerNorm + classifier
+    return embedding, head
+
+  # --- data ---------------------------------------------------------------------
+  def load_data(self, *, worker_index: int = 0, num_workers: int = 1):
+    m, d = self.cfg.model, self.cfg.data
+    if d.data is None:
+      data = load_digits()  # config.validate checked --image_size/--num_classes against them.
+    else:
+      found = images.read_images(d.data, "classify", image_size=m.image_size,
+                                 channels=m.num_channels, num_classes=m.num_classes)
+      train, held_out = images.split(found, d.eval_fraction, seed=DIGITS_SPLIT_SEED)
+      data = ImageData(train, held_out, f"--data={d.data}")
+    return data, "data"  # In memory: every worker reads its slice of each global batch.
+
+  def describe_data(self, data) -> str:
+    shape = "x".join(map(str, data.train.images.shape[1:]))
+    return (f"{data.source}, {len(data.train):,} train / {len(data.eval):,} held-out images "
+            f"of {shape}")
+
+  def dataset(self, split, shard, *, start_step: int = 0, shuffle: bool = True):
+    seed, n, d = self.cfg.train.seed, len(split), self.cfg.data
+    pixels, labels = tf.constant(split.images), tf.constant(split.labels)
+    augmented = shuffle and (d.max_shift > 0 or d.random_flip)
+
+    def example(position):
+      i = pipeline.index_at(position, n, seed=seed, shuffle=shuffle)
+      image = tf.cast(pixels[i], tf.float32) / 255.0  # [S, S, C] in [0, 1]
+      if augmented:
+        seeds = tf.stack([tf.constant(seed, tf.int64), position])
+        image = augment.augment({"image": image}, seeds, max_shift=d.max_shift,
+                                flip=d.random_flip)["image"]
+      return image, {"label": labels[i], "index": i}
+
+    ds = pipeline.sample_positions(shard, start_step=start_step).unbatch()
+    ds = ds.map(example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    ds = ds.batch(shard.per_replica_batch, drop_remainder=True)
+    options = tf.data.Options()
+    options.deterministic = True
+    # We shard by construction (tfpar.data.pipeline): tell tf.distribute not to.
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
+
+  # --- loss and metrics ------------------------------------------------------------
+  def loss(self, outputs, targets):
+    return cross_entropy(outputs, targets["label"], self.global_count)
+
+  def eval_outputs(self, outputs, targets):
+    correct = tf.cast(tf.equal(tf.argmax(outputs, axis=-1, output_type=tf.int32),
+                               targets["label"]), tf.float32)
+    return {"loss": self.loss(outputs, targets), "correct": correct, "index": targets["index"]}
+
+  def eval_metrics(self, batches: List[Dict[str, np.ndarray]]) -> Dict[str, float]:
+    index = np.concatenate([b["index"] for b in batches])
+    correct = np.concatenate([b["correct"] for b in batches])
+    _, first = np.unique(index, return_index=True)  # Each held-out image once.
+    return {"loss": float(np.mean([b["loss"] for b in batches])),
+            "accuracy": float(np.mean(correct[first]))}
+
+
+TASK = Classification

@@ -1,0 +1,134 @@
+"""What --task=detect and --task=segment share: the data, and a ViT with a per-patch head.
+
+Data (nothing to download) by default: canvases of scikit-learn's digits
+(tfpar.data.digit_canvas): `--image_size` pixels square, 1 to 4 digits each,
+upscaled 2x when the canvas is at least 32 pixels. The digits are split once,
+by a permutation with a fixed seed (0) whatever --seed says, into the same
+1,438 training and 359 held-out scans as --task=classify; 6,000 training
+canvases are built from training scans and 500 held-out canvases from
+held-out scans only. With --data, the images a user brings (see
+tfpar.data.images for the layouts), --eval_fraction of them held out by a
+fixed-seed permutation.
+
+Order and augmentation: tfpar.data.image_pipeline (a pure function of
+(seed, step)); in training, a random crop of up to --max_shift pixels and,
+with --random_flip, a left-right flip, boxes and masks moved with the pixels.
+
+Model: tfpar.models.ViT's patch embedding and blocks, its head replaced by a
+dense head over the patch tokens (tfpar.layers.dense_heads).
+"""
+
+import dataclasses
+from typing import Dict, List
+
+import numpy as np
+
+from tfpar.data import augment, digit_canvas, image_pipeline, images
+from tfpar.models import ViT
+from tfpar.tasks.classify import Classification
+from tfpar.tasks.task import Task
+
+SPLIT_SEED = 0  # As --task=classify's digits split: the same held-out scans.
+EVAL_FRACTION = 0.2
+TRAIN_CANVASES, EVAL_CANVASES = 6000, 500
+MAX_DIGITS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionData:
+  """The training and held-out ImageSets, and where they came from."""
+  train: images.ImageSet
+  eval: images.ImageSet
+  source: str
+
+
+class DenseViT(ViT):
+  """The ViT with its classifier replaced by a head over the patch tokens.
+
+  Args:
+    config: the ModelConfig.
+    head: a Keras layer, patch tokens [B, G*G, d] -> outputs.
+    tensor_shards, seed: as for ViT.
+  """
+
+  def __init__(self, config, *, head, tensor_shards: int = 1, seed: int = 0, **kwargs):
+    super().__init__(config, tensor_shards=tensor_shards, seed=seed, **kwargs)
+    self.dense_head = head
+
+  def build_head(self):
+    self.dense_head.build((None, self.num_patches, self.config.d_model))
+
+  def head(self, h):
+    """tokens [B, N (+1), d] -> the dense head's outputs (float32)."""
+    if self.config.pooling == "cls":
+      h = h[:, 1:]  # The class token: a dense head reads the patches only.
+    return self.dense_head(h)
+
+
+def embedding_params(model_config) -> int:
+  """Parameters of the ViT's embedding (patch projection, positions, class token)."""
+  return Classification.embed_head_params(model_config)[0]
+
+
+class DenseVisionTask(Task):
+  """Base of the detection and segmentation tasks; subclasses set `kind` and the head's parts."""
+
+  unit = "images"
+  kind = ""  # "detect" or "segment": which labels the data carries.
+
+  @property
+  def units_per_step(self) -> int:
+    return self.cfg.train.global_batch_size
+
+  @property
+  def grid(self) -> int:
+    return self.cfg.model.image_size // self.cfg.model.patch_size
+
+  def make_head(self):
+    raise NotImplementedError
+
+  def build_model(self, *, tensor_shards: int = 1, seed: int = 0) -> DenseViT:
+    return DenseViT(self.cfg.model, head=self.make_head(), tensor_shards=tensor_shards, seed=seed)
+
+  # --- data ---------------------------------------------------------------------
+  def load_data(self, *, worker_index: int = 0, num_workers: int = 1):
+    m, d = self.cfg.model, self.cfg.data
+    if d.data is None:  # config.validate checked the flags against the canvases.
+      scale = 2 if m.image_size >= 32 else 1
+      train, held_out = digit_canvas.digit_canvases(
+          TRAIN_CANVASES, EVAL_CANVASES, seed=SPLIT_SEED, eval_fraction=EVAL_FRACTION,
+          canvas_size=m.image_size, scale=scale, max_digits=MAX_DIGITS)
+      data = VisionData(train, held_out, f"canvases of scikit-learn digits (x{scale})")
+    else:
+      every = images.read_images(d.data, self.kind, image_size=m.image_size,
+                                 channels=m.num_channels, num_classes=m.num_classes)
+      train, held_out = images.split(every, d.eval_fraction, SPLIT_SEED)
+      data = VisionData(train, held_out, f"--data={d.data}")
+    return data, "data"  # In memory: every worker reads its slice of each global batch.
+
+  def describe_data(self, data) -> str:
+    shape = "x".join(map(str, data.train.images.shape[1:]))
+    return (f"{data.source}, {len(data.train):,} train / {len(data.eval):,} held-out images "
+            f"of {shape}")
+
+  def dataset(self, split, shard, *, start_step: int = 0, shuffle: bool = True):
+    d = self.cfg.data
+
+    def transform(example, seed):
+      if shuffle:  # Training: augment. Held out: the images as they are.
+        example = augment.augment(example, seed, max_shift=d.max_shift, flip=d.random_flip)
+      return example["image"], self.targets(example)
+
+    return image_pipeline.image_dataset(split, shard, transform, seed=self.cfg.train.seed,
+                                        start_step=start_step, shuffle=shuffle)
+
+  def targets(self, example) -> Dict:
+    """One example's targets (a dict of tensors) from its labels."""
+    raise NotImplementedError
+
+  @staticmethod
+  def distinct(batches: List[Dict[str, np.ndarray]], *keys):
+    """The held-out examples' `keys`, each example once (a batch may wrap around the set)."""
+    index = np.concatenate([b["index"] for b in batches])
+    _, first = np.unique(index, return_index=True)
+    return [np.concatenate([b[k] for b in batches])[first] for k in keys]

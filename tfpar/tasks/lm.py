@@ -1,0 +1,70 @@
+"""--task=lm (the default): next-byte prediction with the GPT on packed text windows."""
+
+from typing import Dict, List
+
+import numpy as np
+
+from tfpar.data import corpus as corpus_lib
+from tfpar.data import pipeline
+from tfpar.models import GPT
+from tfpar.tasks.task import Task, cross_entropy
+from tfpar.training.metrics import perplexity
+
+
+class LanguageModeling(Task):
+  """Byte-level language modelling: inputs and targets are [B, seq_len] token windows.
+
+  The loss is the next-token cross-entropy averaged over the tokens of the
+  global batch; the held-out metrics are that loss and its perplexity;
+  throughput counts tokens.
+  """
+
+  unit = "tokens"
+
+  @property
+  def units_per_step(self) -> int:
+    return self.cfg.train.global_batch_size * self.cfg.model.seq_len
+
+  @property
+  def global_count(self) -> int:
+    return self.units_per_step  # Every token is labelled (by the next one).
+
+  def build_model(self, *, tensor_shards: int = 1, seed: int = 0) -> GPT:
+    return GPT(self.cfg.model, tensor_shards=tensor_shards, seed=seed)
+
+  @staticmethod
+  def embed_head_params(model_config):
+    m = model_config
+    embedding = m.vocab_size * m.d_model + (m.seq_len * m.d_model if m.positions == "learned"
+                                            else 0)
+    return embedding, 2 * m.d_model  # The head: the final LayerNorm (the output is tied).
+
+  def load_data(self, *, worker_index: int = 0, num_workers: int = 1):
+    d = self.cfg.data
+    files = corpus_lib.list_files(d.data)
+    sharding = pipeline.choose_sharding(d.input_sharding, len(files), num_workers)
+    corpus = pipeline.load_corpus(d.data, seq_len=self.cfg.model.seq_len,
+                                  eval_fraction=d.eval_fraction, tfrecord_key=d.tfrecord_key,
+                                  worker_index=worker_index, num_workers=num_workers,
+                                  sharding=sharding)
+    return corpus, sharding
+
+  def describe_data(self, data) -> str:
+    total = len(corpus_lib.list_files(self.cfg.data.data))
+    share = "" if len(data.files) == total else f" of {total} (this worker's share)"
+    return (f"{len(data.files)}{share} files, {len(data.train):,} train / "
+            f"{len(data.eval):,} held-out bytes")
+
+  def dataset(self, split, shard, *, start_step: int = 0, shuffle: bool = True):
+    return pipeline.window_dataset(split, self.cfg.model.seq_len, shard, seed=self.cfg.train.seed,
+                                   start_step=start_step, shuffle=shuffle)
+
+  def loss(self, outputs, targets):
+    return cross_entropy(outputs, targets, self.global_count)
+
+  def eval_metrics(self, batches: List[Dict[str, np.ndarray]]) -> Dict[str, float]:
+    loss = float(np.mean([b["loss"] for b in batches]))
+    return {"loss": loss, "perplexity": perplexity(loss)}
+
+
+TASK = LanguageModeling
