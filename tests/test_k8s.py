@@ -418,6 +418,8 @@ BAD = [
       *MWMS], "port"),
     (["render", "--kind=jobset", "--name=gpt", "--workers=2", "--image=i", "--grace_seconds=5",
       "--", *MWMS], "grace_seconds"),
+    (["render", "--kind=jobset", "--name=gpt", "--workers=3", "--image=i", "--", *MWMS,
+      "--global_batch_size=16"], "--global_batch_size=16 does not split evenly over 3 replicas"),
 ]
 
 

@@ -484,7 +484,7 @@ def check_run(cfg: Config, cluster=None) -> None:
   """
   _check_model_dir(cfg)
   if cluster is not None and cluster.spec:
-    _check_cluster(cfg, cluster)
+    check_cluster(cfg, cluster)
 
 
 def _check_model_dir(cfg: Config) -> None:
@@ -524,7 +524,8 @@ def _check_model_dir(cfg: Config) -> None:
                         f"{saved_train[flag]}, or a new --model_dir")
 
 
-def _check_cluster(cfg: Config, cluster) -> None:
+def check_cluster(cfg: Config, cluster) -> None:
+  """The job's shape (a tfpar.cluster.Cluster) against the flags: tfpar.train and tfpar.k8s."""
   t, s, p = cfg.train, cfg.dist, cfg.parallel
   if s.strategy == "multi_worker_mirrored" and not p.model_parallel:
     # One replica per worker on CPU hosts (GPU hosts have more: the engine checks again).

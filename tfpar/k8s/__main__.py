@@ -57,7 +57,8 @@ def parse(argv: Sequence[str]) -> manifests.Job:
                         "e.g. --cpu=4 or --cpu=500m, --memory=16Gi")
   if not train_args:
     raise RenderError(f"no tfpar.train flags after '--': {USAGE}")
-  strategy, model_dir = _check_train_flags(train_args)
+  cfg = _check_train_flags(train_args)
+  strategy, model_dir = cfg.dist.strategy, cfg.train.model_dir
   job = manifests.Job(
       kind=fv.kind, name=fv.name, workers=fv.workers, image=fv.image, train_args=train_args,
       ps=fv.ps, gpus_per_worker=fv.gpus_per_worker, tpu_topology=fv.tpu_topology,
@@ -65,11 +66,18 @@ def parse(argv: Sequence[str]) -> manifests.Job:
       mount_path=fv.mount_path.rstrip("/") or "/", port=fv.port, grace_seconds=fv.grace_seconds,
       max_restarts=_max_restarts(fv), peer_timeout=fv.peer_timeout)
   _check_job(job, strategy, model_dir)
+  # The batch over the workers, --ps_shards over the ps: as tfpar.train checks its TF_CONFIG.
+  spec = {"worker": [""] * job.workers, **({"ps": [""] * job.ps} if job.ps else {})}
+  try:
+    config_lib.check_cluster(cfg, cluster_lib.Cluster(spec=spec, task_type="worker", task_index=0))
+  except config_lib.ConfigError as e:
+    raise RenderError(f"training flags with --workers={job.workers}"
+                      f"{f' --ps={job.ps}' if job.ps else ''}: {e}") from None
   return job
 
 
 def _check_train_flags(train_args: Sequence[str]):
-  """Validates the training flags as tfpar.train would; returns (strategy, model_dir)."""
+  """Validates the training flags as tfpar.train would; returns their Config."""
   try:
     parsed = tfpar_flags.parse(train_args)
   except absl_flags.Error as e:
@@ -82,7 +90,7 @@ def _check_train_flags(train_args: Sequence[str]):
     cfg = config_lib.from_flags(values)
   except config_lib.ConfigError as e:
     raise RenderError(f"training flags: {e}") from None
-  return cfg.dist.strategy, cfg.train.model_dir
+  return cfg
 
 
 def _max_restarts(fv) -> int:
