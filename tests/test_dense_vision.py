@@ -21,10 +21,8 @@ SEGMENT = ["--task=segment", "--num_classes=11", *VISION]
 
 
 def _train(args):
-  """train_in_process, and config.json as python -m tfpar.train writes it (predict reads it)."""
-  from tfpar import runner, train  # pylint: disable=import-outside-toplevel
-  from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
-  return runner.run(make_config(args), Cluster(), check_model_dir=train.check_model_dir)
+  """train_in_process: like python -m tfpar.train, it writes config.json (predict reads it)."""
+  return train_in_process(args)
 
 
 def _task(args, tmp="/tmp/unused"):
