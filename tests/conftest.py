@@ -43,6 +43,14 @@ def read_metrics(model_dir, kind="train"):
   return [r for r in records if r["kind"] == kind]
 
 
+@pytest.fixture(autouse=True)
+def float32_policy():
+  """Every test starts under Keras' float32 policy, whatever an in-process run before it set."""
+  import keras  # pylint: disable=import-outside-toplevel
+  keras.mixed_precision.set_global_policy("float32")
+  yield
+
+
 @pytest.fixture
 def tiny():
   return list(TINY)

@@ -58,6 +58,7 @@ def test_step_flops_are_a_count_of_the_models_matmuls(remat):
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tfpar.models.gpt import GPT  # pylint: disable=import-outside-toplevel
   from tfpar.parallel.pipeline import Pipeline  # pylint: disable=import-outside-toplevel
+  from tfpar.tasks.task import cross_entropy  # pylint: disable=import-outside-toplevel
   m, batch = SHAPES[0], 8  # seq_len 32: one attention query block, the full square.
   model = GPT(m)
   model.build_all()
@@ -66,7 +67,8 @@ def test_step_flops_are_a_count_of_the_models_matmuls(remat):
   assert matmul_flops(forward) == batch * (m.num_layers * cost.layer_flops(m) +
                                            cost.logits_flops(m))
   pipe = Pipeline(model, stage_blocks=[range(m.num_layers)], stage_devices=["/device:CPU:0"],
-                  microbatches=1, global_tokens=batch * m.seq_len, remat=remat)
+                  microbatches=1, remat=remat,
+                  loss_fn=lambda logits, y: cross_entropy(logits, y, batch * m.seq_len))
   step = tf.function(pipe.loss_and_grads).get_concrete_function(tokens, tokens).graph
   assert matmul_flops(step) == cost.step_flops(m, batch, remat)
 

@@ -78,7 +78,9 @@ def describe_run(cfg, info: dict) -> str:
   if m.task == "lm":
     model, batch = "GPT", f"{t.global_batch_size} sequences x {m.seq_len} tokens"
   else:
-    model, batch = "ViT", f"{t.global_batch_size} {m.image_size}x{m.image_size} images"
-  return (f"training a {m.num_layers}-layer {model} ({m.task}) of {info['parameters']:,} "
+    model = {"classify": "ViT classifier", "detect": "ViT detector",
+             "segment": "ViT segmenter"}.get(m.task, f"ViT ({m.task})")
+    batch = f"{t.global_batch_size} {m.image_size}x{m.image_size} images"
+  return (f"training a {m.num_layers}-layer {model} of {info['parameters']:,} "
           f"parameters for {t.train_steps:,} steps of {batch}, "
           f"on {count(info['replicas'], 'replica')} ({how})")
