@@ -20,13 +20,6 @@ DETECT = ["--task=detect", "--num_classes=10", *VISION]
 SEGMENT = ["--task=segment", "--num_classes=11", *VISION]
 
 
-def _train(args):
-  """train_in_process, and config.json as python -m tfpar.train writes it (predict reads it)."""
-  from tfpar import runner, train  # pylint: disable=import-outside-toplevel
-  from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
-  return runner.run(make_config(args), Cluster(), check_model_dir=train.check_model_dir)
-
-
 def _task(args, tmp="/tmp/unused"):
   return tasks.make(make_config([f"--model_dir={tmp}", *args]))
 
@@ -73,8 +66,8 @@ def detect_runs(tmp_path_factory):
   """One-device and mirrored (2 logical CPUs) detection runs of 3 steps; their model dirs."""
   root = tmp_path_factory.mktemp("detect")
   one = str(root / "one")
-  _train([*DETECT, f"--model_dir={one}", "--train_steps=3", "--eval_every=3",
-          "--jit_compile=false"])
+  train_in_process([*DETECT, f"--model_dir={one}", "--train_steps=3", "--eval_every=3",
+                    "--jit_compile=false"])
   two = str(root / "two")
   train_in_process([*DETECT, f"--model_dir={two}", "--train_steps=3", "--eval_every=3",
                     "--jit_compile=false", "--strategy=mirrored", "--num_cpu_devices=2"])
@@ -121,7 +114,7 @@ def test_predict_prints_boxes_and_writes_masks(detect_runs, tmp_path):
 
 def test_predict_writes_a_mask_png(tmp_path):
   model_dir = str(tmp_path / "seg")
-  _train([*SEGMENT, f"--model_dir={model_dir}", "--train_steps=2", "--eval_steps=0"])
+  train_in_process([*SEGMENT, f"--model_dir={model_dir}", "--train_steps=2", "--eval_steps=0"])
   image = str(tmp_path / "canvas.png")
   _canvas_png(image)
   out = run_module("tfpar.predict", [f"--model_dir={model_dir}", f"--image={tmp_path}"]).stdout
