@@ -20,11 +20,6 @@ DETECT = ["--task=detect", "--num_classes=10", *VISION]
 SEGMENT = ["--task=segment", "--num_classes=11", *VISION]
 
 
-def _train(args):
-  """train_in_process: like python -m tfpar.train, it writes config.json (predict reads it)."""
-  return train_in_process(args)
-
-
 def _task(args, tmp="/tmp/unused"):
   return tasks.make(make_config([f"--model_dir={tmp}", *args]))
 
@@ -71,8 +66,8 @@ def detect_runs(tmp_path_factory):
   """One-device and mirrored (2 logical CPUs) detection runs of 3 steps; their model dirs."""
   root = tmp_path_factory.mktemp("detect")
   one = str(root / "one")
-  _train([*DETECT, f"--model_dir={one}", "--train_steps=3", "--eval_every=3",
-          "--jit_compile=false"])
+  train_in_process([*DETECT, f"--model_dir={one}", "--train_steps=3", "--eval_every=3",
+                    "--jit_compile=false"])
   two = str(root / "two")
   train_in_process([*DETECT, f"--model_dir={two}", "--train_steps=3", "--eval_every=3",
                     "--jit_compile=false", "--strategy=mirrored", "--num_cpu_devices=2"])
@@ -87,12 +82,19 @@ def test_detect_under_mirrored_equals_one_device(detect_runs):
   assert "images_per_sec" in one[-1]
 
 
-def test_segment_trains_and_reports_mean_iou(tmp_path):
-  records = train_in_process([*SEGMENT, f"--model_dir={tmp_path}", "--train_steps=2",
-                              "--eval_every=2"])
+@pytest.fixture(scope="module")
+def segment_run(tmp_path_factory):
+  """A segmentation run of 2 steps, evaluated at the end: (its last records, its model dir)."""
+  model_dir = str(tmp_path_factory.mktemp("segment") / "run")
+  return train_in_process([*SEGMENT, f"--model_dir={model_dir}", "--train_steps=2",
+                           "--eval_every=2"]), model_dir
+
+
+def test_segment_trains_and_reports_mean_iou(segment_run):
+  records, model_dir = segment_run
   ev = records["eval"]
   assert 0 < ev["mean_iou"] <= 1 and 0 < ev["pixel_accuracy"] <= 1
-  losses = [r["loss"] for r in read_metrics(str(tmp_path))]
+  losses = [r["loss"] for r in read_metrics(model_dir)]
   assert abs(losses[0] - np.log(11)) < 0.5  # starts near uniform over 11 classes
 
 
@@ -117,9 +119,8 @@ def test_predict_prints_boxes_and_writes_masks(detect_runs, tmp_path):
   assert Image.open(tmp_path / "canvas.overlay.png").size == (64, 32)
 
 
-def test_predict_writes_a_mask_png(tmp_path):
-  model_dir = str(tmp_path / "seg")
-  _train([*SEGMENT, f"--model_dir={model_dir}", "--train_steps=2", "--eval_steps=0"])
+def test_predict_writes_a_mask_png(segment_run, tmp_path):
+  model_dir = segment_run[1]
   image = str(tmp_path / "canvas.png")
   _canvas_png(image)
   out = run_module("tfpar.predict", [f"--model_dir={model_dir}", f"--image={tmp_path}"]).stdout

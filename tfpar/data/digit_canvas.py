@@ -25,6 +25,7 @@ seed.
 """
 
 import dataclasses
+import functools
 from typing import Tuple
 
 import numpy as np
@@ -110,10 +111,21 @@ def make_canvases(digits: DigitSplit, num_canvases: int, *, canvas_size: int = 4
   return ImageSet(images, boxes=boxes, classes=classes, masks=masks, source_ids=source_ids)
 
 
+@functools.lru_cache(maxsize=2)
 def digit_canvases(num_train: int, num_eval: int, *, seed: int = 0, eval_fraction: float = 0.2,
                    **kwargs) -> Tuple[ImageSet, ImageSet]:
-  """(train, held_out) canvases; held-out ones only from held-out digits, other seeds."""
+  """(train, held_out) canvases; held-out ones only from held-out digits, other seeds.
+
+  Built once per process for the same arguments (building 6,000 canvases takes
+  seconds; a process that trains several times, such as the tests, reuses
+  them), so their arrays are read-only.
+  """
   train_digits, eval_digits = split_digits(seed, eval_fraction)
   train = make_canvases(train_digits, num_train, seed=seed * 2 + 1, **kwargs)
   held_out = make_canvases(eval_digits, num_eval, seed=seed * 2 + 2, **kwargs)
+  for canvases in (train, held_out):
+    for field in dataclasses.fields(canvases):
+      value = getattr(canvases, field.name)
+      if isinstance(value, np.ndarray):
+        value.setflags(write=False)
   return train, held_out
