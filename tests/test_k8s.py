@@ -39,7 +39,8 @@ MWMS = ["--strategy=multi_worker_mirrored", "--model_dir=gs://bucket/runs/gpt"]
 PS = ["--strategy=parameter_server", "--model_dir=gs://bucket/runs/gpt"]
 VARIANTS = {  # name -> (render flags, train flags)
     "multi_worker": (["--workers=2"], MWMS),
-    "multi_worker_gpus": (["--workers=3", "--gpus_per_worker=4"], MWMS),
+    "multi_worker_gpus": (["--workers=3", "--gpus_per_worker=4"],
+                          MWMS + ["--global_batch_size=24"]),  # 12 replicas
     "parameter_server": (["--workers=2", "--ps=1"], PS),
     "parameter_server_gpus": (["--workers=2", "--ps=2", "--gpus_per_worker=1"], PS),
     "one_worker_pvc": (["--workers=1", "--pvc=runs-claim"],
@@ -419,7 +420,11 @@ BAD = [
     (["render", "--kind=jobset", "--name=gpt", "--workers=2", "--image=i", "--grace_seconds=5",
       "--", *MWMS], "grace_seconds"),
     (["render", "--kind=jobset", "--name=gpt", "--workers=3", "--image=i", "--", *MWMS,
-      "--global_batch_size=16"], "--global_batch_size=16 does not split evenly over 3 replicas"),
+      "--global_batch_size=16"],
+     "--global_batch_size=16 does not split evenly over 3 replicas (--workers=3)"),
+    (["render", "--kind=jobset", "--name=gpt", "--workers=2", "--gpus_per_worker=4", "--image=i",
+      "--", *MWMS, "--global_batch_size=12"],
+     "over 8 replicas (--workers=2 x --gpus_per_worker=4)"),
 ]
 
 

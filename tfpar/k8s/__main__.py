@@ -66,9 +66,14 @@ def parse(argv: Sequence[str]) -> manifests.Job:
       mount_path=fv.mount_path.rstrip("/") or "/", port=fv.port, grace_seconds=fv.grace_seconds,
       max_restarts=_max_restarts(fv), peer_timeout=fv.peer_timeout)
   _check_job(job, strategy, model_dir)
-  # The batch over the workers, --ps_shards over the ps: as tfpar.train checks its TF_CONFIG.
+  # The batch over the replicas, --ps_shards over the ps: as tfpar.train checks its TF_CONFIG.
   spec = {"worker": [""] * job.workers, **({"ps": [""] * job.ps} if job.ps else {})}
   try:
+    if strategy == "multi_worker_mirrored" and not cfg.parallel.model_parallel:
+      gpus = job.gpus_per_worker or 0
+      config_lib.check_batch(cfg.train.global_batch_size, job.workers * max(1, gpus),
+                             flag=f"--workers={job.workers}"
+                             + (f" x --gpus_per_worker={gpus}" if gpus else ""))
     config_lib.check_cluster(cfg, cluster_lib.Cluster(spec=spec, task_type="worker", task_index=0))
   except config_lib.ConfigError as e:
     raise RenderError(f"training flags with --workers={job.workers}"
