@@ -28,6 +28,7 @@ from typing import List, Sequence
 import numpy as np
 from absl import flags
 
+from tfpar import console
 from tfpar import storage
 
 # A colour per class id for masks and boxes (class 0, background, stays clear).
@@ -235,11 +236,11 @@ def main(argv: Sequence[str]) -> None:
     fail(str(e))
   if len(rest) > 1:
     fail(f"unexpected arguments {rest[1:]}: flags are written --name=value")
+  console.import_tensorflow_quietly()  # check() reads --model_dir through tf.io.gfile.
   try:
     check(fv)
   except PredictError as e:
     fail(str(e))
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   from tfpar.data.corpus import DataError  # pylint: disable=import-outside-toplevel
   from tfpar.training.checkpoint import CheckpointMismatchError  # pylint: disable=import-outside-toplevel
   try:
