@@ -1,15 +1,20 @@
-"""Calibrates tfpar.plan on this host and checks it against real tfpar runs.
+"""Calibrates tfpar.plan's cost model on this host and checks it against real tfpar runs.
 
-  python scripts/planner_calibrate.py [--steps=8]
+  python scripts/planner_calibrate.py [--steps=16] [--rounds=2]
 
-Splits the CPU into 8 logical devices, measures the float32 matmul rate,
-trains the TINY model of tests/conftest.py under several plans (one device,
-8 micro-batches, pipeline, tensor, hybrid; XLA off, as model-parallel steps
-run), solves the per-block fixed cost from the first run's step time
-(tfpar.planner.calibrate), and prints, per plan, the predicted and measured
-step time and the predicted and measured bytes on the busiest device. Run it
-on an idle machine: logical devices share the cores, and other processes
-change every step time.
+Splits the CPU into 8 logical devices, measures the float32 matmul rate
+(512 x 512, no XLA), and trains a small GPT (4 blocks, d_model 128, 4 heads,
+d_ff 512, seq 128, batch 16; XLA off, as model-parallel steps run) under nine
+plans, rounds alternated; a plan's step time is the median over its rounds
+of the per-step times after the first three steps (tracing). The host model
+(tfpar.planner.calibrate: logical devices take turns on the cores, a step
+costs a fixed part plus every device's block passes, its matmuls at the
+measured rate and its memory traffic) has two constants, solved from two
+reference runs (4 and 16 micro-batches). It then predicts the other seven
+plans, and the script prints predicted and measured step times, the error,
+both orders, their rank correlation and how many pairs of plans are in the
+same order (the bytes per device are checked by tests/test_planner.py). Run
+it on an idle machine: other processes change every step time.
 """
 
 import os
@@ -20,48 +25,79 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
-RUNS = {  # name: (flags, D, K, T, M)
-    "one device (K=T=M=1)": (["--data_parallel=1"], 1, 1, 1, 1),
-    "8 micro-batches": (["--data_parallel=1", "--microbatches=8"], 1, 1, 1, 8),
-    "pipeline K=2, M=4": (["--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=4"],
-                          1, 2, 1, 4),
-    "tensor T=2": (["--num_cpu_devices=2", "--tensor_parallel=2"], 1, 1, 2, 1),
-    "hybrid 2x2x2, M=2": (["--strategy=mirrored", "--num_cpu_devices=8", "--data_parallel=2",
+SHAPE = ["--num_layers=4", "--d_model=128", "--num_heads=4", "--d_ff=512", "--seq_len=128",
+         "--global_batch_size=16", "--eval_steps=1", "--steps_per_call=1", "--log_every=1",
+         "--learning_rate=3e-3", "--warmup_steps=1", "--eval_every=0", "--checkpoint_every=1000",
+         "--jit_compile=false"]
+TWO, FOUR, EIGHT = (f"--num_cpu_devices={n}" for n in (2, 4, 8))
+RUNS = {  # name: (flags, (D, K, T, M, recompute)); the first two are the references.
+    "4 micro-batches": (["--data_parallel=1", "--microbatches=4"], (1, 1, 1, 4, False)),
+    "16 micro-batches": (["--data_parallel=1", "--microbatches=16"], (1, 1, 1, 16, False)),
+    "one device": (["--data_parallel=1"], (1, 1, 1, 1, False)),
+    "8 micro-batches": (["--data_parallel=1", "--microbatches=8"], (1, 1, 1, 8, False)),
+    "recompute": (["--data_parallel=1", "--remat=true"], (1, 1, 1, 1, True)),
+    "pipeline K=2, M=4": ([TWO, "--pipeline_stages=2", "--microbatches=4"], (1, 2, 1, 4, False)),
+    "tensor T=2": ([TWO, "--tensor_parallel=2"], (1, 1, 2, 1, False)),
+    "tensor T=4": ([FOUR, "--tensor_parallel=4"], (1, 1, 4, 1, False)),
+    "hybrid 2x2x2, M=2": (["--strategy=mirrored", EIGHT, "--data_parallel=2",
                            "--pipeline_stages=2", "--tensor_parallel=2", "--microbatches=2"],
-                          2, 2, 2, 2),
+                          (2, 2, 2, 2, False)),
 }
+REFERENCES = (0, 1)
+
+
+def ranks(x):
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  return np.argsort(np.argsort(x))
 
 
 def main(argv):
-  steps = int(next((a.split("=")[1] for a in argv if a.startswith("--steps=")), 8))
+  arg = lambda name, default: int(next((a.split("=")[1] for a in argv
+                                        if a.startswith(f"--{name}=")), default))
+  steps, rounds = arg("steps", 16), arg("rounds", 2)
   import numpy as np  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   cpu = tf.config.list_physical_devices("CPU")[0]
   tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 8)
-  from conftest import TINY, make_config, read_metrics, train_in_process  # pylint: disable=import-outside-toplevel
+  from conftest import make_config, read_metrics, train_in_process  # pylint: disable=import-outside-toplevel
   from tfpar.planner import calibrate  # pylint: disable=import-outside-toplevel
-  base = TINY + [f"--train_steps={steps}", "--eval_every=0", "--checkpoint_every=1000",
-                 "--jit_compile=false"]
+  base = SHAPE + [f"--train_steps={steps}"]
   rate = calibrate.matmul_rate()
-  measured = []
-  for name, (flags, *_) in RUNS.items():
-    model_dir = tempfile.mkdtemp()
-    train_in_process(base + flags + [f"--model_dir={model_dir}"])
-    times = [r["step_time"] for r in read_metrics(model_dir)][2:]  # After tracing.
-    measured.append(float(np.median(times)))
+  times = {name: [] for name in RUNS}
+  names = list(RUNS)
+  for r in range(rounds):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      model_dir = tempfile.mkdtemp()
+      train_in_process(base + RUNS[name][0] + [f"--model_dir={model_dir}"])
+      times[name] += [rec["step_time"] for rec in read_metrics(model_dir)][3:]  # After tracing.
+  measured = np.array([np.median(times[name]) for name in names])
   cfg = make_config(base + ["--model_dir=/tmp/unused"])
-  configs = [(d, k, t, mb, False, cfg.train.global_batch_size) for _, d, k, t, mb in RUNS.values()]
-  predicted, op_seconds = calibrate.predict(cfg.model, rate, configs, reference=0,
-                                            measured_reference=measured[0],
-                                            global_batch=cfg.train.global_batch_size)
-  print(f"matmul rate {rate / 1e9:.1f} GFLOP/s (512^2 float32, no XLA); op_seconds solved from "
-        f"the first run: {op_seconds * 1e3:.3f} ms per block and pass")
-  print(f"{'plan':<22}{'predicted ms':>14}{'measured ms':>13}")
-  for name, p, m in zip(RUNS, predicted, measured):
-    print(f"{name:<22}{p * 1e3:>14.1f}{m * 1e3:>13.1f}")
-  same = list(np.argsort(predicted)) == list(np.argsort(measured))
-  print(f"order of step times: predicted {list(np.argsort(predicted))}, measured "
-        f"{list(np.argsort(measured))} -> {'same' if same else 'different'}")
+  g = cfg.train.global_batch_size
+  configs = [plan + (g,) for _, plan in RUNS.values()]
+  predicted, fit = calibrate.fit(cfg.model, rate, configs, measured, references=REFERENCES,
+                                 global_batch=g)
+  print(f"matmul rate {rate / 1e9:.1f} GFLOP/s (512^2 float32, no XLA); solved from the "
+        f"{' and '.join(names[i] for i in REFERENCES)} runs: {fit.step_seconds * 1e3:.1f} ms per "
+        f"step, {fit.op_seconds * 1e3:.3f} ms per block and pass on each device")
+  print(f"| plan | predicted ms | measured ms (median of {rounds} rounds) | error |")
+  print("|---|---:|---:|---:|")
+  for i, (name, p, m) in enumerate(zip(names, predicted, measured)):
+    tag = " (reference)" if i in REFERENCES else ""
+    print(f"| {name}{tag} | {p * 1e3:.1f} | {m * 1e3:.1f} | {100 * (p / m - 1):+.1f}% |")
+  held = [i for i in range(len(names)) if i not in REFERENCES]
+  rho = float(np.corrcoef(ranks(predicted[held]), ranks(measured[held]))[0, 1])
+  worst = max(abs(predicted[i] / measured[i] - 1) for i in held)
+  print(f"predicted plans: largest error {100 * worst:.1f}%, Spearman rank correlation {rho:.2f}")
+  print(f"fastest first, predicted: {', '.join(names[i] for i in np.array(held)[np.argsort(predicted[held])])}")
+  print(f"fastest first, measured:  {', '.join(names[i] for i in np.array(held)[np.argsort(measured[held])])}")
+  for apart in (0.0, 0.05, 0.10):
+    pairs = [(i, j) for i in held for j in held if i < j and
+             abs(measured[i] - measured[j]) > apart * min(measured[i], measured[j])]
+    alike = [(i, j) for i, j in pairs
+             if (predicted[i] - predicted[j]) * (measured[i] - measured[j]) > 0]
+    print(f"pairs measured more than {100 * apart:.0f}% apart: {len(alike)} of {len(pairs)} "
+          "in the same order" + "".join(f"; not: {names[i]} / {names[j]}"
+                                        for i, j in pairs if (i, j) not in alike))
 
 
 if __name__ == "__main__":

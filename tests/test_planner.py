@@ -9,7 +9,7 @@ import pytest
 from conftest import TINY, make_config, read_metrics, run_module
 from tfpar.config import ModelConfig
 from tfpar.parallel import plan as plan_lib
-from tfpar.planner import clusters, cost, megatron, search
+from tfpar.planner import calibrate, clusters, cost, megatron, search
 
 SHAPES = [
     ModelConfig(seq_len=32, num_layers=2, d_model=32, num_heads=4, d_ff=64),
@@ -115,6 +115,41 @@ def test_predicted_bytes_per_device_match_tfpars_placement(name, tmp_path):
   per_param = cost.TFPAR.weight_bytes["float32"] + cost.TFPAR.optimizer_bytes["float32"]
   predicted = r["params_per_device"][0] * per_param
   assert abs(predicted - measured) <= 0.1 * measured, (predicted, measured)
+
+
+# --- this host: logical devices that take turns on the same cores ---------------------------
+
+GPT_SMALL = ModelConfig(seq_len=128, num_layers=4, d_model=128, num_heads=4, d_ff=512)
+HOST_PLANS = [(1, 1, 1, 1, False, 16), (1, 1, 1, 16, False, 16), (1, 1, 1, 1, True, 16),
+              (1, 2, 1, 4, False, 16), (1, 1, 2, 1, False, 16), (2, 2, 2, 2, False, 16)]
+
+
+def test_on_a_shared_host_the_bubble_is_free_and_shards_add_their_work():
+  evaluate = lambda n, plan: cost.evaluate(GPT_SMALL, clusters.parse(f"cpu:{n}"),
+                                           calibrate.plans_of([plan]), global_batch=16,
+                                           precision="float32", system=cost.TFPAR)
+  one_m4, pipe = evaluate(1, (1, 1, 1, 4, False, 16)), evaluate(2, (1, 2, 1, 4, False, 16))
+  assert pipe["bubble"][0] == 0 and pipe["bubble_fraction"][0] == pytest.approx(1 / 5)
+  assert pipe["step_seconds"][0] - pipe["pipeline_comm"][0] == pytest.approx(
+      one_m4["step_seconds"][0], rel=1e-9)
+  one, tensor = evaluate(1, HOST_PLANS[0]), evaluate(2, HOST_PLANS[4])
+  # Two shards of half the width: the same FLOPs at lower efficiency, twice the block passes.
+  assert tensor["compute"][0] > one["compute"][0] and tensor["tensor_comm"][0] > 0
+  assert 0 < tensor["mfu"][0] < one["mfu"][0] < 1
+
+
+def test_calibration_recovers_the_host_constants_from_two_runs():
+  truth = calibrate.Fit(step_seconds=0.05, op_seconds=3e-4)
+  times = calibrate.predict(GPT_SMALL, 130e9, HOST_PLANS, truth, global_batch=16)
+  predicted, solved = calibrate.fit(GPT_SMALL, 130e9, HOST_PLANS, times, references=(0, 1),
+                                    global_batch=16)
+  assert solved.step_seconds == pytest.approx(truth.step_seconds, rel=1e-6)
+  assert solved.op_seconds == pytest.approx(truth.op_seconds, rel=1e-6)
+  np.testing.assert_allclose(predicted, times, rtol=1e-9)
+  # Block passes: 16 micro-batches run 16 times the passes of one batch; T=2 twice, on 2 devices.
+  slower = calibrate.predict(GPT_SMALL, 130e9, HOST_PLANS, calibrate.Fit(0.05, 4e-4),
+                             global_batch=16) - times
+  assert slower[1] == pytest.approx(16 * slower[0]) and slower[4] == pytest.approx(2 * slower[0])
 
 
 # --- Megatron-LM, Narayanan et al. 2021, Table 1 --------------------------------------------

@@ -1,12 +1,12 @@
-"""Calibrating the cost model on this host: a measured matmul rate and one measured step time.
+"""Calibrating the cost model on this host: a measured matmul rate and the step times of two runs.
 
 Logical CPU devices share the host's cores, so the host is modelled as N
-devices that each get 1/N of its matmul rate and memory bandwidth. The
-matmul rate is measured (float32, no XLA, as model-parallel steps run); the
-fixed cost per block and pass (`op_seconds`: op dispatch, small kernels),
-which dominates tiny models on CPU, is solved from the measured step time of
-one reference run. The result is a Cluster whose predictions for the other
-plans can be compared with their measured step times
+devices that take turns at its full matmul rate and memory bandwidth
+(Cluster.shared): a step costs the sum of every device's work. The
+matmul rate is measured (float32, no XLA, as model-parallel steps run); two
+constants of the host (a fixed cost per step, a fixed cost per block and
+pass on each device) are solved from the measured step times of two
+reference runs, and the other plans' step times are predicted from them
 (scripts/planner_calibrate.py, tests/test_planner.py).
 """
 
@@ -34,10 +34,9 @@ def matmul_rate(n: int = 512, repeats: int = 20) -> float:
 
 
 def host(devices: int, rate: float, *, op_seconds: float = 0.0) -> clusters.Cluster:
-  """This host as `devices` logical devices sharing its matmul rate."""
+  """This host as `devices` logical devices that take turns on its cores at its matmul rate."""
   fields = dict(clusters.BUILT_IN["cpu"])
-  fields.update(peak_flops={p: rate / devices for p in ("float32", "bfloat16", "float16")},
-                memory_bandwidth=fields["memory_bandwidth"] / devices,
+  fields.update(peak_flops={p: rate for p in ("float32", "bfloat16", "float16")},
                 efficiency=clusters.Efficiency(max_efficiency=1.0, width_half=0.0, rows_half=0.0,
                                                op_seconds=op_seconds))
   return clusters.Cluster(name=f"this host ({devices} logical CPUs)", devices=devices, **fields)
@@ -49,35 +48,63 @@ def plans_of(configs) -> cost.Plans:
   return cost.Plans(D=a[:, 0], K=a[:, 1], T=a[:, 2], b=a[:, 3], remat=a[:, 4].astype(bool))
 
 
-def predict(m: ModelConfig, rate: float, configs, *, reference: int, measured_reference: float,
-            global_batch: int):
-  """Predicted step seconds of every run, op_seconds solved so that `reference` matches.
+@dataclasses.dataclass(frozen=True)
+class Fit:
+  """The host's constants solved from measured step times.
 
-  Args:
-    m: the model.
-    rate: the host's measured matmul FLOP/s.
-    configs: (D, K, T, M, remat, G) of each run; each run's cluster has D*K*T devices.
-    reference: the index of the run whose measured step time fixes op_seconds.
-    measured_reference: its measured step seconds.
-    global_batch: G.
-
-  Returns:
-    (predicted step seconds per run, op_seconds).
+  Attributes:
+    step_seconds: fixed cost of every step whatever the plan (the Python loop,
+      the optimizer's update of every variable, the input pipeline).
+    op_seconds: fixed cost per block and pass on each device (op dispatch,
+      small kernels).
   """
+  step_seconds: float
+  op_seconds: float
+
+
+def _terms(m: ModelConfig, rate: float, configs, global_batch: int):
+  """Per run: seconds of everything but the fixed costs at `rate`, and block passes."""
   def step(op_seconds):
     out = []
     for c in configs:
-      n = c[0] * c[1] * c[2]
-      r = cost.evaluate(m, host(n, rate, op_seconds=op_seconds), plans_of([c]),
+      r = cost.evaluate(m, host(c[0] * c[1] * c[2], rate, op_seconds=op_seconds), plans_of([c]),
                         global_batch=global_batch, precision="float32", system=cost.TFPAR)
       out.append(r["step_seconds"][0])
     return np.array(out)
-  # The step time is linear in op_seconds: solve from two evaluations.
-  zero, one = step(0.0)[reference], step(1.0)[reference]
-  op_seconds = max(0.0, (measured_reference - zero) / (one - zero))
-  return step(op_seconds), op_seconds
+  work = step(0.0)  # The model is linear in op_seconds: two evaluations separate the terms.
+  return work, step(1.0) - work
 
 
-def with_op_seconds(cluster: clusters.Cluster, op_seconds: float) -> clusters.Cluster:
-  return dataclasses.replace(cluster, efficiency=dataclasses.replace(cluster.efficiency,
-                                                                     op_seconds=op_seconds))
+def predict(m: ModelConfig, rate: float, configs, constants: Fit, *, global_batch: int):
+  """Step seconds of every run (D, K, T, M, remat, G) on this host with these constants."""
+  work, passes = _terms(m, rate, configs, global_batch)
+  return constants.step_seconds + passes * constants.op_seconds + work
+
+
+def fit(m: ModelConfig, rate: float, configs, measured, *, references, global_batch: int):
+  """Solves the host's constants from the measured step seconds of the `references` runs.
+
+  The host model: step = step_seconds + op_seconds x (block passes, summed over
+  the devices that take turns) + the matmuls at the measured `rate` +
+  elementwise memory traffic and copies between devices (cost.evaluate on a
+  shared Cluster). Two unknowns: give two or more references that differ in
+  block passes (e.g. 4 and 16 micro-batches).
+
+  Args:
+    m: the model.
+    rate: the measured matmul FLOP/s (matmul_rate).
+    configs: (D, K, T, M, remat, G) of each run.
+    measured: each run's measured step seconds (only the references' are read).
+    references: indices of the runs to solve from.
+    global_batch: G.
+
+  Returns:
+    (predicted step seconds of every run, Fit).
+  """
+  work, passes = _terms(m, rate, configs, global_batch)
+  refs = list(references)
+  a = np.stack([np.ones_like(passes), passes], axis=1)
+  (step_seconds, op_seconds), *_ = np.linalg.lstsq(
+      a[refs], np.asarray(measured, dtype=float)[refs] - work[refs], rcond=None)
+  constants = Fit(step_seconds=float(step_seconds), op_seconds=float(op_seconds))
+  return predict(m, rate, configs, constants, global_batch=global_batch), constants

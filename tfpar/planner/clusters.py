@@ -20,8 +20,9 @@ TPUs have no float32 matmul unit: float32 runs as three bf16 passes
 (XLA's precision HIGH), a third of the bf16 peak. Latencies (5 us inside a
 node, 10 us across) are typical NCCL/ICI figures, not measurements.
 - cpu:N is one host split into N logical CPU devices that share its cores
-  (each gets 1/N of a 50 GFLOP/s host): a placeholder for tests and small
-  plans; tfpar.planner.calibrate builds one from a measured matmul rate.
+  (a 50 GFLOP/s host; the devices take turns, see Cluster.shared): a
+  placeholder for tests and small plans; tfpar.planner.calibrate builds one
+  from a measured matmul rate.
 """
 
 import dataclasses
@@ -68,6 +69,10 @@ class Cluster:
     intra_bandwidth, intra_latency: bytes/s one way and seconds, inside a node.
     inter_bandwidth, inter_latency: the same between nodes.
     efficiency: compute efficiency constants.
+    shared: the devices are logical devices of one host that share its cores
+      and memory bandwidth (cpu:N): each runs at the host's full rate but they
+      take turns, so a step costs the sum of every device's work and a
+      pipeline stage's idle time is not lost (no bubble cost).
   """
   name: str
   kind: str
@@ -81,6 +86,7 @@ class Cluster:
   inter_bandwidth: float
   inter_latency: float
   efficiency: Efficiency = Efficiency()
+  shared: bool = False
 
   @property
   def nodes(self) -> int:
@@ -112,7 +118,8 @@ BUILT_IN = {
                 devices_per_node=1 << 30, intra_bandwidth=5e9, intra_latency=20e-6,
                 inter_bandwidth=1e9, inter_latency=100e-6,
                 efficiency=Efficiency(max_efficiency=0.5, width_half=32.0, rows_half=64.0,
-                                      op_seconds=2e-3)),
+                                      op_seconds=2e-3),
+                shared=True),
 }
 
 REQUIRED = ("devices", "memory_bytes", "memory_bandwidth", "peak_flops", "devices_per_node", "intra_bandwidth",
@@ -141,9 +148,6 @@ def parse(spec: str) -> Cluster:
   fields = dict(BUILT_IN[name])
   if name in ("tpu-v4", "tpu-v5p"):
     fields["devices_per_node"] = min(fields["devices_per_node"], n)
-  if name == "cpu":  # Logical devices share the host's cores and memory bandwidth.
-    fields["peak_flops"] = {k: v / n for k, v in fields["peak_flops"].items()}
-    fields["memory_bandwidth"] /= n
   return Cluster(name=f"{name}:{n}", devices=n, **fields)
 
 
@@ -163,10 +167,13 @@ def from_yaml(path: str) -> Cluster:
   if missing:
     raise ClusterError(f"--cluster={path} is missing field(s) {', '.join(missing)}: add them "
                        "(see docs/planner.md for an example)")
-  unknown = sorted(set(raw) - set(REQUIRED) - {"name", "kind", "efficiency"})
+  unknown = sorted(set(raw) - set(REQUIRED) - {"name", "kind", "efficiency", "shared"})
   if unknown:
     raise ClusterError(f"--cluster={path} has unknown field(s) {', '.join(unknown)}: the fields "
-                       f"are {', '.join(REQUIRED)}, name, kind, efficiency")
+                       f"are {', '.join(REQUIRED)}, name, kind, efficiency, shared")
+  shared = raw.get("shared", False)
+  if not isinstance(shared, bool):
+    raise ClusterError(f"--cluster={path}: shared={shared!r} must be true or false")
   numbers = {key: _positive(path, key, raw[key]) for key in REQUIRED if key != "peak_flops"}
   peak = raw["peak_flops"]
   if not isinstance(peak, dict) or not peak:
@@ -193,7 +200,7 @@ def from_yaml(path: str) -> Cluster:
                  intra_latency=float(numbers["intra_latency"]),
                  inter_bandwidth=float(numbers["inter_bandwidth"]),
                  inter_latency=float(numbers["inter_latency"]),
-                 efficiency=Efficiency(**eff))
+                 efficiency=Efficiency(**eff), shared=shared)
 
 
 def _positive(path: str, key: str, value) -> float:

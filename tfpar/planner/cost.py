@@ -23,6 +23,11 @@ micro-batches in flight; vocabulary-parallel embedding on the first and last
 stage; L/K blocks per stage; stages across nodes) and is what the published
 table is evaluated with.
 
+On a shared host (Cluster.shared: logical CPU devices of one machine) the
+devices take turns on the same cores: a step costs the sum of every
+device's work, D M T sum_stages(compute + ops + tensor comm), and the bubble
+costs nothing (another stage works meanwhile).
+
 Everything is vectorised over candidate plans (numpy arrays), so thousands
 of plans cost one pass per distinct (K, T).
 """
@@ -268,10 +273,15 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
     # The device holding the most parameters (its gradients are the largest all-reduce).
     out["params_per_device"] = out.get("params_per_device", np.zeros(n))
     out["params_per_device"][idx] = st.params.max()
+    if cluster.shared:  # Every device's work, one after another: D replicas x T shards.
+      total = lambda x: D[idx] * M[idx] * t * x.sum(axis=1)
+      out["compute"][idx] = total(compute + ops)
+      out["tensor_comm"][idx] = total(tp)
   # Pipeline: activations to the next stage and gradients back, per micro-batch.
   p2p = np.where(K > 1, 2 * p2p_seconds(b * s * h * act, bw(K * T), lat(K * T)), 0.0)
   out["pipeline_comm"] = M * p2p
-  out["bubble"] = (K - 1) * (slot + p2p)
+  # On a shared host a stage's idle time is another stage's working time: no bubble cost.
+  out["bubble"] = 0.0 * slot if cluster.shared else (K - 1) * (slot + p2p)
   # Data parallel: one all-reduce of the busiest device's gradients across D replicas.
   grads = out["params_per_device"] * system.grad_bytes[precision]
   out["data_comm"] = all_reduce_seconds(grads, D, bw(D * K * T), lat(D * K * T))
@@ -284,6 +294,8 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
                       float(step_flops(m, global_batch, False)))
   out["tokens_per_second"] = global_batch * s / out["step_seconds"]
   out["tflops_per_device"] = executed / out["step_seconds"] / devices / 1e12
-  out["mfu"] = float(step_flops(m, global_batch, False)) / out["step_seconds"] / devices / peak
+  # A shared host's devices take turns at its peak: the host is the unit of utilisation.
+  units = 1 if cluster.shared else devices
+  out["mfu"] = float(step_flops(m, global_batch, False)) / out["step_seconds"] / units / peak
   out["bubble_fraction"] = (K - 1) / (M + K - 1)
   return out
