@@ -13,6 +13,10 @@ MODEL_DIR = "--model_dir=/tmp/tfpar-config-test"  # validate() never touches it
 BAD = [
     # from_flags
     (["--stage_layers=a,b", "--pipeline_stages=2"], "stage_layers"),
+    (["--profile_steps=5"], "profile_steps"),
+    (["--profile_steps=a,b"], "profile_steps"),
+    (["--profile_steps=4,2", "--train_steps=10"], "profile_steps"),
+    (["--profile_steps=5,20", "--train_steps=10"], "profile_steps"),
     # Each positive-integer flag, at 0 and below.
     (["--seq_len=0"], "seq_len"),
     (["--num_layers=0"], "num_layers"),

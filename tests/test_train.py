@@ -118,8 +118,13 @@ def test_cli_end_to_end(tmp_path):
   # XLA is left off for time (a compile costs more than this whole run); the in-process
   # XLA test above covers that path.
   proc = run_module("tfpar.train", FAST + ["--train_steps=10", "--eval_every=5",
-                                           "--checkpoint_every=5", f"--model_dir={model_dir}"])
+                                           "--checkpoint_every=5", "--profile_steps=3,4",
+                                           f"--model_dir={model_dir}"])
   assert "step     10/10" in proc.stdout  # the progress line a person watches
+  # Steps 3-4 traced where TensorBoard's Profile tab looks, and the trace holds the step's ops.
+  assert "profiled steps 3-4 into" in proc.stdout
+  traces = glob.glob(os.path.join(model_dir, "plugins", "profile", "*", "*.xplane.pb"))
+  assert len(traces) == 1 and b"MatMul" in open(traces[0], "rb").read()
   # What runs, in a sentence, first; none of TensorFlow's C++ start-up lines (cuInit, ...).
   assert proc.stdout.startswith("tfpar: training a 2-layer GPT of "), proc.stdout[:500]
   assert proc.stderr.strip() == "", proc.stderr[-2000:]

@@ -99,6 +99,7 @@ class TrainConfig:
   precision: str = "float32"
   jit_compile: bool = True
   on_nonfinite: str = "stop"  # "stop" or "skip": see tfpar.training.loop
+  profile_steps: Optional[Tuple[int, int]] = None  # (first, last) traced with tf.profiler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +176,15 @@ def model_from_flags(f) -> ModelConfig:
 def from_flags(f) -> Config:
   """Builds and validates a Config from parsed absl FLAGS (or any object with those attrs)."""
   warmup = f.warmup_steps if f.warmup_steps is not None else max(1, f.train_steps // 20)
+  profile_steps = None
+  if f.profile_steps:
+    try:
+      profile_steps = tuple(int(x) for x in f.profile_steps)
+    except ValueError:
+      profile_steps = ()
+    if len(profile_steps) != 2:
+      raise ConfigError(f"--profile_steps={','.join(f.profile_steps)} must be two step numbers "
+                        "FIRST,LAST: e.g. --profile_steps=5,8")
   stage_layers = None
   if f.stage_layers:
     try:
@@ -197,7 +207,8 @@ def from_flags(f) -> Config:
                         log_every=f.log_every, eval_every=f.eval_every, eval_steps=f.eval_steps,
                         checkpoint_every=f.checkpoint_every, keep_checkpoints=f.keep_checkpoints,
                         steps_per_call=f.steps_per_call, precision=f.precision,
-                        jit_compile=f.jit_compile, on_nonfinite=f.on_nonfinite),
+                        jit_compile=f.jit_compile, on_nonfinite=f.on_nonfinite,
+                        profile_steps=profile_steps),
       dist=DistConfig(strategy=f.strategy, num_cpu_devices=f.num_cpu_devices,
                       collective=f.collective, collective_timeout=f.collective_timeout,
                       tpu=f.tpu, ps_shards=f.ps_shards,
@@ -290,6 +301,10 @@ def validate(cfg: Config) -> None:
                       (p.pipeline_stages, "pipeline_stages"), (p.microbatches, "microbatches"),
                       (p.tensor_parallel, "tensor_parallel")):
     _positive(value, flag)
+  if t.profile_steps and not 1 <= t.profile_steps[0] <= t.profile_steps[1] <= t.train_steps:
+    raise ConfigError(f"--profile_steps={t.profile_steps[0]},{t.profile_steps[1]} must satisfy "
+                      f"1 <= FIRST <= LAST <= --train_steps={t.train_steps}: e.g. "
+                      f"--profile_steps={min(5, t.train_steps)},{min(8, t.train_steps)}")
   if t.eval_every < 0 or t.eval_steps < 0:
     raise ConfigError("--eval_every and --eval_steps must be >= 0: use 0 to evaluate only at the end")
   if not 0.0 < d.eval_fraction < 0.5:

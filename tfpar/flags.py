@@ -79,6 +79,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   _define(flags.DEFINE_integer, fv, "eval_steps", 4, "Global batches per evaluation.")
   _define(flags.DEFINE_integer, fv, "checkpoint_every", 100, "Steps between checkpoints (one is always written at the end).")
   _define(flags.DEFINE_integer, fv, "keep_checkpoints", 3, "How many recent checkpoints to keep.")
+  _define(flags.DEFINE_list, fv, "profile_steps", None,
+          "FIRST,LAST: trace steps FIRST..LAST with tf.profiler into --model_dir (TensorBoard's "
+          "Profile tab; scripts/step_profile.py --trace reads it), on the chief.")
   _define(flags.DEFINE_integer, fv, "steps_per_call", 10,
                        "Steps run inside one tf.function call (fewer Python round trips).")
   # Numerics and compilation.

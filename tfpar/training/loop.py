@@ -23,6 +23,7 @@ import os
 import time
 
 import numpy as np
+import tensorflow as tf
 
 from tfpar.config import Config
 from tfpar.console import count as _count
@@ -81,6 +82,8 @@ def _next_boundary(step: int, cfg: Config) -> int:
            (step // t.checkpoint_every + 1) * t.checkpoint_every]
   if t.eval_every:
     nexts.append((step // t.eval_every + 1) * t.eval_every)
+  if t.profile_steps:  # A call starts at the first traced step and ends at the last.
+    nexts += [x for x in (t.profile_steps[0] - 1, t.profile_steps[1]) if x > step]
   return min(nexts)
 
 
@@ -114,11 +117,20 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
   last = {}
   agreement = preemption.Agreement(getattr(engine, "strategy", None))
   preemption.arm()
+  profiling = False
   while step < t.train_steps:
     n = min(t.steps_per_call, _next_boundary(step, cfg) - step)
+    if is_chief and t.profile_steps and step + 1 == t.profile_steps[0]:
+      tf.profiler.experimental.start(t.model_dir)  # Its calls end at the last traced step.
+      profiling = True
     start = time.perf_counter()
     losses, norms = engine.train(iterator, n)
     elapsed = time.perf_counter() - start
+    if profiling and step + n >= t.profile_steps[1]:
+      tf.profiler.experimental.stop()
+      profiling = False
+      metrics.say(f"profiled steps {t.profile_steps[0]}-{t.profile_steps[1]} into "
+                  f"{t.model_dir}/plugins/profile (TensorBoard --logdir={t.model_dir}, Profile)")
     skipped = _check_numerics(cfg, step, losses, norms, metrics, checkpointer.directory)
     window_skipped += skipped
     skipped_total += skipped
