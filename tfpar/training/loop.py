@@ -121,16 +121,16 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
   while step < t.train_steps:
     n = min(t.steps_per_call, _next_boundary(step, cfg) - step)
     if is_chief and t.profile_steps and step + 1 == t.profile_steps[0]:
-      tf.profiler.experimental.start(t.model_dir)  # Its calls end at the last traced step.
+      tf.profiler.experimental.start(  # Its calls end at the last traced step; ops named.
+          t.model_dir, options=tf.profiler.experimental.ProfilerOptions(host_tracer_level=3))
       profiling = True
     start = time.perf_counter()
     losses, norms = engine.train(iterator, n)
     elapsed = time.perf_counter() - start
-    if profiling and step + n >= t.profile_steps[1]:
+    profiled = profiling and step + n >= t.profile_steps[1]
+    if profiled:
       tf.profiler.experimental.stop()
       profiling = False
-      metrics.say(f"profiled steps {t.profile_steps[0]}-{t.profile_steps[1]} into "
-                  f"{t.model_dir}/plugins/profile (TensorBoard --logdir={t.model_dir}, Profile)")
     skipped = _check_numerics(cfg, step, losses, norms, metrics, checkpointer.directory)
     window_skipped += skipped
     skipped_total += skipped
@@ -163,6 +163,9 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
       last["train"] = record
       window_losses, window_norms, window_traffic, window_time = [], [], [], 0.0
       window_skipped = 0
+    if profiled:
+      metrics.say(f"profiled steps {t.profile_steps[0]}-{t.profile_steps[1]} into "
+                  f"{t.model_dir}/plugins/profile (TensorBoard --logdir={t.model_dir}, Profile)")
     if preempted:  # Before eval: the grace period is for saving.
       path = checkpointer.save(step)
       who = "" if is_chief else f"worker {worker_index}: "
