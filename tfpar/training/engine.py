@@ -146,9 +146,9 @@ class DataParallelEngine(Engine):
     variables = self.model.trainable_variables
     # PowerSGD state: one set per replica of this process, on the replica's device.
     self._local_devices = list(strategy.extended.worker_devices)
-    # One replica on a CPU reads a plain tf.data iterator: a tf.distribute iterator alive in
-    # the process slows XLA's CPU programs by about 10% (docs/benchmarks.md); on a GPU its
-    # prefetch to the device is worth keeping.
+    # One replica on a CPU reads a plain tf.data iterator: a tf.distribute iterator alive
+    # in the process slows XLA's CPU programs by about 10%
+    # (scripts/input_iterator_peak.py); on a GPU its prefetch to the device is worth keeping.
     self._plain_input = (isinstance(strategy, tf.distribute.OneDeviceStrategy) and
                          "CPU" in self._local_devices[0].upper())
     self._replica_of_device = {plan_lib.device_key(d): i
