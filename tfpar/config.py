@@ -173,25 +173,27 @@ def model_from_flags(f) -> ModelConfig:
   return m
 
 
+def _ints(values, flag: str, fix: str) -> Tuple[int, ...]:
+  """A list flag's values as integers, else ConfigError: --flag=values and `fix`."""
+  try:
+    return tuple(int(x) for x in values)
+  except ValueError:
+    raise ConfigError(f"--{flag}={','.join(values)} {fix}") from None
+
+
 def from_flags(f) -> Config:
   """Builds and validates a Config from parsed absl FLAGS (or any object with those attrs)."""
   warmup = f.warmup_steps if f.warmup_steps is not None else max(1, f.train_steps // 20)
   profile_steps = None
   if f.profile_steps:
-    try:
-      profile_steps = tuple(int(x) for x in f.profile_steps)
-    except ValueError:
-      profile_steps = ()
+    fix = "must be two step numbers FIRST,LAST: e.g. --profile_steps=5,8"
+    profile_steps = _ints(f.profile_steps, "profile_steps", fix)
     if len(profile_steps) != 2:
-      raise ConfigError(f"--profile_steps={','.join(f.profile_steps)} must be two step numbers "
-                        "FIRST,LAST: e.g. --profile_steps=5,8")
+      raise ConfigError(f"--profile_steps={','.join(f.profile_steps)} {fix}")
   stage_layers = None
   if f.stage_layers:
-    try:
-      stage_layers = tuple(int(x) for x in f.stage_layers)
-    except ValueError:
-      raise ConfigError(f"--stage_layers={','.join(f.stage_layers)} is not a list of integers: "
-                        "write blocks per stage, e.g. --stage_layers=3,3,2") from None
+    stage_layers = _ints(f.stage_layers, "stage_layers", "is not a list of integers: write "
+                         "blocks per stage, e.g. --stage_layers=3,3,2")
   if not f.model_dir:
     raise ConfigError("--model_dir is not set: pass --model_dir=DIR for checkpoints and metrics")
   cfg = Config(

@@ -81,7 +81,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   _define(flags.DEFINE_integer, fv, "keep_checkpoints", 3, "How many recent checkpoints to keep.")
   _define(flags.DEFINE_list, fv, "profile_steps", None,
           "FIRST,LAST: trace steps FIRST..LAST with tf.profiler into --model_dir (TensorBoard's "
-          "Profile tab; scripts/step_profile.py --trace reads it), on the chief.")
+          "Profile tab; scripts/dp_profile.py reads it), on the chief.")
   _define(flags.DEFINE_integer, fv, "steps_per_call", 10,
                        "Steps run inside one tf.function call (fewer Python round trips).")
   # Numerics and compilation.
