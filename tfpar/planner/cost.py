@@ -34,7 +34,7 @@ of plans cost one pass per distinct (K, T).
 
 import dataclasses
 import functools
-from typing import Dict, Tuple
+from typing import Dict
 
 import numpy as np
 
@@ -253,11 +253,16 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
     _, touched = activation_bytes_per_block(m, bi, t, ri > 0, precision)
     ops = ops + st.blocks * (3 + ri) * touched / cluster.memory_bandwidth
     tp = st.blocks * (4 + 2 * ri) * all_reduce_seconds(bi * s * h * act, t, bw(t), lat(t))
-    busiest = np.argmax(compute + ops + tp, axis=1)
     rows = np.arange(len(idx))
-    out["compute"][idx] = mi[:, 0] * (compute + ops)[rows, busiest]
-    out["tensor_comm"][idx] = mi[:, 0] * tp[rows, busiest]
-    slot[idx] = (compute + ops + tp)[rows, busiest]
+    if cluster.shared:  # Every device's work, one after another: D replicas x T shards.
+      total = lambda x: D[idx] * M[idx] * t * x.sum(axis=1)
+      out["compute"][idx] = total(compute + ops)
+      out["tensor_comm"][idx] = total(tp)
+    else:  # The devices work at once: the busiest stage sets the pace.
+      busiest = np.argmax(compute + ops + tp, axis=1)
+      out["compute"][idx] = mi[:, 0] * (compute + ops)[rows, busiest]
+      out["tensor_comm"][idx] = mi[:, 0] * tp[rows, busiest]
+      slot[idx] = (compute + ops + tp)[rows, busiest]
     # Memory of each stage's first device; the plan needs the largest.
     per_block, full = activation_bytes_per_block(m, bi, t, ri > 0, precision)
     in_flight = mi if system.schedule == "gpipe" else np.minimum(mi, k - np.arange(k))
@@ -273,15 +278,11 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
     # The device holding the most parameters (its gradients are the largest all-reduce).
     out["params_per_device"] = out.get("params_per_device", np.zeros(n))
     out["params_per_device"][idx] = st.params.max()
-    if cluster.shared:  # Every device's work, one after another: D replicas x T shards.
-      total = lambda x: D[idx] * M[idx] * t * x.sum(axis=1)
-      out["compute"][idx] = total(compute + ops)
-      out["tensor_comm"][idx] = total(tp)
   # Pipeline: activations to the next stage and gradients back, per micro-batch.
   p2p = np.where(K > 1, 2 * p2p_seconds(b * s * h * act, bw(K * T), lat(K * T)), 0.0)
   out["pipeline_comm"] = M * p2p
   # On a shared host a stage's idle time is another stage's working time: no bubble cost.
-  out["bubble"] = 0.0 * slot if cluster.shared else (K - 1) * (slot + p2p)
+  out["bubble"] = np.zeros(n) if cluster.shared else (K - 1) * (slot + p2p)
   # Data parallel: one all-reduce of the busiest device's gradients across D replicas.
   grads = out["params_per_device"] * system.grad_bytes[precision]
   out["data_comm"] = all_reduce_seconds(grads, D, bw(D * K * T), lat(D * K * T))
