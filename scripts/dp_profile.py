@@ -35,6 +35,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_dp  # pylint: disable=wrong-import-position
+import xplane  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("configs", ["one_device/none", "mirrored/none", "multi_worker/none"],
@@ -95,37 +96,24 @@ def _subtract(intervals, taken):
 
 
 def breakdown(model_dir: str, steps: int) -> dict:
-  """Milliseconds per traced step of wall time in each part, and the step itself."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=import-outside-toplevel
-  path = sorted(tf.io.gfile.glob(os.path.join(model_dir, "plugins", "profile", "*",
-                                              "*.xplane.pb")))[-1]
-  space = xplane_pb2.XSpace()
-  with tf.io.gfile.GFile(path, "rb") as f:
-    space.ParseFromString(f.read())
+  """Seconds per traced step of wall time in each part, idle, and the step itself."""
   spans = {p: [] for p in PARTS}
   calls = []
-  for plane in space.planes:
-    for line in plane.lines:
-      for event in line.events:
-        name = plane.event_metadata[event.metadata_id].name
-        start = line.timestamp_ns * 1000 + event.offset_ps
-        span = (start, start + event.duration_ps)
-        if name == "_train_steps":
-          calls.append(span)
-        part = part_of(name)
-        if part:
-          spans[part].append(span)
-  window = _union(calls)
-  wall = sum(b - a for a, b in window)
-  taken, out = [], {}
+  for name, start, duration in xplane.events(model_dir):
+    span = (start, start + duration)
+    if name == "_train_steps":
+      calls.append(span)
+    part = part_of(name)
+    if part:
+      spans[part].append(span)
+  length = lambda intervals: sum(b - a for a, b in intervals) * 1e-12 / steps
+  free = _union(calls)  # The steps' wall time not yet given to a part.
+  out = {"step": length(free)}
   for part in PARTS:  # Precedence: what a part overlaps with an earlier one is not its time.
-    mine = _subtract(_union([s for s in spans[part]]), taken)
-    inside = _subtract(window, _subtract(window, mine))  # Within the steps' calls only.
-    out[part] = sum(b - a for a, b in inside) * 1e-12 / steps
-    taken = _union(taken + mine)
-  out["idle"] = wall * 1e-12 / steps - sum(out[p] for p in PARTS)
-  out["step"] = wall * 1e-12 / steps
+    rest = _subtract(free, _union(spans[part]))
+    out[part] = length(free) - length(rest)
+    free = rest
+  out["idle"] = length(free)
   return out
 
 

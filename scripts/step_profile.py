@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from absl import app, flags  # pylint: disable=wrong-import-position
 
 import bench  # pylint: disable=wrong-import-position
+import xplane  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("logdir", None, "Keep the trace here (default: a temporary directory).")
@@ -104,17 +105,9 @@ def bucket_of(op_name: str) -> str:
 
 
 def trace_events(logdir: str):
-  """(name, duration in seconds) of every event in the host plane of the trace."""
-  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=import-outside-toplevel
-  space = xplane_pb2.XSpace()
-  path = sorted(glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb")))[-1]
-  with open(path, "rb") as f:
-    space.ParseFromString(f.read())
-  for plane in space.planes:
-    names = plane.event_metadata
-    for line in plane.lines:
-      for event in line.events:
-        yield names[event.metadata_id].name, event.duration_ps * 1e-12
+  """(name, duration in seconds) of every event in the trace."""
+  for name, _, duration in xplane.events(logdir):
+    yield name, duration * 1e-12
 
 
 def main(argv):
