@@ -21,9 +21,11 @@ setup(
     ],
     extras_require={
         # The tests run scripts/bench.py's smoke test, which trains keras-hub's GPT2Backbone;
-        # kubernetes and jsonschema validate the rendered manifests offline; hypothesis drives
-        # the property tests of the flag validator.
-        "test": ["pytest>=8", "keras-hub>=0.32", "kubernetes", "jsonschema", "hypothesis>=6"],
+        # kubernetes (core kinds) and kubeflow-training (TFJob) validate the rendered manifests
+        # offline, jsonschema against the CRD schemas where present; hypothesis drives the
+        # property tests of the flag validator.
+        "test": ["pytest>=8", "keras-hub>=0.32", "kubernetes", "kubeflow-training>=1.9",
+                 "jsonschema", "hypothesis>=6"],
         "bench": ["keras-hub>=0.32"],
     },
 )

@@ -4,10 +4,65 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The one thing beside the checkout a test may read, when present and not
+# overridden by TFPAR_K8S_SCHEMAS: the full CRD schemas (tests/test_k8s.py).
+OPTIONAL_K8S_SCHEMAS = os.path.join(os.path.dirname(REPO), "shared", "k8s-schemas")
+
+
+def _beside_repo():
+  """The directories beside the checkout, which a user's clone does not have.
+
+  Hidden ones and any holding this Python, its packages or the temp dir are not
+  counted (a clone in a home directory sits beside ~/.cache); beside a checkout at
+  the filesystem's root are the system's own directories, so none is counted.
+  """
+  parent = os.path.dirname(REPO)
+  if parent == os.path.dirname(parent):
+    return []
+  needed = [os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                          tempfile.gettempdir(), *sys.path) if p]
+  beside = []
+  for name in os.listdir(parent):
+    path = os.path.join(parent, name)
+    if (path != REPO and not name.startswith(".") and os.path.isdir(path)
+        and not any(n == path or n.startswith(path + os.sep) for n in needed)):
+      beside.append(path)
+  return beside
+
+
+BESIDE_REPO = tuple(_beside_repo())
+READ_BESIDE_REPO = []  # What this process opened or listed there: must stay empty.
+
+
+def _audit(event, args):
+  if event in ("open", "os.listdir", "os.scandir", "glob.glob") and args:
+    path = args[0]
+    if isinstance(path, bytes):
+      path = os.fsdecode(path)
+    if isinstance(path, (str, os.PathLike)):
+      path = os.path.abspath(path)
+      if (any(path == b or path.startswith(b + os.sep) for b in BESIDE_REPO)
+          and not (path + os.sep).startswith(OPTIONAL_K8S_SCHEMAS + os.sep)):
+        READ_BESIDE_REPO.append(path)
+
+
+if BESIDE_REPO:
+  sys.addaudithook(_audit)
+
+
+@pytest.fixture(autouse=True)
+def reads_nothing_beside_the_repository():
+  """A user's clone has nothing beside it: no test (nor tfpar in this process) may read there."""
+  yield
+  if READ_BESIDE_REPO:
+    paths = sorted(set(READ_BESIDE_REPO))
+    READ_BESIDE_REPO.clear()
+    pytest.fail(f"read beside the repository, which a user's clone does not have: {paths[:5]}")
 
 # A model small enough that a CLI run takes seconds on 2 cores.
 TINY = ["--num_layers=2", "--d_model=32", "--num_heads=4", "--d_ff=64", "--seq_len=32",
