@@ -59,7 +59,7 @@ _K8S = k8s_client.ApiClient()
 _KUBEFLOW = KubeflowApiClient()
 
 
-class _Response:  # What ApiClient.deserialize reads: the body of an HTTP response.
+class _Response:  # What ApiClient.deserialize reads (kubernetes < 36, as kubeflow-training pins).
 
   def __init__(self, obj):
     self.data = json.dumps(obj)
