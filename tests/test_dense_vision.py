@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -105,10 +106,25 @@ def _canvas_png(path, size=32):
   return held_out
 
 
+def _copy_run(model_dir, tmp_path, state_file):
+  """A copy of a run whose `checkpoint` state file is replaced (bytes) or removed (None).
+
+  predict finds checkpoints from their files, as train and generate do: the
+  state file, lost or corrupt, changes nothing.
+  """
+  copy = tmp_path / "run"
+  shutil.copytree(model_dir, copy)
+  (copy / "checkpoints" / "checkpoint").unlink()
+  if state_file is not None:
+    (copy / "checkpoints" / "checkpoint").write_bytes(state_file)
+  return str(copy)
+
+
 def test_predict_prints_boxes_and_writes_masks(detect_runs, tmp_path):
   image = str(tmp_path / "canvas.png")
   _canvas_png(image)
-  out = run_module("tfpar.predict", [f"--model_dir={detect_runs[0]}", f"--image={image}",
+  model_dir = _copy_run(detect_runs[0], tmp_path, state_file=None)
+  out = run_module("tfpar.predict", [f"--model_dir={model_dir}", f"--image={image}",
                                      "--score_threshold=0", "--overlay",
                                      f"--output_dir={tmp_path}"]).stdout.splitlines()
   assert out[0].startswith(f"{image}: ") and out[0].endswith(" boxes")
@@ -120,7 +136,7 @@ def test_predict_prints_boxes_and_writes_masks(detect_runs, tmp_path):
 
 
 def test_predict_writes_a_mask_png(segment_run, tmp_path):
-  model_dir = segment_run[1]
+  model_dir = _copy_run(segment_run[1], tmp_path, state_file=b"\xff\xfe\x00 not a state file")
   image = str(tmp_path / "canvas.png")
   _canvas_png(image)
   out = run_module("tfpar.predict", [f"--model_dir={model_dir}", f"--image={tmp_path}"]).stdout
@@ -160,5 +176,8 @@ def test_bad_input_ends_with_one_line_and_status_2(detect_runs, tmp_path):
   line = _fails("tfpar.predict", [f"--model_dir={detect_runs[0]}",
                                   f"--image={tmp_path / 'bad.png'}"])
   assert "bad.png is not a readable image" in line
+  line = _fails("tfpar.predict", [f"--model_dir={detect_runs[0]}", f"--image={tmp_path / 'a.png'}",
+                                  "--overlay", "--output_dir=/proc/tfpar_predictions"])
+  assert "--output_dir=/proc/tfpar_predictions cannot be created" in line
   line = _fails("tfpar.predict", [f"--model_dir={tmp_path / 'nothing'}", f"--image={tmp_path}"])
   assert "has no config.json" in line

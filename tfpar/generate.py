@@ -11,6 +11,7 @@ here, on their own FlagValues, not among the training flags.
 """
 
 import json
+import math
 import os
 import sys
 from typing import Callable, List, Sequence
@@ -57,8 +58,8 @@ def check(fv: flags.FlagValues) -> None:
                         f"(python -m tfpar.train --model_dir={d} ...)")
   if fv.max_new_tokens < 0:
     raise GenerateError(f"--max_new_tokens={fv.max_new_tokens} must be >= 0")
-  if fv.temperature < 0:
-    raise GenerateError(f"--temperature={fv.temperature} must be >= 0 (0: greedy)")
+  if not (math.isfinite(fv.temperature) and fv.temperature >= 0):
+    raise GenerateError(f"--temperature={fv.temperature} must be a finite number >= 0 (0: greedy)")
   if not 0 <= fv.top_k <= VOCAB_SIZE:
     raise GenerateError(f"--top_k={fv.top_k} must be in [0, {VOCAB_SIZE}] (0: no top-k cut)")
 
@@ -110,24 +111,13 @@ def load_model(model_dir: str):
 
   with tf.io.gfile.GFile(os.path.join(model_dir, "config.json")) as f:
     model_flags = json.load(f)["model"]
-  # The newest checkpoint whose files read back whole (a truncated one is passed over).
-  path = next((p for _, p in checkpoint.list_checkpoints(os.path.join(model_dir, "checkpoints"))
-               if checkpoint.is_readable(p)), None)
-  if path is None:
-    raise GenerateError(f"--model_dir={model_dir} has no readable checkpoint: train into it first")
   keras.mixed_precision.set_global_policy("float32")
   # Without dropout the model has no RNG state: only weights are restored.
   config = ModelConfig(**{**model_flags, "dropout": 0.0})
   model = GPT(config)
   model.build_all()
-  layout = checkpoint.model_layout(model)
-  values = checkpoint.read_checkpoint(path)
-  missing = sorted(set(layout) - set(values))
-  if missing:
-    raise checkpoint.CheckpointMismatchError(
-        f"the checkpoint {path} has no {missing[0]}: it was written by another version of "
-        "the model; retrain into a new --model_dir")
-  checkpoint.assign_canonical(layout, values)
+  if checkpoint.load_weights(model, model_dir) is None:
+    raise GenerateError(f"--model_dir={model_dir} has no readable checkpoint: train into it first")
 
   seq_len = config.seq_len
 

@@ -104,28 +104,19 @@ def read_config(model_dir: str):
 def load_model(model_dir: str):
   """(task, model) of the run, its weights restored from the latest checkpoint."""
   import keras  # pylint: disable=import-outside-toplevel
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tfpar import tasks  # pylint: disable=import-outside-toplevel
   from tfpar.training import checkpoint  # pylint: disable=import-outside-toplevel
   cfg = read_config(model_dir)
   if cfg.model.task == "lm":
     raise PredictError(f"--model_dir={model_dir} holds a language model: sample from it with "
                        "python -m tfpar.generate")
-  path = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))
-  if path is None:
-    raise PredictError(f"--model_dir={model_dir} has no checkpoint yet: train into it first")
   keras.mixed_precision.set_global_policy("float32")
   task = tasks.make(cfg)
   model = task.build_model()
   model.build_all()
-  layout = checkpoint.model_layout(model)
-  values = checkpoint.read_checkpoint(path)
-  missing = sorted(set(layout) - set(values))
-  if missing:
-    raise checkpoint.CheckpointMismatchError(
-        f"the checkpoint {path} has no {missing[0]}: it was written by another version of "
-        "the model; retrain into a new --model_dir")
-  checkpoint.assign_canonical(layout, values)
+  if checkpoint.load_weights(model, model_dir) is None:
+    raise PredictError(f"--model_dir={model_dir} has no readable checkpoint yet: train into it "
+                       "first")
   return task, model
 
 
@@ -172,7 +163,11 @@ def predict(task, model, paths: Sequence[str], *, output_dir: str, overlay: bool
   kind = m.task
   lines = []
   if kind == "segment" or overlay:
-    tf.io.gfile.makedirs(output_dir)
+    try:
+      tf.io.gfile.makedirs(output_dir)
+    except (tf.errors.OpError, OSError) as e:
+      raise PredictError(f"--output_dir={output_dir} cannot be created ({e.__class__.__name__}): "
+                         "pass a writable --output_dir") from None
   for start in range(0, len(paths), batch_size):
     batch = pixels[start:start + batch_size].astype(np.float32) / 255.0
     outputs = model(batch, training=False)

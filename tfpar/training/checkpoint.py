@@ -305,6 +305,30 @@ class CanonicalCheckpointer:
     tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
 
 
+def load_weights(model, model_dir: str) -> Optional[str]:
+  """Assigns `model` the weights of the newest readable checkpoint in model_dir/checkpoints.
+
+  For inference (tfpar.generate, tfpar.predict). The checkpoints are found from
+  their files, never from the `checkpoint` state file (lost or corrupt, it
+  changes nothing); a truncated checkpoint is passed over. Returns its path, or
+  None where there is no readable checkpoint; raises CheckpointMismatchError
+  where it lacks one of the model's weights.
+  """
+  path = next((p for _, p in list_checkpoints(os.path.join(model_dir, "checkpoints"))
+               if is_readable(p)), None)
+  if path is None:
+    return None
+  layout = model_layout(model)
+  values = read_checkpoint(path)
+  missing = sorted(set(layout) - set(values))
+  if missing:
+    raise CheckpointMismatchError(
+        f"the checkpoint {path} has no {missing[0]}: it was written by another version of "
+        "the model; retrain into a new --model_dir")
+  assign_canonical(layout, values)
+  return path
+
+
 def read_checkpoint(path: str) -> Dict[str, np.ndarray]:
   """Reads every canonical tensor of a checkpoint file (for tests and tools)."""
   reader = tf.train.load_checkpoint(path)
