@@ -94,6 +94,7 @@ def test_cli_prints_the_prompt_and_its_continuation(model_dir, next_logits):
     ("--top_k=257", "top_k"),
     ("--top_k=-1", "top_k"),
     ("--temperature=-0.5", "temperature"),
+    ("--temperature=nan", "temperature"),
     ("--top_k=many", "top_k"),
 ])
 def test_cli_bad_input_is_one_line(tmp_path, model_dir, case, flag):
