@@ -248,10 +248,14 @@ def test_yaml_cluster_is_read_and_checked(tmp_path):
     (["--num_layers=96", "--d_model=12288", "--num_heads=96", "--seq_len=2048",
       "--vocab_size=51200", "--precision=mixed_bfloat16", "--cluster=a100-80gb:8"],
      ["do not fit on a100-80gb:8", "GiB per device", "fits on 64 such devices"]),
+    (["--cluster=cpu:2", "--emit_flags=MISSING_DIR/best.flags"],
+     ["the directory", "MISSING_DIR does not exist: create it"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, words, tmp_path):
   yaml_path = write_yaml(tmp_path / "c.yaml", peak_flops=None)
   args = [a.replace("MISSING_YAML", yaml_path) for a in args]
+  words = [w.replace("MISSING_DIR", str(tmp_path / "nowhere")) for w in words]
+  args = [a.replace("MISSING_DIR", str(tmp_path / "nowhere")) for a in args]
   proc = run_module("tfpar.plan", args + ["--system=megatron"] * ("--num_layers=96" in args),
                     check=False)
   assert proc.returncode == 2, proc.stderr
@@ -259,3 +263,4 @@ def test_bad_input_is_one_line_and_exit_2(args, words, tmp_path):
   assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
   for w in words:
     assert w in lines[0], lines[0]
+  assert not (tmp_path / "nowhere").exists()

@@ -17,11 +17,13 @@ Bad input ends with one line on stderr and exit status 2.
 """
 
 import json
+import os
 import sys
 
 from absl import app, flags
 
 from tfpar import config as config_lib
+from tfpar import console
 from tfpar import flags as tfpar_flags
 from tfpar.planner import clusters, cost, report, search
 
@@ -99,6 +101,18 @@ def nothing_fits(m, cluster, ranked, global_batch, precision, system, fixed) -> 
   return line + f"; use devices with >= {need / 2 ** 30:.0f} GiB"
 
 
+def check_writable(path: str) -> None:
+  """--emit_flags' directory must exist (through tf.io.gfile: gs:// works too)."""
+  console.import_tensorflow_quietly()
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  parent = os.path.dirname(path)
+  if tf.io.gfile.isdir(path):
+    raise PlanError(f"--emit_flags={path} is a directory: name the flagfile to write")
+  if parent and not tf.io.gfile.isdir(parent):
+    raise PlanError(f"--emit_flags={path}: the directory {parent} does not exist: create it "
+                    "or write the flagfile elsewhere")
+
+
 def main(argv):
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}: flags are written --name=value")
@@ -117,6 +131,8 @@ def main(argv):
                       f"{cost.COMPUTE_DTYPE[FLAGS.precision]} (--precision={FLAGS.precision})")
     if FLAGS.emit_flags and system is not cost.TFPAR:
       raise PlanError("--emit_flags writes tfpar flags: use it with --system=tfpar")
+    if FLAGS.emit_flags:
+      check_writable(FLAGS.emit_flags)
     ranked = plan(m, cluster, global_batch=FLAGS.global_batch_size, precision=FLAGS.precision,
                   system=system, fixed=fixed_degrees(FLAGS))
   except (config_lib.ConfigError, clusters.ClusterError, PlanError) as e:
