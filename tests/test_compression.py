@@ -137,6 +137,19 @@ def test_powersgd_rank_4_sends_30x_fewer_bytes_at_the_benchmark_shape():
   assert ratio >= 30, ratio
 
 
+@pytest.mark.parametrize("settings", [{"rank": 100000}, {"min_size": 10 ** 8}])
+def test_powersgd_with_nothing_to_compress_is_refused_in_one_line(settings):
+  """Not an IndexError in the traced step: a setting no restart can fix (exit 2 from the CLI)."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tfpar.config import CompressionConfig, ConfigError  # pylint: disable=import-outside-toplevel
+  from tfpar.parallel import compression  # pylint: disable=import-outside-toplevel
+  variables = [tf.Variable(tf.zeros(s)) for s in [(256, 32), (32, 64), (64,)]]
+  with pytest.raises(ConfigError, match="compresses none of the model's weights "
+                                        r"\(the largest is 256x32 = 8192 elements"):
+    compression.GradientReducer(CompressionConfig(method="powersgd", **settings), variables,
+                                num_replicas=2, state_devices=[["/cpu:0"] * 3])
+
+
 def test_fp16_neither_overflows_nor_flushes_to_zero(mirrored4):
   rng = np.random.default_rng(3)
   big = [[(3e4 * rng.uniform(0.5, 1.0, size=(16,))).astype(np.float32)] for _ in range(4)]
