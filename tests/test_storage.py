@@ -97,3 +97,34 @@ def test_every_checkpoint_unreadable_is_one_clear_error_not_a_restart(tmp_path, 
                              f"--model_dir={model_dir}"])
   message = str(info.value)
   assert "\n" not in message and "ckpt-4" in message and "ckpt-2" in message
+
+
+def test_a_metrics_line_cut_short_is_set_aside_on_resume(tmp_path, run_to_4, capsys):
+  """A pod killed mid-write leaves half a record: the resumed run used to glue its first one onto it."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  model_dir = str(tmp_path / "run")
+  shutil.copytree(run_to_4, model_dir)
+  path = os.path.join(model_dir, "metrics.jsonl")
+  with open(path, "a") as f:
+    f.write('{"kind": "train", "step": 5, "lo')  # no newline: the write was cut here
+  train_in_process(FAST + ["--train_steps=5", "--checkpoint_every=2", "--eval_steps=0",
+                           "--min_lr_ratio=1.0", f"--model_dir={model_dir}"])
+  warnings = [line for line in capsys.readouterr().out.splitlines() if "cut short" in line]
+  assert len(warnings) == 1, warnings
+  with open(path) as f:
+    assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4, 5]  # every line whole JSON
+  with open(path + ".superseded") as f:
+    assert f.read() == '{"kind": "train", "step": 5, "lo\n'
+
+
+def test_metrics_never_glue_a_record_to_a_partial_line(tmp_path):
+  """Without drop_after (a first write into a dir with an old file) the first write sets it aside."""
+  from tfpar.training.metrics import MetricsWriter  # pylint: disable=import-outside-toplevel
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"kind": "train", "step": 1}\n{"kind": "train", "step": 2}\n{"kind": "tr')
+  MetricsWriter(str(tmp_path)).write({"kind": "train", "step": 3, "loss": 1.5})
+  assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+  assert (tmp_path / "metrics.jsonl.superseded").read_text() == '{"kind": "tr\n'
+  path.write_text('{"kind": "train", "step": 1}')  # whole, only its newline lost: kept
+  MetricsWriter(str(tmp_path)).write({"kind": "train", "step": 2, "loss": 1.5})
+  assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
