@@ -128,3 +128,19 @@ def test_metrics_never_glue_a_record_to_a_partial_line(tmp_path):
   path.write_text('{"kind": "train", "step": 1}')  # whole, only its newline lost: kept
   MetricsWriter(str(tmp_path)).write({"kind": "train", "step": 2, "loss": 1.5})
   assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def test_keep_checkpoints_counts_the_checkpoints_on_disk_across_restarts(tmp_path, run_to_4):
+  """Each restart used to forget the older checkpoints: ckpt-2, 4, 6, 8... piled up."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  model_dir = str(tmp_path / "run")
+  shutil.copytree(run_to_4, model_dir)  # ckpt-2 and ckpt-4, from another process
+  train_in_process(FAST + ["--train_steps=6", "--checkpoint_every=2", "--eval_steps=0",
+                           "--min_lr_ratio=1.0", "--keep_checkpoints=2", f"--model_dir={model_dir}"])
+  checkpoints = os.path.join(model_dir, "checkpoints")
+  assert [s for s, _ in list_checkpoints(checkpoints)] == [6, 4]
+  assert sorted(n for n in os.listdir(checkpoints) if n.startswith("ckpt-2")) == []  # data too
+  train_in_process(FAST + ["--train_steps=7", "--checkpoint_every=2", "--eval_steps=0",
+                           "--min_lr_ratio=1.0", "--keep_checkpoints=1", f"--model_dir={model_dir}"])
+  assert sorted(os.listdir(checkpoints)) == ["checkpoint", "ckpt-7.data-00000-of-00001",
+                                             "ckpt-7.index"]
