@@ -71,6 +71,9 @@ BAD = [
     (["--precision=mixed_float16"] + PIPELINE, None, "precision"),
     (["--strategy=mirrored", "--num_cpu_devices=3"], None, "global_batch_size"),
     (["--strategy=multi_worker_mirrored"], MWMS(3), "global_batch_size"),
+    # A TF_CONFIG left in the environment: each task would train alone (issue 18).
+    (["--strategy=one_device"], MWMS(2), "strategy"),
+    (["--strategy=mirrored", "--num_cpu_devices=2"], PS, "strategy"),
     (["--strategy=parameter_server", "--ps_shards=2"], PS, "ps_shards"),
     (["--strategy=multi_worker_mirrored", "--data_parallel=3"] + PIPELINE, MWMS(2),
      "data_parallel"),
@@ -142,6 +145,19 @@ def test_cli_model_dir_is_a_file(tmp_path):
   proc = run_module("tfpar.train", TINY + [f"--model_dir={path}"], check=False)
   assert_one_line(proc, "--model_dir", "is a file")
   assert path.read_text() == "keep me"
+
+
+def test_cli_tf_config_of_a_cluster_with_one_device_is_refused(tmp_path):
+  """A TF_CONFIG naming worker 1 of two used to train as a non-chief: no output, exit 0, no files."""
+  tf_config = json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+                          "task": {"type": "worker", "index": 1}})
+  model_dir = tmp_path / "run"
+  proc = run_module("tfpar.train", ["--flagfile=configs/gpt_tiny.flags", "--strategy=one_device",
+                                    f"--model_dir={model_dir}", "--train_steps=2"],
+                    env={"TF_CONFIG": tf_config}, check=False)
+  assert_one_line(proc, "TF_CONFIG", "--strategy=one_device", "unset TF_CONFIG",
+                  "--strategy=multi_worker_mirrored")
+  assert not model_dir.exists()
 
 
 def test_cli_resume_with_another_batch_leaves_the_run_untouched(tmp_path):

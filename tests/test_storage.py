@@ -97,3 +97,50 @@ def test_every_checkpoint_unreadable_is_one_clear_error_not_a_restart(tmp_path, 
                              f"--model_dir={model_dir}"])
   message = str(info.value)
   assert "\n" not in message and "ckpt-4" in message and "ckpt-2" in message
+
+
+def test_a_metrics_line_cut_short_is_set_aside_on_resume(tmp_path, run_to_4, capsys):
+  """A pod killed mid-write leaves half a record: the resumed run used to glue its first one onto it."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  model_dir = str(tmp_path / "run")
+  shutil.copytree(run_to_4, model_dir)
+  path = os.path.join(model_dir, "metrics.jsonl")
+  with open(path, "a") as f:
+    f.write('{"kind": "train", "step": 5, "lo')  # no newline: the write was cut here
+  train_in_process(FAST + ["--train_steps=5", "--checkpoint_every=2", "--eval_steps=0",
+                           "--min_lr_ratio=1.0", f"--model_dir={model_dir}"])
+  warnings = [line for line in capsys.readouterr().out.splitlines() if "cut short" in line]
+  assert len(warnings) == 1, warnings
+  with open(path) as f:
+    assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4, 5]  # every line whole JSON
+  with open(path + ".superseded") as f:
+    assert f.read() == '{"kind": "train", "step": 5, "lo\n'
+
+
+def test_metrics_never_glue_a_record_to_a_partial_line(tmp_path):
+  """Without drop_after (a first write into a dir with an old file) the first write sets it aside."""
+  from tfpar.training.metrics import MetricsWriter  # pylint: disable=import-outside-toplevel
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"kind": "train", "step": 1}\n{"kind": "train", "step": 2}\n{"kind": "tr')
+  MetricsWriter(str(tmp_path)).write({"kind": "train", "step": 3, "loss": 1.5})
+  assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+  assert (tmp_path / "metrics.jsonl.superseded").read_text() == '{"kind": "tr\n'
+  path.write_text('{"kind": "train", "step": 1}')  # whole, only its newline lost: kept
+  MetricsWriter(str(tmp_path)).write({"kind": "train", "step": 2, "loss": 1.5})
+  assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def test_keep_checkpoints_counts_the_checkpoints_on_disk_across_restarts(tmp_path, run_to_4):
+  """Each restart used to forget the older checkpoints: ckpt-2, 4, 6, 8... piled up."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  model_dir = str(tmp_path / "run")
+  shutil.copytree(run_to_4, model_dir)  # ckpt-2 and ckpt-4, from another process
+  train_in_process(FAST + ["--train_steps=6", "--checkpoint_every=2", "--eval_steps=0",
+                           "--min_lr_ratio=1.0", "--keep_checkpoints=2", f"--model_dir={model_dir}"])
+  checkpoints = os.path.join(model_dir, "checkpoints")
+  assert [s for s, _ in list_checkpoints(checkpoints)] == [6, 4]
+  assert sorted(n for n in os.listdir(checkpoints) if n.startswith("ckpt-2")) == []  # data too
+  train_in_process(FAST + ["--train_steps=7", "--checkpoint_every=2", "--eval_steps=0",
+                           "--min_lr_ratio=1.0", "--keep_checkpoints=1", f"--model_dir={model_dir}"])
+  assert sorted(os.listdir(checkpoints)) == ["checkpoint", "ckpt-7.data-00000-of-00001",
+                                             "ckpt-7.index"]

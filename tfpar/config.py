@@ -8,7 +8,8 @@ with one line naming the flag and the fix, and runs before TensorFlow starts:
   * `validate(cfg)` (called by `from_flags`): the flags alone;
   * `check_run(cfg, cluster)`: what the flags meet on this machine: the
     --model_dir on disk (a file, not writable, or a run started with other
-    flags that a resume must keep) and the job's TF_CONFIG (workers, ps tasks).
+    flags that a resume must keep) and the job's TF_CONFIG (workers, ps tasks;
+    `check_cluster`, which tfpar.train calls before TensorFlow even starts).
 The rules a model-parallel plan must obey are functions here that
 tfpar.parallel.plan calls again with the real devices, not a second copy.
 What can only be found while reading (a TFRecord whose records are not
@@ -542,8 +543,20 @@ def _check_model_dir(cfg: Config) -> None:
 
 
 def check_cluster(cfg: Config, cluster) -> None:
-  """The job's shape (a tfpar.cluster.Cluster) against the flags: tfpar.train and tfpar.k8s."""
+  """The job's shape (a tfpar.cluster.Cluster) against the flags: tfpar.train and tfpar.k8s.
+
+  Needs no TensorFlow: tfpar.train calls it before TensorFlow starts.
+  """
   t, s, p = cfg.train, cfg.dist, cfg.parallel
+  tasks = len(cluster.spec.get("chief", [])) + len(cluster.spec.get("worker", [])) + len(
+      cluster.spec.get("ps", []))
+  if s.strategy in ("one_device", "mirrored") and tasks > 1:
+    # Each task would train its own copy, and only the chief's would be kept: a non-chief
+    # task would train, print nothing and write nothing (the launcher refuses the same).
+    me = f"{cluster.task_type} {cluster.task_index}"
+    raise ConfigError(f"TF_CONFIG names a cluster of {tasks} tasks (this is {me}), but "
+                      f"--strategy={s.strategy} trains in one process: unset TF_CONFIG, or "
+                      "pass --strategy=multi_worker_mirrored to train across them")
   if s.strategy == "multi_worker_mirrored" and not p.model_parallel:
     # One replica per worker on CPU hosts (GPU hosts have more: the engine checks again).
     check_batch(t.global_batch_size, cluster.num_workers,

@@ -26,6 +26,14 @@ def makedirs(path: str) -> None:
   _gfile().makedirs(path)
 
 
+def glob(pattern: str) -> list:
+  return _gfile().glob(pattern)
+
+
+def remove(path: str) -> None:
+  _gfile().remove(path)
+
+
 def read_text(path: str) -> str:
   with _gfile().GFile(path, "r") as f:
     return f.read()

@@ -37,6 +37,8 @@ def main(argv):
   try:
     cfg = config_lib.from_flags(FLAGS)
     cluster = cluster_lib.from_env()
+    if cluster.spec:  # TF_CONFIG against --strategy: before TensorFlow starts.
+      config_lib.check_cluster(cfg, cluster)
   except (config_lib.ConfigError, cluster_lib.ClusterError) as e:
     fail(str(e))
   except cluster_lib.PeersNotFound as e:  # Not bad input: a restart may find them.
@@ -44,7 +46,7 @@ def main(argv):
     sys.exit(status.CRASH)
   console.import_tensorflow_quietly(FLAGS.verbosity if FLAGS["verbosity"].present else None)
   try:
-    config_lib.check_run(cfg, cluster)  # Reads --model_dir through tf.io.gfile.
+    config_lib.check_run(cfg)  # Reads --model_dir through tf.io.gfile (TF_CONFIG: checked above).
   except config_lib.ConfigError as e:
     fail(str(e))
   from tfpar import runner  # pylint: disable=import-outside-toplevel

@@ -20,6 +20,8 @@ restarts a run at step 0. Restoring tries the newest first; one that cannot be
 read (a truncated data file, a broken index: the pod died mid-write, a copy
 was cut short) is reported in one line and the next older one is restored.
 Only when every checkpoint is unreadable does the run stop (exit 2).
+Retention counts the same files: after each save the chief keeps the newest
+`keep` checkpoints on disk, whichever process wrote them, and deletes the rest.
 """
 
 import os
@@ -30,6 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from tfpar import storage
 from tfpar.layers import SelfAttention, MLP
 from tfpar.training.optimizer import inner_optimizer
 
@@ -176,7 +179,7 @@ class CanonicalCheckpointer:
     layouts: one Layout per model copy (several for hybrid data x model
       parallel; copy 0 is read at save, every copy is assigned at restore).
     directory: where checkpoints go (`<model_dir>/checkpoints`).
-    keep: how many recent checkpoints to keep.
+    keep: how many checkpoints to keep: the newest on disk, whichever process wrote them.
     is_chief: only the chief writes into `directory`; other workers still take
       part in every save (as multi-worker saving requires) but write into their
       own temporary directory, which is removed afterwards.
@@ -227,11 +230,34 @@ class CanonicalCheckpointer:
     for name, value in values.items():
       self._host[name].assign(value)
     if self.is_chief:
-      return self._manager(self.directory).save(checkpoint_number=step)
+      path = self._manager(self.directory).save(checkpoint_number=step)
+      self._prune(path)
+      return path
     tmp = os.path.join(self.directory, f".worker_{self.worker_index}_tmp")
     self._manager(tmp).save(checkpoint_number=step)
     shutil.rmtree(tmp, ignore_errors=True)
     return None
+
+  def _prune(self, saved: str) -> None:
+    """Keeps the newest `keep` checkpoints on disk, deleting the rest (the chief only).
+
+    CheckpointManager deletes only what this process wrote or what the state
+    file lists with a timestamp, so each restart used to keep every older
+    checkpoint for good. Data files go before the index: a deletion cut short
+    leaves an index the next save still finds, never an orphaned data file.
+    The checkpoint just written always stays, even below a newer one left on
+    disk (an unreadable ckpt-N the run fell back from).
+    """
+    old = [(step, prefix) for step, prefix in list_checkpoints(self.directory)[self.keep:]
+           if os.path.basename(prefix) != os.path.basename(saved)]
+    for _, prefix in old:
+      for path in storage.glob(prefix + ".data-*") + [prefix + ".index"]:
+        try:
+          storage.remove(path)
+        except tf.errors.NotFoundError:  # Already gone (CheckpointManager's own sweep).
+          pass
+    if old:
+      self._rewrite_state(saved)
 
   def _restore_one(self, prefix: str) -> List[str]:
     """Restores one checkpoint into the host variables; returns the state names left fresh.

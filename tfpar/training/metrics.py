@@ -36,6 +36,7 @@ class MetricsWriter:
     self.path = os.path.join(model_dir, "metrics.jsonl")
     self._writers = {}
     self._start = time.time()
+    self._tidied = False  # Torn lines set aside (drop_after, or the first write).
     if enabled:
       import tensorflow as tf  # pylint: disable=import-outside-toplevel
       self._tf = tf
@@ -45,25 +46,43 @@ class MetricsWriter:
   def drop_after(self, step: int) -> None:
     """On resume: records past the restored step describe steps that will run again.
 
-    They move to metrics.superseded.jsonl (nothing is deleted), so that
-    metrics.jsonl logs every step exactly once.
+    They move to metrics.jsonl.superseded (nothing is deleted), so that
+    metrics.jsonl logs every step exactly once. So does a line cut short (a
+    pod killed mid-write leaves the file ending in half a record), with one
+    warning: the next record starts on a line of its own.
     """
+    self._tidy(step)
+
+  def _tidy(self, after) -> None:
+    """Moves lines that are not whole JSON records (and records past step `after`) aside."""
+    self._tidied = True
     if not self.enabled or not storage.exists(self.path):
       return
-    lines = [line + "\n" for line in storage.read_text(self.path).splitlines() if line.strip()]
-    keep, drop = [], []
-    for line in lines:
+    text = storage.read_text(self.path)
+    keep, drop, torn = [], [], []
+    for line in text.splitlines():
+      if not line.strip():
+        continue
       try:
-        (drop if json.loads(line).get("step", 0) > step else keep).append(line)
-      except ValueError:
-        keep.append(line)
-    if drop:
-      storage.append_lines(self.path + ".superseded", drop)
+        record = json.loads(line)
+        record_step = record.get("step", 0)
+      except (ValueError, AttributeError):  # Cut short, or glued to a partial line.
+        torn.append(line + "\n")
+        continue
+      (drop if after is not None and record_step > after else keep).append(line + "\n")
+    if torn:
+      self.say(f"warning: {self.path} held {len(torn)} line(s) cut short or not JSON (a write "
+               f"interrupted): moved to {os.path.basename(self.path)}.superseded")
+    if drop or torn:
+      storage.append_lines(self.path + ".superseded", torn + drop)
+    if drop or torn or (text and not text.endswith("\n")):  # A whole last record gets its newline.
       storage.write_atomically(self.path, "".join(keep))
 
   def write(self, record: dict) -> None:
     if not self.enabled:
       return
+    if not self._tidied:  # No drop_after in this process: never append to half a line.
+      self._tidy(None)
     storage.append_lines(self.path, [to_json(record) + "\n"])
     writer = self._writers.get(record["kind"])
     if writer is not None:
