@@ -59,6 +59,11 @@ class Cluster:
   task_index: int = 0
 
   @property
+  def num_tasks(self) -> int:
+    """Every task of the cluster (chief, workers, ps); 0 for a single process."""
+    return len(tasks_in_order(self.spec))
+
+  @property
   def num_workers(self) -> int:
     """Workers that compute (chief included when it trains, as in multi-worker mirrored)."""
     return max(1, len(self.spec.get("worker", [])) + len(self.spec.get("chief", [])))

@@ -548,8 +548,7 @@ def check_cluster(cfg: Config, cluster) -> None:
   Needs no TensorFlow: tfpar.train calls it before TensorFlow starts.
   """
   t, s, p = cfg.train, cfg.dist, cfg.parallel
-  tasks = len(cluster.spec.get("chief", [])) + len(cluster.spec.get("worker", [])) + len(
-      cluster.spec.get("ps", []))
+  tasks = cluster.num_tasks
   if s.strategy in ("one_device", "mirrored") and tasks > 1:
     # Each task would train its own copy, and only the chief's would be kept: a non-chief
     # task would train, print nothing and write nothing (the launcher refuses the same).
