@@ -213,15 +213,15 @@ class GradientReducer:
     self.compressed = [powersgd_compresses(s, compression.rank, compression.min_size)
                        if self.method == "powersgd" else False for s in self.shapes]
     if self.method == "powersgd" and not any(self.compressed):
-      largest = max((matrix_shape(s) for s in self.shapes if len(s) >= 2),
-                    key=lambda mn: mn[0] * mn[1], default=None)
+      matrices = [matrix_shape(s) for s in self.shapes if len(s) >= 2]
+      if not matrices:
+        raise ConfigError("--grad_compression=powersgd: the model has no weight matrix to compress")
+      m, n = max(matrices, key=lambda mn: mn[0] * mn[1])
       raise ConfigError(
           f"--grad_compression=powersgd with --powersgd_rank={compression.rank} and "
           f"--powersgd_min_size={compression.min_size} compresses none of the model's weights "
-          f"(the largest is {largest[0]}x{largest[1]} = {largest[0] * largest[1]} elements; a "
-          "matrix m x n is compressed when m*n >= min_size and (m+n)*rank < m*n): lower them, "
-          "or use --grad_compression=bf16" if largest else
-          "--grad_compression=powersgd: the model has no weight matrix to compress")
+          f"(the largest is {m}x{n} = {m * n} elements; a matrix m x n is compressed when "
+          "m*n >= min_size and (m+n)*rank < m*n): lower them, or use --grad_compression=bf16")
     self.q: List[Dict[int, tf.Variable]] = []  # Per local replica: variable index -> Q.
     self.error: List[Dict[int, tf.Variable]] = []  # Per local replica: index -> residual.
     if self.method == "powersgd":
