@@ -71,13 +71,15 @@ def run(cfg: Config, cluster: Cluster) -> dict:
   else:
     engine = DataParallelEngine(cfg, strategy, data, sharding=sharding, task=task)
   if is_chief:
-    write_run_config(cfg)  # Only now: bad data found above leaves --model_dir untouched.
     print(f"tfpar: {console.describe_run(cfg, engine.describe())} | "
           f"data: {task.describe_data(data)}, "
           f"{sharding}-level input sharding", flush=True)
   try:
+    # config.json once the checkpoint (if any) restored: bad data or a checkpoint of another
+    # model, found before, leaves --model_dir as it was.
     return loop.run(cfg, engine, is_chief=is_chief, worker_index=worker_index,
-                    num_workers=num_workers)
+                    num_workers=num_workers,
+                    on_restored=(lambda: write_run_config(cfg)) if is_chief else None)
   except PEER_ERRORS as e:
     if len(cluster.spec.get("worker", [])) + len(cluster.spec.get("chief", [])) < 2:
       raise

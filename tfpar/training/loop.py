@@ -88,12 +88,14 @@ def _next_boundary(step: int, cfg: Config) -> int:
 
 
 def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
-        num_workers: int = 1) -> dict:
+        num_workers: int = 1, on_restored=None) -> dict:
   """Trains until cfg.train.train_steps, resuming from the latest checkpoint.
 
   The engine's task names the throughput unit (`<unit>_per_sec`, e.g.
   tokens_per_sec) and the held-out metrics. Returns the last train and eval
   records. Raises preemption.Preempted after saving, when SIGTERM reached any worker.
+  Nothing is written to --model_dir before the restore has succeeded; then
+  `on_restored()` runs (the runner records config.json there).
   """
   t = cfg.train
   metrics = MetricsWriter(t.model_dir, enabled=is_chief)
@@ -101,6 +103,8 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
                                        keep=t.keep_checkpoints, is_chief=is_chief,
                                        worker_index=worker_index)
   restored = checkpointer.restore(log=metrics.say)
+  if on_restored is not None:
+    on_restored()
   step = engine.step
   engine.check_same_step(step)
   if restored:

@@ -33,15 +33,11 @@ class MetricsWriter:
 
   def __init__(self, model_dir: str, enabled: bool = True):
     self.enabled = enabled
+    self.model_dir = model_dir
     self.path = os.path.join(model_dir, "metrics.jsonl")
-    self._writers = {}
-    self._start = time.time()
+    self._writers = {}  # TensorBoard's, made at the first record of their kind (not before:
+    self._start = time.time()  # a run refused at restore must leave --model_dir as it was).
     self._tidied = False  # Torn lines set aside (drop_after, or the first write).
-    if enabled:
-      import tensorflow as tf  # pylint: disable=import-outside-toplevel
-      self._tf = tf
-      for kind in ("train", "eval"):
-        self._writers[kind] = tf.summary.create_file_writer(os.path.join(model_dir, kind))
 
   def drop_after(self, step: int) -> None:
     """On resume: records past the restored step describe steps that will run again.
@@ -84,13 +80,18 @@ class MetricsWriter:
     if not self._tidied:  # No drop_after in this process: never append to half a line.
       self._tidy(None)
     storage.append_lines(self.path, [to_json(record) + "\n"])
+    if record["kind"] not in ("train", "eval"):
+      return
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
     writer = self._writers.get(record["kind"])
-    if writer is not None:
-      with writer.as_default(step=record["step"]):
-        for key, value in record.items():
-          if key not in ("kind", "step") and isinstance(value, (int, float)):
-            self._tf.summary.scalar(key, value)
-      writer.flush()
+    if writer is None:
+      writer = self._writers[record["kind"]] = tf.summary.create_file_writer(
+          os.path.join(self.model_dir, record["kind"]))
+    with writer.as_default(step=record["step"]):
+      for key, value in record.items():
+        if key not in ("kind", "step") and isinstance(value, (int, float)):
+          tf.summary.scalar(key, value)
+    writer.flush()
 
   def progress(self, step: int, total: int, loss: float, rate: float, unit: str,
                step_time: float, extra: str = "") -> None:
