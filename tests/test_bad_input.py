@@ -11,6 +11,7 @@ makes sense, never anything else.
 import json
 import math
 import os
+import resource
 
 import pytest
 from absl import flags as absl_flags
@@ -200,6 +201,49 @@ def test_cli_tfrecord_of_other_records_is_one_line(tmp_path):
                                            "--jit_compile=false"], check=False)
   assert_one_line(proc, str(data))
   assert not model_dir.exists()
+
+
+def test_cli_out_of_memory_at_build_is_one_line_with_the_bytes_and_the_planner():
+  """A model too large for memory: bad input (a restart would fail alike), not a 57-line traceback.
+
+  The child's address space is capped (RLIMIT_AS) below what a 200M-parameter
+  model and its AdamW slots need, so TensorFlow's CPU allocator refuses.
+  """
+  def cap_memory():
+    resource.setrlimit(resource.RLIMIT_AS, (3 * 10 ** 9, 3 * 10 ** 9))
+
+  model_dir = "/tmp/tfpar_oom_never_written"
+  proc = run_module("tfpar.train", ["--num_layers=4", "--d_model=2048", "--num_heads=16",
+                                    "--seq_len=32", "--global_batch_size=2", "--train_steps=2",
+                                    f"--model_dir={model_dir}"],
+                    check=False, preexec_fn=cap_memory)
+  assert_one_line(proc, "out of memory", "OOM when allocating", "GiB on the busiest device",
+                  "python -m tfpar.plan")
+  assert not os.path.exists(model_dir)
+
+
+def test_cli_model_dir_that_cannot_be_created_is_refused_before_the_data():
+  """Under /proc even root's access() says writable; the directory cannot be made there."""
+  proc = run_module("tfpar.train", TINY + ["--model_dir=/proc/tfpar_run"], check=False)
+  assert_one_line(proc, "--model_dir=/proc/tfpar_run")
+  assert "data:" not in proc.stdout  # Refused before the data was read.
+
+
+def test_cli_unreachable_gs_model_dir_is_one_line_and_exit_1(tmp_path):
+  """gs:// without network: exit 1 (the same command may work later), one line, no traceback.
+
+  The proxy points at a closed local port, so the test fails alike with or
+  without a network; the token variable skips the metadata server's retries.
+  """
+  offline = {"https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9",
+             "GOOGLE_AUTH_TOKEN_FOR_TESTING": "none", "GCS_RETRY_CONFIG_MAX_RETRIES": "1"}
+  proc = run_module("tfpar.train", TINY + ["--model_dir=gs://tfpar-no-such-bucket/run"],
+                    env=offline, check=False)
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr + proc.stdout
+  assert proc.stderr.count("\n") == 1, proc.stderr
+  assert "gs://tfpar-no-such-bucket/run cannot be reached" in proc.stderr
+  assert "network" in proc.stderr
 
 
 # --- properties over the numeric flags ---------------------------------------------------------

@@ -21,7 +21,10 @@ import glob
 import json
 import math
 import os
+import tempfile
 from typing import Optional, Tuple
+
+from tfpar import storage
 
 VOCAB_SIZE = 256  # Byte-level tokens: no vocabulary file, nothing to download.
 # --task=classify's built-in data, scikit-learn's digits: 8x8 greyscale scans of 0-9.
@@ -505,21 +508,43 @@ def check_run(cfg: Config, cluster=None) -> None:
     check_cluster(cfg, cluster)
 
 
+def _check_local_model_dir(path: str) -> None:
+  """A local --model_dir: a directory, or one that this user can create."""
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ConfigError(f"--model_dir={path} is a file: pass a directory (new or a run's)")
+  existing = os.path.abspath(path)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+    raise ConfigError(f"--model_dir={path} is not writable ({existing} refuses this user): "
+                      "pass a directory you can write to")
+  if existing != os.path.abspath(path):
+    # access() says yes to root anywhere, /proc and /sys included: create (and remove) a
+    # directory where the run's would go, so that one that cannot be made fails here.
+    try:
+      os.rmdir(tempfile.mkdtemp(prefix=".tfpar_probe_", dir=existing))
+    except OSError as e:
+      raise ConfigError(f"--model_dir={path} cannot be created in {existing} ({e.strerror}): "
+                        "pass a directory on a filesystem that holds files") from None
+
+
 def _check_model_dir(cfg: Config) -> None:
+  """--model_dir: writable, and (on resume) holding a run of the same model and data order.
+
+  Raises:
+    ConfigError: the directory cannot work or holds another run.
+    tfpar.storage.Unreachable: a remote filesystem (gs://) cannot be reached now.
+  """
   path = cfg.train.model_dir
   if "://" not in path:
-    if os.path.exists(path) and not os.path.isdir(path):
-      raise ConfigError(f"--model_dir={path} is a file: pass a directory (new or a run's)")
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-      existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-      raise ConfigError(f"--model_dir={path} is not writable ({existing} refuses this user): "
-                        "pass a directory you can write to")
+    _check_local_model_dir(path)
   import tensorflow as tf  # pylint: disable=import-outside-toplevel  # gfile only: reads gs:// too.
   config_path = os.path.join(path, "config.json")
-  if not tf.io.gfile.exists(config_path):
-    return
+  try:
+    if not tf.io.gfile.exists(config_path):
+      return
+  except tf.errors.OpError as e:  # Never for a local path: a remote store that does not answer.
+    raise storage.describe_unreachable(f"--model_dir={path}", e) from None
   try:
     with tf.io.gfile.GFile(config_path) as f:
       saved = json.load(f)

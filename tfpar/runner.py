@@ -20,9 +20,13 @@ from tfpar.training.checkpoint import (CheckpointMismatchError, CheckpointUnread
                                        NonFiniteStateError)
 from tfpar.training.engine import DataParallelEngine
 
+class OutOfMemoryError(RuntimeError):
+  """The model, its optimizer state and activations do not fit a device under this plan."""
+
+
 # Errors that come from the user's input: one line, exit 2, no traceback.
 USER_ERRORS = (ConfigError, ClusterError, corpus_lib.DataError, CheckpointMismatchError,
-               CheckpointUnreadableError)
+               CheckpointUnreadableError, OutOfMemoryError)
 # A NaN or infinite step under --on_nonfinite=stop: one line, exit 3, nothing saved.
 NONFINITE_ERRORS = (loop.NonFiniteError, NonFiniteStateError)
 
@@ -45,7 +49,45 @@ def run(cfg: Config, cluster: Cluster) -> dict:
 
   The caller has validated `cfg` and checked it against the run directory and
   the cluster (tfpar.config.from_flags and check_run).
+
+  Raises:
+    OutOfMemoryError: a device ran out of memory (building the model, or in a
+      step): a restart would too, so it is bad input with a way to a plan that fits.
   """
+  try:
+    return _run(cfg, cluster)
+  except tf.errors.ResourceExhaustedError as e:
+    raise OutOfMemoryError(_out_of_memory_message(cfg, e)) from None
+
+
+def _host_memory() -> int:
+  """This process's memory: the host's RAM, or less under a ulimit -v (RLIMIT_AS)."""
+  import resource  # pylint: disable=import-outside-toplevel
+  total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+  return min(total, limit) if limit != resource.RLIM_INFINITY else total
+
+
+def _out_of_memory_message(cfg: Config, error) -> str:
+  """One line: what TensorFlow failed to allocate, what the plan needs, how to find one that fits."""
+  from tfpar.parallel import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  text = " ".join(str(getattr(error, "message", error)).split())
+  oom = re.search(r"OOM when allocating tensor with shape\[[^\]]*\] and type \w+", text)
+  needed = plan_lib.state_bytes_per_device(cfg)
+  p = cfg.parallel
+  where = (f"{p.pipeline_stages} stage(s) x {p.tensor_parallel} tensor shard(s)"
+           if p.model_parallel else "a whole model per replica")
+  host = ""
+  if "device:CPU" in text:  # The host's memory, which this process can read (a GPU's: in `text`).
+    host = f"; this process may use {_host_memory() / 2 ** 30:.1f} GiB of host memory"
+  return (f"out of memory ({oom.group(0) if oom else text[:200]}): with {where}, weights, "
+          f"gradients and AdamW slots alone take {needed / 2 ** 30:.2f} GiB on the busiest device "
+          f"(activations come on top){host}. Find a plan that fits with `python -m tfpar.plan` "
+          "(the same model flags and --cluster=...), or use more --pipeline_stages or "
+          "--tensor_parallel, --remat, or a smaller --global_batch_size or model")
+
+
+def _run(cfg: Config, cluster: Cluster) -> dict:
   tf.get_logger().setLevel("WARNING")  # tf.distribute's per-call INFO lines drown the progress.
   absl_logging.set_verbosity(absl_logging.WARNING)  # so does the checkpoint saver, at every save
   strategies.setup_devices(cfg.dist.num_cpu_devices)

@@ -13,6 +13,22 @@ tfpar appends once per logged step, so that stays small.
 from typing import Iterable
 
 
+class Unreachable(OSError):
+  """A filesystem that cannot be reached now (gs:// without network or credentials).
+
+  Not bad input: the same command may well work once the network is back, so
+  tfpar.train exits 1 (tfpar.status.CRASH), which restart policies retry.
+  """
+
+
+def describe_unreachable(path: str, error) -> Unreachable:
+  """tf.errors.OpError on `path` as one line: what TensorFlow said, and what to check."""
+  text = " ".join(str(getattr(error, "message", error)).split())
+  return Unreachable(f"{path} cannot be reached ({type(error).__name__}: {text[:240]}): check "
+                     "the network, the bucket name and the credentials "
+                     "(GOOGLE_APPLICATION_CREDENTIALS), then start the same command again")
+
+
 def _gfile():
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   return tf.io.gfile

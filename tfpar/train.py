@@ -19,6 +19,7 @@ from tfpar import config as config_lib
 from tfpar import console
 from tfpar import flags as tfpar_flags
 from tfpar import status
+from tfpar import storage
 from tfpar.training import preemption
 
 tfpar_flags.define_flags()
@@ -49,6 +50,8 @@ def main(argv):
     config_lib.check_run(cfg)  # Reads --model_dir through tf.io.gfile (TF_CONFIG: checked above).
   except config_lib.ConfigError as e:
     fail(str(e))
+  except storage.Unreachable as e:  # gs:// without network: a later start may well reach it.
+    fail(str(e), status.CRASH)
   from tfpar import runner  # pylint: disable=import-outside-toplevel
   try:
     runner.run(cfg, cluster)

@@ -206,6 +206,19 @@ def kib(n: int) -> str:
   return f"{n / 1024:.1f} KiB" if n < 1024 ** 2 else f"{n / 1024 ** 2:.2f} MiB"
 
 
+def state_bytes_per_device(cfg: Config) -> int:
+  """Bytes of weights, gradients and AdamW slots on the busiest device of one replica.
+
+  Activations are not counted (tfpar.planner models them). Without model
+  parallelism a replica is one device holding the whole model.
+  """
+  p = cfg.parallel
+  one_replica = cfg.replace(parallel={"data_parallel": 1, "microbatches": 1})
+  plan = make_plan(one_replica, [f"/device:CPU:{i}" for i in range(p.pipeline_stages *
+                                                                   p.tensor_parallel)])
+  return max(2 * b["parameters"] + b["optimizer"] for b in plan.bytes_per_device().values())
+
+
 def make_plan(cfg: Config, devices: Sequence[str], *,
               worker_devices: Optional[Sequence[Sequence[str]]] = None) -> ParallelPlan:
   """Builds and checks the plan.
