@@ -172,22 +172,6 @@ def test_cli_resume_with_another_batch_leaves_the_run_untouched(tmp_path):
   assert snapshot(model_dir) == before
 
 
-def test_cli_refused_resume_without_config_json_writes_nothing(tmp_path):
-  """config.json lost: the checkpoint refuses another --d_model, and the run dir stays as it was.
-
-  It used to write config.json with the wrong model (and new event files) before
-  the restore failed, so the original flags were refused afterwards.
-  """
-  model_dir = tmp_path / "run"
-  args = TINY + ["--train_steps=2", "--jit_compile=false", f"--model_dir={model_dir}"]
-  train_in_process(args)
-  (model_dir / "config.json").unlink()
-  before = snapshot(model_dir)
-  proc = run_module("tfpar.train", args + ["--train_steps=4", "--d_model=48"], check=False)
-  assert_one_line(proc, "does not fit this model", "--model_dir")
-  assert snapshot(model_dir) == before
-
-
 def test_cli_tfrecord_of_other_records_is_one_line(tmp_path):
   """Found only when read (after TF starts): still one line and exit 2, and no run directory."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel

@@ -46,7 +46,6 @@ BAD = [
     (["--data=/nonexistent/tfpar/*.txt"], "data"),
     (["--learning_rate=0"], "learning_rate"),
     (["--warmup_steps=-1"], "warmup_steps"),
-    (["--warmup_steps=10", "--train_steps=10"], "warmup_steps"),
     (["--min_lr_ratio=1.5"], "min_lr_ratio"),
     (["--weight_decay=-0.1"], "weight_decay"),
     (["--clip_norm=-1"], "clip_norm"),
@@ -118,6 +117,21 @@ def test_defaults_are_derived():
   assert cfg.optim.warmup_steps == 10  # 5% of train_steps
 
 
+def test_a_warmup_past_the_end_is_clamped_with_a_warning():
+  """A flagfile shortened to a quick try (vit_digits' warmup of 50, 3 steps) runs, and says so."""
+  from tfpar import config, flags  # pylint: disable=import-outside-toplevel
+  heard = []
+  cfg = config.from_flags(flags.parse(["--flagfile=configs/vit_digits.flags", MODEL_DIR,
+                                       "--train_steps=3"]), warn=heard.append)
+  assert cfg.optim.warmup_steps == 2
+  assert heard == ["--warmup_steps=50 is not below --train_steps=3: warming up for 2 step(s) "
+                   "instead"]
+  one_step = make_config(TINY + [MODEL_DIR, "--train_steps=1", "--warmup_steps=5"])
+  assert one_step.optim.warmup_steps == 0
+  # Left to its default (5% of the steps), one step used to be refused for its own warmup.
+  assert config.from_flags(flags.parse([MODEL_DIR, "--train_steps=1"])).optim.warmup_steps == 0
+
+
 # --- the CLI ----------------------------------------------------------------------------------
 
 
@@ -174,4 +188,13 @@ def test_cli_bad_input_leaves_existing_run_untouched(tmp_path):
   proc = run_module("tfpar.train", args + ["--train_steps=4", "--d_model=48"], check=False)
   line = assert_one_line_error(proc, "model_dir")
   assert "d_model" in line
+  assert _snapshot(model_dir) == before
+  # With config.json lost, the checkpoint refuses the other model: config.json and event files
+  # used to be written first, so that the run's own flags were refused afterwards.
+  os.remove(os.path.join(model_dir, "config.json"))
+  before = _snapshot(model_dir)
+  proc = run_module("tfpar.train", args + ["--train_steps=4", "--d_model=48"], check=False)
+  line = assert_one_line_error(proc, "model_dir")
+  assert "does not fit this model" in line
+  assert "wte/embeddings has shape [256, 32] there, shape [256, 48] here" in line
   assert _snapshot(model_dir) == before

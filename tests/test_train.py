@@ -126,6 +126,9 @@ def test_cli_end_to_end(tmp_path):
                                            "--checkpoint_every=5", "--profile_steps=3,4",
                                            f"--model_dir={model_dir}"])
   assert "step     10/10" in proc.stdout  # the progress line a person watches
+  # The ETA leaves out the first (tracing) call: none after step 1, one from step 2 on.
+  progress = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+  assert "| ETA -- |" in progress[0] and all("ETA --" not in p for p in progress[1:]), progress
   # Steps 3-4 traced where TensorBoard's Profile tab looks, and the trace holds the step's ops.
   assert "profiled steps 3-4 into" in proc.stdout
   traces = glob.glob(os.path.join(model_dir, "plugins", "profile", "*", "*.xplane.pb"))
@@ -156,3 +159,11 @@ def test_cli_end_to_end(tmp_path):
   for kind in ("train", "eval"):
     assert glob.glob(os.path.join(model_dir, kind, "events.out.tfevents.*")), kind
   assert os.path.exists(os.path.join(model_dir, "config.json"))
+
+
+def test_help_lists_tfpar_flags_and_how_to_run():
+  """--help used to print the module's developer notes and no flag (only --helpfull had them)."""
+  proc = run_module("tfpar.train", ["--help"])
+  assert proc.stdout.startswith("Trains a transformer in parallel: python -m tfpar.train")
+  for flag in ("--model_dir", "--strategy", "--pipeline_stages", "--data", "--train_steps"):
+    assert f"  {flag}:" in proc.stdout, flag

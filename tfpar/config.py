@@ -185,9 +185,29 @@ def _ints(values, flag: str, fix: str) -> Tuple[int, ...]:
     raise ConfigError(f"--{flag}={','.join(values)} {fix}") from None
 
 
-def from_flags(f) -> Config:
-  """Builds and validates a Config from parsed absl FLAGS (or any object with those attrs)."""
-  warmup = f.warmup_steps if f.warmup_steps is not None else max(1, f.train_steps // 20)
+def _warmup(f, warn) -> int:
+  """--warmup_steps, or 5% of --train_steps; one at or past the end is clamped (with a warning).
+
+  Shortening a flagfile's --train_steps for a quick try should not need a
+  second edit; a warmup that never ends would leave the decay no step at all.
+  """
+  if f.warmup_steps is None:
+    return max(1, f.train_steps // 20) if f.train_steps > 1 else 0
+  if isinstance(f.train_steps, int) and 0 < f.train_steps <= f.warmup_steps:
+    if warn is not None:
+      warn(f"--warmup_steps={f.warmup_steps} is not below --train_steps={f.train_steps}: "
+           f"warming up for {f.train_steps - 1} step(s) instead")
+    return f.train_steps - 1
+  return f.warmup_steps
+
+
+def from_flags(f, warn=None) -> Config:
+  """Builds and validates a Config from parsed absl FLAGS (or any object with those attrs).
+
+  `warn(text)`, when given, hears of flags adjusted rather than refused
+  (a --warmup_steps past the end of training).
+  """
+  warmup = _warmup(f, warn)
   profile_steps = None
   if f.profile_steps:
     fix = "must be two step numbers FIRST,LAST: e.g. --profile_steps=5,8"
@@ -319,7 +339,7 @@ def validate(cfg: Config) -> None:
     _check_data_path(d.data)
   if o.learning_rate <= 0:
     raise ConfigError(f"--learning_rate={o.learning_rate} must be positive: e.g. 1e-3")
-  if o.warmup_steps < 0 or o.warmup_steps >= t.train_steps:
+  if o.warmup_steps < 0 or o.warmup_steps >= t.train_steps:  # from_flags clamps a long one.
     raise ConfigError(f"--warmup_steps={o.warmup_steps} must be in [0, train_steps="
                       f"{t.train_steps}): shorten the warmup or train longer")
   if not 0.0 <= o.min_lr_ratio <= 1.0:

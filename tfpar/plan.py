@@ -116,6 +116,8 @@ def check_writable(path: str) -> None:
 def main(argv):
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}: flags are written --name=value")
+  # The tasks' parameter counts import TensorFlow (through Keras): quietly, before they do.
+  console.import_tensorflow_quietly(FLAGS.verbosity if FLAGS["verbosity"].present else None)
   try:
     if not FLAGS.cluster:
       raise PlanError("--cluster is not set: pass e.g. --cluster=a100-80gb:64 or a YAML file")

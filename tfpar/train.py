@@ -1,14 +1,20 @@
-"""Train a GPT with tfpar: `python -m tfpar.train --flagfile=configs/gpt_tiny.flags`.
+"""Trains a transformer in parallel: python -m tfpar.train --flagfile=configs/gpt_tiny.flags
 
-This file only wires: parse flags into a validated config and check it against
-the run directory and the cluster (all before TensorFlow starts), make the
-strategy, build the engine under it, run the loop. Bad input ends with one line
-on stderr and exit status 2; a NaN or infinite step under --on_nonfinite=stop
-with one line and exit status 3 (nothing saved after the last good
-checkpoint); a SIGTERM saves a checkpoint and exits 75 (tfpar.status lists
-every status). TensorFlow's C++ start-up lines are silenced; absl's
---verbosity=0 shows them.
+Examples:
+  python -m tfpar.train --flagfile=configs/gpt_tiny.flags --model_dir=runs/gpt
+  python -m tfpar.train --flagfile=configs/gpt_tiny.flags --strategy=mirrored --num_cpu_devices=2
+  python -m tfpar.train --flagfile=configs/vit_digits.flags --model_dir=runs/vit
+
+The same command resumes from the newest checkpoint in --model_dir. Exit
+status: 0 done; 2 bad input (one line says what to fix); 3 a NaN or infinite
+step under --on_nonfinite=stop; 75 stopped by SIGTERM or Ctrl-C after saving
+(start it again to resume); 1 anything a restart may fix (tfpar/status.py
+says more). --helpfull lists absl's own flags too.
 """
+# This file only wires: parse flags into a validated config and check it
+# against the run directory and the cluster (all before TensorFlow starts),
+# make the strategy, build the engine under it, run the loop. TensorFlow's C++
+# start-up lines are silenced; absl's --verbosity=0 shows them.
 
 import sys
 
@@ -23,6 +29,7 @@ from tfpar import storage
 from tfpar.training import preemption
 
 tfpar_flags.define_flags()
+flags.adopt_module_key_flags(tfpar_flags)  # --help lists tfpar's flags, not only absl's hint.
 FLAGS = flags.FLAGS
 
 
@@ -36,7 +43,8 @@ def main(argv):
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}: flags are written --name=value")
   try:
-    cfg = config_lib.from_flags(FLAGS)
+    cfg = config_lib.from_flags(
+        FLAGS, warn=lambda text: print(f"tfpar.train: warning: {text}", file=sys.stderr, flush=True))
     cluster = cluster_lib.from_env()
     if cluster.spec:  # TF_CONFIG against --strategy: before TensorFlow starts.
       config_lib.check_cluster(cfg, cluster)

@@ -118,6 +118,8 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
   rate_key = f"{task.unit}_per_sec"
   window_losses, window_norms, window_traffic, window_time = [], [], [], 0.0
   window_skipped, skipped_total = 0, 0
+  # The first call of a process traces and compiles (seconds to minutes): the ETA leaves it out.
+  steady_time, steady_steps, first_call = 0.0, 0, True
   last = {}
   agreement = preemption.Agreement(getattr(engine, "strategy", None))
   preemption.arm()
@@ -143,6 +145,9 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
     window_norms.extend(norms.tolist())
     window_traffic.extend(engine.traffic(s) for s in range(step - n + 1, step + 1))
     window_time += elapsed
+    if not first_call:
+      steady_time, steady_steps = steady_time + elapsed, steady_steps + n
+    first_call = False
     done = step >= t.train_steps
     # Every worker asks after every chunk (a collective when multi-worker), so all agree.
     preempted = not done and agreement.stop()
@@ -163,7 +168,8 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
       metrics.progress(step, t.train_steps, record["loss"], record[rate_key], task.unit,
                        record["step_time"],
                        _comm(record) + f" | {_count(engine.num_replicas, 'replica')} on "
-                       f"{_count(num_workers, 'worker')}{note}")
+                       f"{_count(num_workers, 'worker')}{note}",
+                       eta_step_time=steady_time / steady_steps if steady_steps else None)
       last["train"] = record
       window_losses, window_norms, window_traffic, window_time = [], [], [], 0.0
       window_skipped = 0

@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+from typing import Optional
 
 from tfpar import storage
 
@@ -94,11 +95,16 @@ class MetricsWriter:
     writer.flush()
 
   def progress(self, step: int, total: int, loss: float, rate: float, unit: str,
-               step_time: float, extra: str = "") -> None:
-    """One console line; `rate` is `unit`s per second (tokens -> 'tok/s', images -> 'img/s')."""
+               step_time: float, extra: str = "", eta_step_time: Optional[float] = None) -> None:
+    """One console line; `rate` is `unit`s per second (tokens -> 'tok/s', images -> 'img/s').
+
+    The ETA comes from `eta_step_time`, the seconds per step after the first
+    (compiling) call; None (only that call measured yet) prints 'ETA --'.
+    """
     if not self.enabled:
       return
-    eta = datetime.timedelta(seconds=int(step_time * (total - step)))
+    eta = ("--" if eta_step_time is None
+           else datetime.timedelta(seconds=int(eta_step_time * (total - step))))
     unit = _SHORT.get(unit, unit)
     line = (f"step {step:>6}/{total} | loss {loss:.4f} | {rate:>9,.0f} {unit}/s | "
             f"{step_time * 1000:7.1f} ms/step | ETA {eta}{extra}")
