@@ -13,6 +13,7 @@ import math
 import os
 import resource
 
+import numpy as np
 import pytest
 from absl import flags as absl_flags
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -290,3 +291,110 @@ def test_numeric_flags_give_a_config_error_or_a_sensible_config(int_values, floa
 def test_a_non_finite_float_flag_is_always_refused(flag, value):
   with pytest.raises(ConfigError, match=f"--{flag}="):
     make_config(TINY + ["--model_dir=/tmp/tfpar-bad-input-unused", f"--{flag}={value!r}"])
+
+
+# --- the same properties for the other commands ------------------------------------------------
+
+some_ints = st.one_of(st.integers(-3, 300), st.integers(-2 ** 64, 2 ** 64),
+                      st.sampled_from([0, 1, 2 ** 31 - 1, 2 ** 31, 2 ** 63]))
+
+
+@pytest.fixture(scope="module")
+def fake_run(tmp_path_factory):
+  """What generate's and predict's flag checks look for: config.json and a checkpoint index."""
+  run = tmp_path_factory.mktemp("fake_run")
+  (run / "config.json").write_text(json.dumps(make_config(TINY + [f"--model_dir={run}"]).to_dict()))
+  (run / "checkpoints").mkdir()
+  (run / "checkpoints" / "ckpt-1.index").write_bytes(b"")
+  return run
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(values=st.dictionaries(st.sampled_from(["max_new_tokens", "top_k", "seed"]), some_ints,
+                              max_size=3),
+       temperature=floats, logits=st.lists(st.floats(-1e30, 1e30), min_size=256, max_size=256))
+def test_generate_flags_are_refused_in_one_line_or_sample_a_byte(values, temperature, logits,
+                                                                 fake_run):
+  """Whatever generate's check accepts samples: e.g. --temperature=1e-310 used to give NaNs."""
+  from tfpar import generate  # pylint: disable=import-outside-toplevel
+  fv = generate.define_flags()
+  try:
+    fv(["generate", f"--model_dir={fake_run}", f"--temperature={temperature!r}"]
+       + [f"--{k}={v}" for k, v in values.items()])
+    generate.check(fv)
+  except generate.GenerateError as e:
+    assert "\n" not in str(e)
+    return
+  except absl_flags.Error:
+    return
+  rng = np.random.default_rng(fv.seed)
+  assert 0 <= generate.pick(np.array(logits), fv.temperature, fv.top_k, rng) < 256
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(value=floats)
+def test_predict_score_threshold_is_refused_in_one_line_or_in_range(value, fake_run):
+  from tfpar import predict  # pylint: disable=import-outside-toplevel
+  fv = predict.define_flags()
+  fv(["predict", f"--model_dir={fake_run}", f"--image={fake_run}", f"--score_threshold={value!r}"])
+  try:
+    predict.check(fv)
+  except predict.PredictError as e:
+    assert "\n" not in str(e) and "--score_threshold" in str(e)
+    return
+  assert 0 <= fv.score_threshold <= 1
+
+
+PLAN_INTS = ["num_layers", "d_model", "num_heads", "d_ff", "seq_len", "vocab_size",
+             "global_batch_size", "top", "data_parallel", "pipeline_stages", "tensor_parallel",
+             "microbatches"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.sampled_from(PLAN_INTS), some_ints, max_size=4),
+       st.sampled_from(["cpu:8", "a100-80gb:64", "tpu-v4:16"]))
+def test_plan_flags_are_refused_in_one_line_or_give_a_plan_that_prints(values, cluster):
+  """A zero degree used to divide by zero, a huge model to fill memory with its stage splits."""
+  from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+  from tfpar import plan as plan_cli  # pylint: disable=import-outside-toplevel
+  from tfpar.planner import clusters, report  # pylint: disable=import-outside-toplevel
+  fv = tfpar_flags.define_plan_flags(absl_flags.FlagValues())
+  fv(["plan", "--flagfile=configs/gpt_tiny.flags", f"--cluster={cluster}"]
+     + [f"--{k}={v}" for k, v in values.items()])
+  try:
+    m, c, system, ranked = plan_cli.answer(fv)
+  except (ConfigError, clusters.ClusterError, plan_cli.PlanError) as e:
+    assert "\n" not in str(e)
+    return
+  assert ranked.results["fits"][ranked.order[0]]
+  assert report.text(m, c, ranked, fv.top, fv.precision, system)
+  assert json.dumps(report.to_json(m, c, ranked, fv.top, fv.precision, system))
+
+
+K8S_INTS = ["workers", "ps", "gpus_per_worker", "port", "grace_seconds", "max_restarts",
+            "peer_timeout"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.sampled_from(K8S_INTS), some_ints, max_size=4),
+       st.sampled_from(["tfjob", "jobset", "indexed-job"]),
+       st.sampled_from(["multi_worker_mirrored", "parameter_server"]),
+       st.dictionaries(st.sampled_from(["global_batch_size", "ps_shards"]), some_ints, max_size=1))
+def test_k8s_flags_are_refused_in_one_line_or_render_valid_manifests(values, kind, strategy,
+                                                                     train_values):
+  import k8s_validate  # pylint: disable=import-outside-toplevel
+  import yaml  # pylint: disable=import-outside-toplevel
+  from tfpar.k8s import __main__ as k8s_cli  # pylint: disable=import-outside-toplevel
+  values = {"workers": 2, **values}
+  argv = (["render", f"--kind={kind}", "--name=gpt", "--image=registry.example/tfpar:1"]
+          + [f"--{k}={v}" for k, v in values.items()]
+          + ["--", "--flagfile=configs/gpt_tiny.flags", f"--strategy={strategy}",
+             "--model_dir=gs://bucket/runs/gpt"] + [f"--{k}={v}" for k, v in train_values.items()])
+  try:
+    job = k8s_cli.parse(argv)
+  except k8s_cli.RenderError as e:
+    assert "\n" not in str(e)
+    return
+  for obj in yaml.safe_load_all(k8s_cli.to_yaml(job, argv)):
+    k8s_validate.validate_offline(obj)

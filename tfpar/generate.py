@@ -62,6 +62,8 @@ def check(fv: flags.FlagValues) -> None:
     raise GenerateError(f"--temperature={fv.temperature} must be a finite number >= 0 (0: greedy)")
   if not 0 <= fv.top_k <= VOCAB_SIZE:
     raise GenerateError(f"--top_k={fv.top_k} must be in [0, {VOCAB_SIZE}] (0: no top-k cut)")
+  if not 0 <= fv.seed < 2 ** 64:  # numpy's generator takes any non-negative seed; 64 bits are plenty.
+    raise GenerateError(f"--seed={fv.seed} must be in [0, 2^64): e.g. --seed=0")
 
 
 def pick(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator) -> int:
@@ -72,8 +74,8 @@ def pick(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Gene
   if top_k:
     kth = np.sort(logits)[-top_k]
     logits = np.where(logits < kth, -np.inf, logits)
-  z = logits / temperature
-  p = np.exp(z - z.max())
+  # Shifted before the division: a tiny temperature (1e-310) would make logits/T infinite.
+  p = np.exp((logits - logits.max()) / temperature)
   return int(rng.choice(len(p), p=p / p.sum()))
 
 

@@ -113,30 +113,59 @@ def check_writable(path: str) -> None:
                     "or write the flagfile elsewhere")
 
 
+# What the cost model is built for, far past any model trained today (GPT-3: 96 blocks of
+# 12,288, 2,048 tokens); past these its arrays (one entry per block split) outgrow memory.
+LIMITS = {"num_layers": 4096, "d_model": 2 ** 20, "d_ff": 2 ** 22, "num_heads": 2 ** 16,
+          "seq_len": 2 ** 24, "vocab_size": 2 ** 24, "global_batch_size": 2 ** 24, "top": 10 ** 4}
+DEGREES = ("data_parallel", "pipeline_stages", "tensor_parallel", "microbatches")
+
+
+def _check_sizes(fv) -> None:
+  for name, most in LIMITS.items():
+    if fv[name].value is not None and fv[name].value > most:
+      raise PlanError(f"--{name}={fv[name].value} is past what the planner models (at most "
+                      f"{most:,}): pass a smaller value")
+  for name in DEGREES:
+    if fv[name].present and fv[name].value is not None and fv[name].value <= 0:
+      raise PlanError(f"--{name}={fv[name].value} must be positive: drop it to let the "
+                      f"planner search, or pass e.g. --{name}=2")
+
+
+def answer(fv):
+  """Validates the flags and plans: (model, cluster, system, ranked plans).
+
+  Raises:
+    ConfigError, ClusterError or PlanError: one line naming the flag and the fix.
+  """
+  if not fv.cluster:
+    raise PlanError("--cluster is not set: pass e.g. --cluster=a100-80gb:64 or a YAML file")
+  _check_sizes(fv)
+  m = config_lib.model_from_flags(fv)
+  if fv.global_batch_size <= 0:
+    raise PlanError(f"--global_batch_size={fv.global_batch_size} must be positive")
+  if fv.top <= 0:
+    raise PlanError(f"--top={fv.top} must be positive")
+  cluster = clusters.parse(fv.cluster)
+  system = cost.SYSTEMS[fv.system]
+  if cost.COMPUTE_DTYPE[fv.precision] not in cluster.peak_flops:
+    raise PlanError(f"--cluster={fv.cluster} gives no peak_flops for "
+                    f"{cost.COMPUTE_DTYPE[fv.precision]} (--precision={fv.precision})")
+  if fv.emit_flags and system is not cost.TFPAR:
+    raise PlanError("--emit_flags writes tfpar flags: use it with --system=tfpar")
+  if fv.emit_flags:
+    check_writable(fv.emit_flags)
+  ranked = plan(m, cluster, global_batch=fv.global_batch_size, precision=fv.precision,
+                system=system, fixed=fixed_degrees(fv))
+  return m, cluster, system, ranked
+
+
 def main(argv):
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}: flags are written --name=value")
   # The tasks' parameter counts import TensorFlow (through Keras): quietly, before they do.
   console.import_tensorflow_quietly(FLAGS.verbosity if FLAGS["verbosity"].present else None)
   try:
-    if not FLAGS.cluster:
-      raise PlanError("--cluster is not set: pass e.g. --cluster=a100-80gb:64 or a YAML file")
-    m = config_lib.model_from_flags(FLAGS)
-    if FLAGS.global_batch_size <= 0:
-      raise PlanError(f"--global_batch_size={FLAGS.global_batch_size} must be positive")
-    if FLAGS.top <= 0:
-      raise PlanError(f"--top={FLAGS.top} must be positive")
-    cluster = clusters.parse(FLAGS.cluster)
-    system = cost.SYSTEMS[FLAGS.system]
-    if cost.COMPUTE_DTYPE[FLAGS.precision] not in cluster.peak_flops:
-      raise PlanError(f"--cluster={FLAGS.cluster} gives no peak_flops for "
-                      f"{cost.COMPUTE_DTYPE[FLAGS.precision]} (--precision={FLAGS.precision})")
-    if FLAGS.emit_flags and system is not cost.TFPAR:
-      raise PlanError("--emit_flags writes tfpar flags: use it with --system=tfpar")
-    if FLAGS.emit_flags:
-      check_writable(FLAGS.emit_flags)
-    ranked = plan(m, cluster, global_batch=FLAGS.global_batch_size, precision=FLAGS.precision,
-                  system=system, fixed=fixed_degrees(FLAGS))
+    m, cluster, system, ranked = answer(FLAGS)
   except (config_lib.ConfigError, clusters.ClusterError, PlanError) as e:
     fail(str(e))
   best = ranked.row(ranked.order[0])
