@@ -8,6 +8,8 @@ step within a relative 1e-5, gradient norms within 1e-4. One run without XLA
 checks the uncompiled path the same way against one_device without XLA.
 """
 
+import glob
+import json
 import os
 
 import numpy as np
@@ -48,18 +50,24 @@ def test_pipeline_matches_one_device(one_device, tmp_path):
   assert os.path.exists(os.path.join(model_dir, "plan.json"))
 
 
-def test_tensor_parallel_matches_one_device_and_resumes_as_a_pipeline(one_device, tmp_path):
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+def test_tensor_parallel_matches_one_device_and_resumes_as_a_pipeline(one_device, tmp_path,
+                                                                      capsys):
   model_dir = str(tmp_path)
   train_in_process(BASE + ["--num_cpu_devices=2", "--tensor_parallel=2", "--checkpoint_every=3",
                            f"--model_dir={model_dir}"])
   assert_same_losses(model_dir, one_device)
-  # Back to step 3, then on under another plan: steps 4 and 5 still match one device.
-  checkpoints = os.path.join(model_dir, "checkpoints")
-  tf.compat.v1.train.update_checkpoint_state(checkpoints, os.path.join(checkpoints, "ckpt-3"))
-  train_in_process(BASE + ["--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=2",
-                           f"--model_dir={model_dir}"])
+  # Back to step 3 (restore takes the newest checkpoint on disk, so ckpt-5 goes), then on
+  # under another plan: steps 4 and 5 are trained again and still match one device.
+  for path in glob.glob(os.path.join(model_dir, "checkpoints", "ckpt-5.*")):
+    os.remove(path)
+  last = train_in_process(BASE + ["--num_cpu_devices=2", "--pipeline_stages=2",
+                                  "--microbatches=2", f"--model_dir={model_dir}"])
+  assert last["train"]["step"] == 5  # This run trained (a run with nothing to do returns {}).
+  assert capsys.readouterr().out.count(f"resumed from {model_dir}/checkpoints/ckpt-3 at step 3")
   assert [r["step"] for r in read_metrics(model_dir)] == [1, 2, 3, 4, 5]
+  with open(os.path.join(model_dir, "metrics.jsonl.superseded")) as f:  # The first run's 4, 5.
+    old = [json.loads(line) for line in f]
+  assert [(r["kind"], r["step"]) for r in old] == [("train", 4), ("train", 5), ("eval", 5)]
   assert_same_losses(model_dir, one_device)
 
 
