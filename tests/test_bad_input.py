@@ -186,6 +186,32 @@ def test_cli_tfrecord_of_other_records_is_one_line(tmp_path):
   assert not model_dir.exists()
 
 
+def a_started_run(model_dir, args):
+  """A run directory as the chief leaves it once it has read the data: its config.json."""
+  from tfpar import runner  # pylint: disable=import-outside-toplevel
+  runner.write_run_config(make_config(args + [f"--model_dir={model_dir}"]))
+  return snapshot(model_dir)
+
+
+DETECT = TINY + ["--task=detect", "--num_classes=2", "--image_size=8", "--num_channels=3",
+                 "--jit_compile=false", "--train_steps=2"]
+COCO = {"images": [{"id": 1, "file_name": "a.png", "width": 16, "height": 16}],
+        "annotations": [{"id": 5, "image_id": 1, "category_id": 1}],  # no bbox
+        "categories": [{"id": 1, "name": "one"}]}
+
+
+def test_cli_bad_coco_file_is_one_line_and_the_run_is_untouched(tmp_path):
+  """Found only when read: once a KeyError traceback, exit 1 (test_image_readers has the rest)."""
+  data = tmp_path / "instances.json"
+  data.write_text(json.dumps(COCO))
+  args, model_dir = DETECT + [f"--data={data}"], tmp_path / "run"
+  before = a_started_run(model_dir, args)
+  proc = run_module("tfpar.train", args + [f"--model_dir={model_dir}"], check=False)
+  assert_one_line(proc, str(data), "annotation 0 (id 5) has no 'bbox'",
+                  "add [x, y, width, height]")
+  assert snapshot(model_dir) == before
+
+
 # --- properties over the numeric flags ---------------------------------------------------------
 
 INT_FLAGS = ["seq_len", "num_layers", "d_model", "num_heads", "d_ff", "train_steps",
