@@ -90,6 +90,9 @@ BAD = [
     (["--model_dir={root}/run", "--global_batch_size=16"], None, "global_batch_size"),
     (["--model_dir={root}/run", "--seed=7"], None, "seed"),
     (["--model_dir={root}/run", "--d_model=64"], None, "model_dir"),
+    # Images decode to 1, 3 or 4 channels: another count is the flag's fault, not an image's.
+    (["--task=classify", "--data={root}/texts", "--num_channels=2"], None, "num_channels"),
+    (["--task=detect", "--data={root}/a_file", "--num_channels=5"], None, "num_channels"),
 ]
 
 
@@ -210,6 +213,21 @@ def test_cli_bad_coco_file_is_one_line_and_the_run_is_untouched(tmp_path):
   assert_one_line(proc, str(data), "annotation 0 (id 5) has no 'bbox'",
                   "add [x, y, width, height]")
   assert snapshot(model_dir) == before
+
+
+def test_cli_num_channels_no_image_decodes_to_blames_the_flag(tmp_path):
+  """Once "0.png is not a readable image", of a good image, after TensorFlow had started."""
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  for name in ("cat", "dog"):
+    (tmp_path / "images" / name).mkdir(parents=True)
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(tmp_path / "images" / name / "0.png")
+  model_dir = tmp_path / "run"
+  proc = run_module("tfpar.train", TINY + ["--task=classify", "--num_classes=2",
+                                           f"--data={tmp_path / 'images'}", "--num_channels=2",
+                                           f"--model_dir={model_dir}"], check=False)
+  assert_one_line(proc, "--num_channels=2", "use 1 (greyscale), 3 (RGB) or 4")
+  assert "0.png" not in proc.stderr
+  assert not model_dir.exists()
 
 
 # --- properties over the numeric flags ---------------------------------------------------------

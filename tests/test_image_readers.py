@@ -139,6 +139,18 @@ def test_bad_inputs_name_the_problem(data_dir, tmp_path):
   assert "outside its 16x20 image" in _error(bad_json, "detect")
 
 
+def test_a_jpeg_under_four_channels_blames_the_flag_not_the_image(tmp_path):
+  """A JPEG has no alpha channel: under channels=4 a good JPEG fails to decode."""
+  for name in ("cat", "dog"):
+    (tmp_path / "images" / name).mkdir(parents=True)
+    Image.fromarray(_solid(90)).save(tmp_path / "images" / name / "0.jpg")
+  with pytest.raises(DataError) as e:
+    images.read_images(str(tmp_path / "images"), "classify", image_size=8, channels=4,
+                       num_classes=2)
+  assert "cat/0.jpg cannot be decoded to --num_channels=4" in str(e.value)
+  assert "not a readable image" not in str(e.value)
+
+
 DROP = object()  # As a new value: remove the field.
 # (list, entry, field, new value, what the one line must say): each a field tfpar reads.
 BAD_COCO = [

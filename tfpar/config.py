@@ -26,6 +26,8 @@ from typing import Optional, Tuple
 VOCAB_SIZE = 256  # Byte-level tokens: no vocabulary file, nothing to download.
 # --task=classify's built-in data, scikit-learn's digits: 8x8 greyscale scans of 0-9.
 DIGITS_IMAGE_SIZE, DIGITS_CHANNELS, DIGITS_CLASSES = 8, 1, 10
+# What the image readers (tf.io.decode_image) decode --data to: grey, RGB, RGBA (not JPEG).
+IMAGE_CHANNELS = (1, 3, 4)
 MAX_INT = 2 ** 31 - 1  # TensorFlow counts steps, shapes and batches in int32 in places.
 MAX_SEED = 2 ** 32 - 1  # numpy and tf.random take seeds in [0, 2^32).
 # Logical CPU devices share the host's cores (they test correctness, not speed)
@@ -365,6 +367,10 @@ def _validate_vision_data(m: ModelConfig, d: DataConfig) -> None:
   """What a vision task's data needs of the model and the augmentation flags."""
   if d.max_shift < 0:
     raise ConfigError(f"--max_shift={d.max_shift} must be >= 0 (0: no shifts)")
+  if d.data is not None and m.num_channels not in IMAGE_CHANNELS:
+    # Else the reader fails on the first image and seems to blame it.
+    raise ConfigError(f"--num_channels={m.num_channels} is not a channel count images decode "
+                      "to: use 1 (greyscale), 3 (RGB) or 4 (RGBA, PNG only)")
   if m.task == "classify" and d.data is None:  # The built-in digits.
     if (m.image_size, m.num_channels) != (DIGITS_IMAGE_SIZE, DIGITS_CHANNELS):
       raise ConfigError(f"--image_size={m.image_size} --num_channels={m.num_channels} do not fit "

@@ -60,7 +60,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   # Vision model (--task=classify, detect, segment).
   _define(flags.DEFINE_integer, fv, "image_size", 8, "Image height and width in pixels (square).")
   _define(flags.DEFINE_integer, fv, "patch_size", 2, "ViT patch height and width; must divide --image_size.")
-  _define(flags.DEFINE_integer, fv, "num_channels", 1, "Image channels (1 grey, 3 RGB).")
+  _define(flags.DEFINE_integer, fv, "num_channels", 1,
+          "Image channels: 1 grey, 3 RGB or 4 RGBA (PNG only); the built-in digits are grey.")
   _define(flags.DEFINE_integer, fv, "num_classes", 10, "Classes of the task's labels (ids 0..num_classes-1).")
   _define(flags.DEFINE_enum, fv, "pooling", "cls", ["cls", "mean"],
           "How the ViT pools patches for the classifier: a class token, or the mean of patches.")

@@ -105,11 +105,28 @@ def decode_images(sources: Sequence, image_size: int, channels: int, *, names: S
     for source, name in zip(sources, names):  # Find the bad one to name it.
       try:
         decode(tf.constant(source))
-      except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError):
-        raise DataError(f"{name} is not a readable image: remove or replace it "
-                        "(PNG, JPEG, BMP or GIF)") from None
+      except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError) as e:
+        raise _unreadable(source, name, channels, are_files, e) from None
     raise
   return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+
+
+def _unreadable(source, name: str, channels: int, are_files: bool, error) -> DataError:
+  """Blames the image, or --num_channels where the image decodes to its own channels.
+
+  A JPEG has no alpha channel: under --num_channels=4 a good JPEG fails, and
+  the fix is the flag, not the file.
+  """
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  try:
+    data = tf.io.read_file(source) if are_files else source
+    tf.io.decode_image(data, expand_animations=False)
+  except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError):
+    return DataError(f"{name} is not a readable image: remove or replace it "
+                     "(PNG, JPEG, BMP or GIF)")
+  why = error.message.split("}}")[-1].split("[Op:")[0].strip()  # TF's own reason, unwrapped.
+  return DataError(f"{name} cannot be decoded to --num_channels={channels} ({why}): train "
+                   "with --num_channels=3 (RGB) or 1 (greyscale), or convert it to PNG")
 
 
 def _is_image(name: str) -> bool:
