@@ -35,6 +35,20 @@ def one_device(tmp_path_factory):
   return model_dir
 
 
+def test_cli_generate_on_a_vision_run_names_the_task_it_needs(one_device):
+  """Once "the checkpoint ... was written by another version of the model; retrain"."""
+  from test_bad_input import snapshot  # pylint: disable=import-outside-toplevel
+  before = snapshot(one_device)
+  proc = run_module("tfpar.generate", [f"--model_dir={one_device}", "--prompt=hi"], check=False)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("tfpar.generate: error:"), proc.stderr
+  for words in ("a vision run (--task=classify)", "a --task=lm run", "tfpar.predict"):
+    assert words in lines[0], lines[0]
+  assert "another version" not in lines[0]
+  assert snapshot(one_device) == before
+
+
 def test_vit_shapes_and_parameter_count():
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tfpar import tasks  # pylint: disable=import-outside-toplevel

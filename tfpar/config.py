@@ -497,6 +497,48 @@ def _validate_parallel(cfg: Config) -> None:
                         f"--num_cpu_devices={s.num_cpu_devices}: make them equal")
 
 
+# --- a run's config.json ----------------------------------------------------------------------
+
+RUN_CONFIG = "config.json"  # In --model_dir: the run's flags (tfpar.runner.write_run_config).
+
+
+def read_saved(model_dir: str) -> dict:
+  """A run's config.json, parsed: tfpar.train (a resume), tfpar.generate and tfpar.predict.
+
+  Read through tf.io.gfile (gs:// too). Raises ConfigError, in one line, where
+  the file cannot be read or is not an object of sections.
+  """
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  try:
+    with tf.io.gfile.GFile(os.path.join(model_dir, RUN_CONFIG)) as f:
+      saved = json.load(f)
+    if not isinstance(saved, dict) or not all(
+        isinstance(saved.get(field.name, {}), dict) for field in dataclasses.fields(Config)):
+      raise ValueError("not an object of sections model, data, train, ...")
+  except (ValueError, tf.errors.OpError) as e:
+    raise ConfigError(f"--model_dir={model_dir} has a config.json that cannot be read "
+                      f"({str(e).splitlines()[0]}): restore it from the run's first flags, or "
+                      "use a new --model_dir") from None
+  return saved
+
+
+def from_saved(saved: dict) -> Config:
+  """The Config a config.json (read_saved) records, from any tfpar version's file.
+
+  A field added since the run was written takes its default; one this version
+  no longer knows is dropped (inference must not fail on it); JSON lists
+  become the tuples the dataclasses hold.
+  """
+  sections = {}
+  for section in dataclasses.fields(Config):
+    kind = section.default.__class__
+    known = {f.name for f in dataclasses.fields(kind)}
+    values = {k: tuple(v) if isinstance(v, list) else v
+              for k, v in saved.get(section.name, {}).items() if k in known}
+    sections[section.name] = kind(**values)
+  return Config(**sections)
+
+
 # --- what the flags meet on this machine ------------------------------------------------------
 
 
@@ -523,16 +565,10 @@ def _check_model_dir(cfg: Config) -> None:
       raise ConfigError(f"--model_dir={path} is not writable ({existing} refuses this user): "
                         "pass a directory you can write to")
   import tensorflow as tf  # pylint: disable=import-outside-toplevel  # gfile only: reads gs:// too.
-  config_path = os.path.join(path, "config.json")
-  if not tf.io.gfile.exists(config_path):
+  if not tf.io.gfile.exists(os.path.join(path, RUN_CONFIG)):
     return
-  try:
-    with tf.io.gfile.GFile(config_path) as f:
-      saved = json.load(f)
-    saved_model, saved_train = saved.get("model"), saved.get("train", {})
-  except (ValueError, AttributeError, tf.errors.OpError) as e:
-    raise ConfigError(f"--model_dir={path} has a config.json that cannot be read ({e}): "
-                      "restore it from the run's first flags, or use a new --model_dir") from None
+  saved = read_saved(path)
+  saved_model, saved_train = saved.get("model"), saved.get("train", {})
   ours = cfg.to_dict()
   if saved_model is not None:  # A model field added since the run started has its default.
     saved_model = {**dataclasses.asdict(ModelConfig()), **saved_model}

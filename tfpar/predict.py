@@ -20,7 +20,6 @@ in colour, or the class, drawn on the image. Bad input ends with one line on
 stderr and exit status 2. These flags belong to this tool alone.
 """
 
-import json
 import os
 import sys
 from typing import List, Sequence
@@ -28,6 +27,7 @@ from typing import List, Sequence
 import numpy as np
 from absl import flags
 
+from tfpar import config as config_lib
 from tfpar import console
 from tfpar import storage
 
@@ -76,9 +76,13 @@ def check(fv: flags.FlagValues) -> None:
   d = fv.model_dir
   if not d:
     raise PredictError("--model_dir is not set: pass the --model_dir of a tfpar.train run")
-  if not storage.exists(os.path.join(d, "config.json")):
+  if not storage.exists(os.path.join(d, config_lib.RUN_CONFIG)):
     raise PredictError(f"--model_dir={d} has no config.json: pass the --model_dir of a "
                        "tfpar.train run")
+  if read_config(d).model.task == "lm":
+    raise PredictError(f"--model_dir={d} holds a language model (--task=lm), but tfpar.predict "
+                       "runs a vision run (--task=classify, detect or segment) on images: "
+                       "sample from this one with python -m tfpar.generate")
   if not fv.image:
     raise PredictError("--image is not set: pass an image file or a directory of images")
   if not 0 <= fv.score_threshold <= 1:
@@ -87,17 +91,7 @@ def check(fv: flags.FlagValues) -> None:
 
 def read_config(model_dir: str):
   """The run's Config from model_dir/config.json (dropout off: nothing random at inference)."""
-  from tfpar import config as config_lib  # pylint: disable=import-outside-toplevel
-  saved = json.loads(storage.read_text(os.path.join(model_dir, "config.json")))
-  sections = {}
-  for field in config_lib.dataclasses.fields(config_lib.Config):
-    kind = field.default.__class__
-    known = {f.name for f in config_lib.dataclasses.fields(kind)}
-    values = {k: v for k, v in saved.get(field.name, {}).items() if k in known}
-    if field.name == "parallel" and values.get("stage_layers") is not None:
-      values["stage_layers"] = tuple(values["stage_layers"])
-    sections[field.name] = kind(**values)
-  cfg = config_lib.Config(**sections)
+  cfg = config_lib.from_saved(config_lib.read_saved(model_dir))
   return cfg.replace(model={"dropout": 0.0})
 
 
@@ -106,10 +100,7 @@ def load_model(model_dir: str):
   import keras  # pylint: disable=import-outside-toplevel
   from tfpar import tasks  # pylint: disable=import-outside-toplevel
   from tfpar.training import checkpoint  # pylint: disable=import-outside-toplevel
-  cfg = read_config(model_dir)
-  if cfg.model.task == "lm":
-    raise PredictError(f"--model_dir={model_dir} holds a language model: sample from it with "
-                       "python -m tfpar.generate")
+  cfg = read_config(model_dir)  # check() refused a language model.
   keras.mixed_precision.set_global_policy("float32")
   task = tasks.make(cfg)
   model = task.build_model()
@@ -234,7 +225,7 @@ def main(argv: Sequence[str]) -> None:
   console.import_tensorflow_quietly()  # check() reads --model_dir through tf.io.gfile.
   try:
     check(fv)
-  except PredictError as e:
+  except (PredictError, config_lib.ConfigError) as e:
     fail(str(e))
   from tfpar.data.corpus import DataError  # pylint: disable=import-outside-toplevel
   from tfpar.training.checkpoint import CheckpointMismatchError  # pylint: disable=import-outside-toplevel
@@ -243,7 +234,7 @@ def main(argv: Sequence[str]) -> None:
     task, model = load_model(fv.model_dir)
     lines = predict(task, model, paths, output_dir=fv.output_dir or os.path.join(
         fv.model_dir, "predictions"), overlay=fv.overlay, score_threshold=fv.score_threshold)
-  except (PredictError, DataError, CheckpointMismatchError) as e:
+  except (PredictError, config_lib.ConfigError, DataError, CheckpointMismatchError) as e:
     fail(str(e))
   print("\n".join(lines), flush=True)
 
