@@ -500,6 +500,7 @@ def _validate_parallel(cfg: Config) -> None:
 # --- a run's config.json ----------------------------------------------------------------------
 
 RUN_CONFIG = "config.json"  # In --model_dir: the run's flags (tfpar.runner.write_run_config).
+CLASS_NAMES = "class_names"  # Beside the sections in config.json, where the data names classes.
 
 
 def read_saved(model_dir: str) -> dict:
@@ -537,6 +538,12 @@ def from_saved(saved: dict) -> Config:
               for k, v in saved.get(section.name, {}).items() if k in known}
     sections[section.name] = kind(**values)
   return Config(**sections)
+
+
+def saved_class_names(saved: dict) -> Tuple[str, ...]:
+  """The class names a config.json (read_saved) records, in id order; () where it has none."""
+  names = saved.get(CLASS_NAMES)
+  return tuple(str(n) for n in names) if isinstance(names, list) else ()
 
 
 # --- what the flags meet on this machine ------------------------------------------------------

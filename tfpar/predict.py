@@ -15,6 +15,9 @@ model's --image_size:
 - segment: writes the mask, a palette PNG of class ids at the image's own
   size (0 background), to --output_dir/NAME.mask.png.
 
+A class prints as its name where the training data named it (a class folder,
+a COCO category: tfpar.train records them in config.json), else as its id.
+
 `--overlay` also writes --output_dir/NAME.overlay.png: the boxes, or the mask
 in colour, or the class, drawn on the image. Bad input ends with one line on
 stderr and exit status 2. These flags belong to this tool alone.
@@ -95,6 +98,16 @@ def read_config(model_dir: str):
   return cfg.replace(model={"dropout": 0.0})
 
 
+def class_names(model_dir: str):
+  """The run's class names in id order (config.json), or () where its data had none."""
+  return config_lib.saved_class_names(config_lib.read_saved(model_dir))
+
+
+def _class_label(c: int, names) -> str:
+  """A class as printed: its name where the data named it, else its id."""
+  return names[c] if c < len(names) else str(c)
+
+
 def load_model(model_dir: str):
   """(task, model) of the run, its weights restored from the latest checkpoint."""
   import keras  # pylint: disable=import-outside-toplevel
@@ -144,8 +157,12 @@ def _save(image, path: str) -> None:
 
 
 def predict(task, model, paths: Sequence[str], *, output_dir: str, overlay: bool,
-            score_threshold: float, batch_size: int = 64) -> List[str]:
-  """Runs the model on every image; returns the lines it prints."""
+            score_threshold: float, names: Sequence[str] = (), batch_size: int = 64) -> List[str]:
+  """Runs the model on every image; returns the lines it prints.
+
+  Args:
+    names: the class names in id order (class_names); a class without one prints its id.
+  """
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from PIL import Image, ImageDraw  # pylint: disable=import-outside-toplevel
   from tfpar.data import images as images_lib  # pylint: disable=import-outside-toplevel
@@ -176,13 +193,14 @@ def predict(task, model, paths: Sequence[str], *, output_dir: str, overlay: bool
         for k in keep:
           box = found.boxes[i, k].numpy() * scale
           c, s = int(found.classes[i, k]), float(found.scores[i, k])
-          lines.append(f"  class {c} score {s:.3f} box (ymin, xmin, ymax, xmax) = "
+          label = _class_label(c, names)
+          lines.append(f"  class {label} score {s:.3f} box (ymin, xmin, ymax, xmax) = "
                        f"({box[0]:.1f}, {box[1]:.1f}, {box[2]:.1f}, {box[3]:.1f})")
           if drawing is not None:
             pen = ImageDraw.Draw(drawing)
             colour = tuple(int(v) for v in PALETTE[1 + c % (len(PALETTE) - 1)])
             pen.rectangle([box[1], box[0], box[3] - 1, box[2] - 1], outline=colour)
-            pen.text((box[1] + 1, box[0]), f"{c} {s:.2f}", fill=colour)
+            pen.text((box[1] + 1, box[0]), f"{label} {s:.2f}", fill=colour)
       elif kind == "segment":
         labels = np.argmax(np.asarray(outputs[i]), axis=-1)
         mask = resize_labels(labels, h, w)
@@ -197,9 +215,10 @@ def predict(task, model, paths: Sequence[str], *, output_dir: str, overlay: bool
       else:  # classify
         probs = tf.nn.softmax(tf.cast(outputs[i], tf.float32)).numpy()
         c = int(np.argmax(probs))
-        lines.append(f"{path}: class {c} ({probs[c]:.3f})")
+        label = _class_label(c, names)
+        lines.append(f"{path}: class {label} ({probs[c]:.3f})")
         if drawing is not None:
-          ImageDraw.Draw(drawing).text((1, 1), str(c), fill=(255, 0, 0))
+          ImageDraw.Draw(drawing).text((1, 1), label, fill=(255, 0, 0))
       if drawing is not None:
         _save(drawing, stem + ".overlay.png")
         lines.append(f"  overlay -> {stem}.overlay.png")
@@ -232,8 +251,9 @@ def main(argv: Sequence[str]) -> None:
   try:
     paths = list_images(fv.image)
     task, model = load_model(fv.model_dir)
-    lines = predict(task, model, paths, output_dir=fv.output_dir or os.path.join(
-        fv.model_dir, "predictions"), overlay=fv.overlay, score_threshold=fv.score_threshold)
+    output_dir = fv.output_dir or os.path.join(fv.model_dir, "predictions")
+    lines = predict(task, model, paths, output_dir=output_dir, overlay=fv.overlay,
+                    score_threshold=fv.score_threshold, names=class_names(fv.model_dir))
   except (PredictError, config_lib.ConfigError, DataError, CheckpointMismatchError) as e:
     fail(str(e))
   print("\n".join(lines), flush=True)
