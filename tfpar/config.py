@@ -23,6 +23,8 @@ import math
 import os
 from typing import Optional, Tuple
 
+from tfpar.console import count
+
 VOCAB_SIZE = 256  # Byte-level tokens: no vocabulary file, nothing to download.
 # --task=classify's built-in data, scikit-learn's digits: 8x8 greyscale scans of 0-9.
 DIGITS_IMAGE_SIZE, DIGITS_CHANNELS, DIGITS_CLASSES = 8, 1, 10
@@ -453,8 +455,9 @@ def check_model_split(m: ModelConfig, p: ParallelConfig, precision: str = "float
                       f"{m.num_layers}: use at most one stage per block")
   if p.stage_layers is not None:
     if len(p.stage_layers) != p.pipeline_stages:
-      raise ConfigError(f"--stage_layers has {len(p.stage_layers)} entries but --pipeline_stages="
-                        f"{p.pipeline_stages}: give one block count per stage")
+      raise ConfigError(f"--stage_layers has {count(len(p.stage_layers), 'entry', 'entries')} "
+                        f"but --pipeline_stages={p.pipeline_stages}: give one block count per "
+                        "stage")
     if any(n <= 0 for n in p.stage_layers) or sum(p.stage_layers) != m.num_layers:
       raise ConfigError(f"--stage_layers={','.join(map(str, p.stage_layers))} must be positive "
                         f"and sum to --num_layers={m.num_layers}")

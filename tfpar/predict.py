@@ -188,7 +188,7 @@ def predict(task, model, paths: Sequence[str], *, output_dir: str, overlay: bool
       if kind == "detect":
         n = int(found.num_detections[i])
         keep = range(n)  # NMS kept only boxes scoring at least score_threshold.
-        lines.append(f"{path}: {n} boxes")
+        lines.append(f"{path}: {console.count(n, 'box', 'boxes')}")
         scale = np.array([h, w, h, w], np.float32) / m.image_size
         for k in keep:
           box = found.boxes[i, k].numpy() * scale

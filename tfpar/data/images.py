@@ -29,6 +29,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from tfpar.console import count
 from tfpar.data.corpus import DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
@@ -71,8 +72,8 @@ def split(data: ImageSet, eval_fraction: float, seed: int) -> Tuple[ImageSet, Im
   order = np.random.default_rng(seed).permutation(len(data))
   n_eval = max(1, int(round(len(data) * eval_fraction)))
   if n_eval >= len(data):
-    raise DataError(f"{len(data)} examples leave none for training after holding out "
-                    f"{n_eval}: bring more data or lower --eval_fraction")
+    raise DataError(f"holding out {n_eval} of {count(len(data), 'example')} leaves none for "
+                    "training: bring more data or lower --eval_fraction")
   return data.take(np.sort(order[n_eval:])), data.take(np.sort(order[:n_eval]))
 
 
