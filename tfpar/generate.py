@@ -2,9 +2,9 @@
 
     python -m tfpar.generate --model_dir=runs/gpt_tiny --prompt="def " --max_new_tokens=200
 
-Wiring only: read the model flags from DIR/config.json (written by
-`python -m tfpar.train` for --task=lm; tfpar.config.read_saved, as
-tfpar.predict reads it), rebuild the GPT, restore the weights of the latest
+Wiring only: read the model flags from DIR/config.json of a --task=lm run of
+`python -m tfpar.train` (through tfpar.config.read_saved, as tfpar.predict and
+a resume read it), rebuild the GPT, restore the weights of the latest
 canonical checkpoint (no optimizer state; any parallel plan may have written
 it), then sample bytes one at a time. Bad input ends with one line on stderr
 and exit status 2. These few flags belong to this tool alone, so they live

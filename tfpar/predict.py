@@ -84,8 +84,8 @@ def check(fv: flags.FlagValues) -> None:
                        "tfpar.train run")
   if read_config(d).model.task == "lm":
     raise PredictError(f"--model_dir={d} holds a language model (--task=lm), but tfpar.predict "
-                       "runs a vision run (--task=classify, detect or segment) on images: "
-                       "sample from this one with python -m tfpar.generate")
+                       "needs a vision run (--task=classify, detect or segment): sample from "
+                       "this one with python -m tfpar.generate")
   if not fv.image:
     raise PredictError("--image is not set: pass an image file or a directory of images")
   if not 0 <= fv.score_threshold <= 1:
