@@ -92,6 +92,9 @@ BAD = [
     (["--model_dir={root}/run", "--global_batch_size=16"], None, "global_batch_size"),
     (["--model_dir={root}/run", "--seed=7"], None, "seed"),
     (["--model_dir={root}/run", "--d_model=64"], None, "model_dir"),
+    # Images decode to 1, 3 or 4 channels: another count is the flag's fault, not an image's.
+    (["--task=classify", "--data={root}/texts", "--num_channels=2"], None, "num_channels"),
+    (["--task=detect", "--data={root}/a_file", "--num_channels=5"], None, "num_channels"),
 ]
 
 
@@ -229,6 +232,45 @@ def test_cli_unreachable_gs_model_dir_is_one_line_and_exit_1(tmp_path):
   assert proc.stderr.count("\n") == 1, proc.stderr
   assert "gs://tfpar-no-such-bucket/run cannot be reached" in proc.stderr
   assert "network" in proc.stderr
+def a_started_run(model_dir, args):
+  """A run directory as the chief leaves it once it has read the data: its config.json."""
+  from tfpar import runner  # pylint: disable=import-outside-toplevel
+  runner.write_run_config(make_config(args + [f"--model_dir={model_dir}"]))
+  return snapshot(model_dir)
+
+
+DETECT = TINY + ["--task=detect", "--num_classes=2", "--image_size=8", "--num_channels=3",
+                 "--jit_compile=false", "--train_steps=2"]
+COCO = {"images": [{"id": 1, "file_name": "a.png", "width": 16, "height": 16}],
+        "annotations": [{"id": 5, "image_id": 1, "category_id": 1}],  # no bbox
+        "categories": [{"id": 1, "name": "one"}]}
+
+
+def test_cli_bad_coco_file_is_one_line_and_the_run_is_untouched(tmp_path):
+  """Found only when read: once a KeyError traceback, exit 1 (test_image_readers has the rest)."""
+  data = tmp_path / "instances.json"
+  data.write_text(json.dumps(COCO))
+  args, model_dir = DETECT + [f"--data={data}"], tmp_path / "run"
+  before = a_started_run(model_dir, args)
+  proc = run_module("tfpar.train", args + [f"--model_dir={model_dir}"], check=False)
+  assert_one_line(proc, str(data), "annotation 0 (id 5) has no 'bbox'",
+                  "add [x, y, width, height]")
+  assert snapshot(model_dir) == before
+
+
+def test_cli_num_channels_no_image_decodes_to_blames_the_flag(tmp_path):
+  """Once "0.png is not a readable image", of a good image, after TensorFlow had started."""
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  for name in ("cat", "dog"):
+    (tmp_path / "images" / name).mkdir(parents=True)
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(tmp_path / "images" / name / "0.png")
+  model_dir = tmp_path / "run"
+  proc = run_module("tfpar.train", TINY + ["--task=classify", "--num_classes=2",
+                                           f"--data={tmp_path / 'images'}", "--num_channels=2",
+                                           f"--model_dir={model_dir}"], check=False)
+  assert_one_line(proc, "--num_channels=2", "use 1 (greyscale), 3 (RGB) or 4")
+  assert "0.png" not in proc.stderr
+  assert not model_dir.exists()
 
 
 # --- properties over the numeric flags ---------------------------------------------------------

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import TINY, make_config
 from tfpar.data import corpus, pipeline
 from tfpar.data.pipeline import Shard
 
@@ -143,3 +144,28 @@ def test_bytes_round_trip():
   text = "héllo, wörld"
   assert corpus.decode(corpus.encode(text)) == text
   assert corpus.decode([0xff, ord("a")]) == "\ufffda"  # a byte model may emit invalid UTF-8
+
+
+def test_the_start_up_line_counts_in_words(tmp_path):
+  """Once "1 files" and "for 1 steps": a count agrees with its noun (tfpar.console.count)."""
+  from tfpar import console, tasks  # pylint: disable=import-outside-toplevel
+  (tmp_path / "one.txt").write_text("hello, world. " * 200)
+  cfg = make_config(TINY + [f"--data={tmp_path / 'one.txt'}", "--model_dir=/tmp/unused",
+                            "--train_steps=1", "--warmup_steps=0"])
+  task = tasks.make(cfg)
+  data, _ = task.load_data()
+  assert task.describe_data(data).startswith("1 file, "), task.describe_data(data)
+  line = console.describe_run(cfg, {"strategy": "one_device", "replicas": 1, "parameters": 10})
+  assert "for 1 step of 8 sequences x 32 tokens, on 1 replica (one_device)" in line, line
+  assert console.count(1, "box", "boxes") == "1 box" and console.count(0, "box", "boxes") == \
+      "0 boxes" and console.count(1200, "step") == "1,200 steps"
+
+
+def test_the_data_flag_says_what_each_task_reads():
+  """Its help spoke of text only, whatever --task."""
+  from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+  help_text = tfpar_flags.parse([])["data"].help
+  for words in ("lm: text", "classify: a directory with one sub-directory of images per class",
+                "detect: a COCO instances JSON", "segment: a directory with images/",
+                "TFRecord shards"):
+    assert words in help_text, help_text

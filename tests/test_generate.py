@@ -1,6 +1,8 @@
 """tfpar.generate: sampling from a trained run, and its CLI."""
 
+import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -116,3 +118,27 @@ def test_cli_bad_input_is_one_line(tmp_path, model_dir, case, flag):
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("tfpar.generate: error:"), proc.stderr
   assert f"--{flag}" in lines[0]
+
+
+def test_a_config_field_this_version_does_not_know_is_ignored(model_dir, tmp_path):
+  """As tfpar.predict reads config.json (one reader, tfpar.config): once a TypeError."""
+  copy = tmp_path / "run"
+  shutil.copytree(model_dir, copy)
+  saved = json.loads((copy / "config.json").read_text())
+  saved["model"]["a_field_of_a_later_version"] = 1
+  del saved["model"]["pooling"]  # and one of an earlier version that had no such field
+  (copy / "config.json").write_text(json.dumps(saved))
+  model, _ = generate.load_model(str(copy))
+  assert model.config == make_config(TINY + [f"--model_dir={copy}"]).model
+
+
+def test_cli_predict_on_a_language_model_says_what_each_tool_needs(model_dir, tmp_path):
+  """Whatever --image says (here: nothing there), the run is the wrong kind: say so first."""
+  proc = run_module("tfpar.predict", [f"--model_dir={model_dir}",
+                                      f"--image={tmp_path / 'missing.png'}"], check=False)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("tfpar.predict: error:"), proc.stderr
+  for words in ("(--task=lm)", "a vision run (--task=classify, detect or segment)",
+                "python -m tfpar.generate"):
+    assert words in lines[0], lines[0]

@@ -139,6 +139,56 @@ def test_bad_inputs_name_the_problem(data_dir, tmp_path):
   assert "outside its 16x20 image" in _error(bad_json, "detect")
 
 
+def test_a_jpeg_under_four_channels_blames_the_flag_not_the_image(tmp_path):
+  """A JPEG has no alpha channel: under channels=4 a good JPEG fails to decode."""
+  for name in ("cat", "dog"):
+    (tmp_path / "images" / name).mkdir(parents=True)
+    Image.fromarray(_solid(90)).save(tmp_path / "images" / name / "0.jpg")
+  with pytest.raises(DataError) as e:
+    images.read_images(str(tmp_path / "images"), "classify", image_size=8, channels=4,
+                       num_classes=2)
+  assert "cat/0.jpg cannot be decoded to --num_channels=4" in str(e.value)
+  assert "not a readable image" not in str(e.value)
+
+
+DROP = object()  # As a new value: remove the field.
+# (list, entry, field, new value, what the one line must say): each a field tfpar reads.
+BAD_COCO = [
+    ("annotations", 0, "bbox", DROP, "annotation 0 (id 1) has no 'bbox'"),
+    ("annotations", 1, "category_id", DROP, "annotation 1 (id 2) has no 'category_id'"),
+    ("annotations", 0, "bbox", "1,2,3,4", "annotation 0 (id 1) has bbox '1,2,3,4', not [x, y, "
+     "width, height]"),
+    ("annotations", 1, "bbox", [0, 0, 4], "annotation 1 (id 2) has bbox [0, 0, 4], not"),
+    ("annotations", 0, "image_id", DROP, "annotation 0 (id 1) has no 'image_id'"),
+    ("images", 1, "width", DROP, "image 1 (id 2) has no 'width'"),
+    ("images", 0, "height", "20", "image 0 (id 1) has height '20', not"),
+    ("images", 0, "file_name", DROP, "image 0 (id 1) has no 'file_name'"),
+    ("categories", 1, "id", DROP, "category 1 has no 'id'"),
+    ("categories", None, None, [], "lists no categories"),
+    ("annotations", None, None, [], "lists no annotations"),
+    ("annotations", None, None, [{"id": 1, "image_id": 1, "iscrowd": 1}],
+     "has no annotations but crowd regions"),
+]
+
+
+@pytest.mark.parametrize("key,index,field,value,words", BAD_COCO,
+                         ids=[w.split(" has ")[-1] if " has " in w else w for *_, w in BAD_COCO])
+def test_a_bad_coco_field_names_the_file_the_entry_and_the_field(data_dir, tmp_path, key, index,
+                                                                 field, value, words):
+  """Not a KeyError or ValueError, and no training on nothing: one line with the fix."""
+  coco = json.loads((data_dir / "coco" / "instances.json").read_text())
+  if index is None:
+    coco[key] = value
+  elif value is DROP:
+    del coco[key][index][field]
+  else:
+    coco[key][index][field] = value
+  path = tmp_path / "bad.json"
+  path.write_text(json.dumps(coco))
+  message = _error(path, "detect")
+  assert message.startswith(str(path)) and words in message and "\n" not in message, message
+
+
 def _example_with_box():
   """A 32 x 32 image holding a bright rectangle, its box and its mask."""
   image = np.zeros((32, 32, 1), np.float32)

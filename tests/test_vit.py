@@ -35,6 +35,51 @@ def one_device(tmp_path_factory):
   return model_dir
 
 
+def test_cli_generate_on_a_vision_run_names_the_task_it_needs(one_device):
+  """Once "the checkpoint ... was written by another version of the model; retrain"."""
+  from test_bad_input import snapshot  # pylint: disable=import-outside-toplevel
+  before = snapshot(one_device)
+  proc = run_module("tfpar.generate", [f"--model_dir={one_device}", "--prompt=hi"], check=False)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("tfpar.generate: error:"), proc.stderr
+  for words in ("a vision run (--task=classify)", "a --task=lm run", "tfpar.predict"):
+    assert words in lines[0], lines[0]
+  assert "another version" not in lines[0]
+  assert snapshot(one_device) == before
+
+
+CLASSES = ("cat", "dog", "eel")
+
+
+@pytest.fixture(scope="module")
+def folder_run(tmp_path_factory):
+  """A ViT trained 1 step on a user's class folders (4 grey 8x8 images each): (run, folder)."""
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  root = tmp_path_factory.mktemp("vit_folders")
+  for shade, name in enumerate(CLASSES):
+    (root / "images" / name).mkdir(parents=True)
+    for i in range(4):
+      Image.new("L", (8, 8), 60 * shade + i).save(root / "images" / name / f"{i}.png")
+  model_dir = str(root / "run")
+  train_in_process(VIT + ["--num_classes=3", "--train_steps=1", f"--data={root / 'images'}",
+                          f"--model_dir={model_dir}"])
+  return model_dir, root / "images"
+
+
+def test_cli_predict_prints_the_class_folder_names(folder_run):
+  """Once "class 2 (0.4)": an index the user had to map back to the sorted folder names."""
+  import json  # pylint: disable=import-outside-toplevel
+  model_dir, folder = folder_run
+  with open(os.path.join(model_dir, "config.json")) as f:
+    assert json.load(f)["class_names"] == list(CLASSES)  # recorded when the data was read
+  out = run_module("tfpar.predict", [f"--model_dir={model_dir}",
+                                     f"--image={folder / 'eel'}"]).stdout.splitlines()
+  assert len(out) == 4
+  for line in out:
+    assert line.split(": class ")[1].split(" (")[0] in CLASSES, line
+
+
 def test_vit_shapes_and_parameter_count():
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tfpar import tasks  # pylint: disable=import-outside-toplevel

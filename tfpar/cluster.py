@@ -23,6 +23,8 @@ import socket
 import time
 from typing import Callable, Dict, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
+from tfpar.console import count
+
 # Task types in the order tfpar numbers a job's tasks: the launcher's ports, an
 # Indexed Job's completion indexes.
 TASK_ORDER = ("chief", "worker", "ps")
@@ -140,13 +142,13 @@ def pod_tf_config(environ: Mapping[str, str]) -> Optional[Tuple[str, Dict[str, L
       raise ClusterError(f"{TASK_TYPE_ENV}={task_type} is not a job of {CLUSTER_ENV} "
                          f"({', '.join(sorted(spec))})")
     if not 0 <= index < len(spec[task_type]):
-      raise ClusterError(f"{INDEX_ENV}={index} is out of range for {len(spec[task_type])} "
-                         f"{task_type} task(s)")
+      raise ClusterError(f"{INDEX_ENV}={index} is out of range for "
+                         f"{count(len(spec[task_type]), f'{task_type} task')}")
   else:  # One Indexed Job holds every task, numbered chief, workers, ps.
     tasks = tasks_in_order(spec)
     if not 0 <= index < len(tasks):
-      raise ClusterError(f"{INDEX_ENV}={index} is out of range for the {len(tasks)} tasks of "
-                         f"{CLUSTER_ENV}")
+      raise ClusterError(f"{INDEX_ENV}={index} is out of range for the "
+                         f"{count(len(tasks), 'task')} of {CLUSTER_ENV}")
     task_type, index = tasks[index]
   return tf_config(spec, task_type, index), spec, task_type, index
 

@@ -25,10 +25,13 @@ import tempfile
 from typing import Optional, Tuple
 
 from tfpar import storage
+from tfpar.console import count
 
 VOCAB_SIZE = 256  # Byte-level tokens: no vocabulary file, nothing to download.
 # --task=classify's built-in data, scikit-learn's digits: 8x8 greyscale scans of 0-9.
 DIGITS_IMAGE_SIZE, DIGITS_CHANNELS, DIGITS_CLASSES = 8, 1, 10
+# What the image readers (tf.io.decode_image) decode --data to: grey, RGB, RGBA (not JPEG).
+IMAGE_CHANNELS = (1, 3, 4)
 MAX_INT = 2 ** 31 - 1  # TensorFlow counts steps, shapes and batches in int32 in places.
 MAX_SEED = 2 ** 32 - 1  # numpy and tf.random take seeds in [0, 2^32).
 # Logical CPU devices share the host's cores (they test correctness, not speed)
@@ -388,6 +391,10 @@ def _validate_vision_data(m: ModelConfig, d: DataConfig) -> None:
   """What a vision task's data needs of the model and the augmentation flags."""
   if d.max_shift < 0:
     raise ConfigError(f"--max_shift={d.max_shift} must be >= 0 (0: no shifts)")
+  if d.data is not None and m.num_channels not in IMAGE_CHANNELS:
+    # Else the reader fails on the first image and seems to blame it.
+    raise ConfigError(f"--num_channels={m.num_channels} is not a channel count images decode "
+                      "to: use 1 (greyscale), 3 (RGB) or 4 (RGBA, PNG only)")
   if m.task == "classify" and d.data is None:  # The built-in digits.
     if (m.image_size, m.num_channels) != (DIGITS_IMAGE_SIZE, DIGITS_CHANNELS):
       raise ConfigError(f"--image_size={m.image_size} --num_channels={m.num_channels} do not fit "
@@ -470,8 +477,9 @@ def check_model_split(m: ModelConfig, p: ParallelConfig, precision: str = "float
                       f"{m.num_layers}: use at most one stage per block")
   if p.stage_layers is not None:
     if len(p.stage_layers) != p.pipeline_stages:
-      raise ConfigError(f"--stage_layers has {len(p.stage_layers)} entries but --pipeline_stages="
-                        f"{p.pipeline_stages}: give one block count per stage")
+      raise ConfigError(f"--stage_layers has {count(len(p.stage_layers), 'entry', 'entries')} "
+                        f"but --pipeline_stages={p.pipeline_stages}: give one block count per "
+                        "stage")
     if any(n <= 0 for n in p.stage_layers) or sum(p.stage_layers) != m.num_layers:
       raise ConfigError(f"--stage_layers={','.join(map(str, p.stage_layers))} must be positive "
                         f"and sum to --num_layers={m.num_layers}")
@@ -512,6 +520,55 @@ def _validate_parallel(cfg: Config) -> None:
       raise ConfigError(f"--data_parallel x --pipeline_stages x --tensor_parallel = {dp}x"
                         f"{p.pipeline_stages}x{p.tensor_parallel} = {needed} does not match "
                         f"--num_cpu_devices={s.num_cpu_devices}: make them equal")
+
+
+# --- a run's config.json ----------------------------------------------------------------------
+
+RUN_CONFIG = "config.json"  # In --model_dir: the run's flags (tfpar.runner.write_run_config).
+CLASS_NAMES = "class_names"  # Beside the sections in config.json, where the data names classes.
+
+
+def read_saved(model_dir: str) -> dict:
+  """A run's config.json, parsed: tfpar.train (a resume), tfpar.generate and tfpar.predict.
+
+  Read through tf.io.gfile (gs:// too). Raises ConfigError, in one line, where
+  the file cannot be read or is not an object of sections.
+  """
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  try:
+    with tf.io.gfile.GFile(os.path.join(model_dir, RUN_CONFIG)) as f:
+      saved = json.load(f)
+    if not isinstance(saved, dict) or not all(
+        isinstance(saved.get(field.name, {}), dict) for field in dataclasses.fields(Config)):
+      raise ValueError("not an object of sections model, data, train, ...")
+  except (ValueError, tf.errors.OpError) as e:
+    raise ConfigError(f"--model_dir={model_dir} has a config.json that cannot be read "
+                      f"({str(e).splitlines()[0]}): restore it from the run's first flags, or "
+                      "use a new --model_dir") from None
+  return saved
+
+
+def from_saved(saved: dict) -> Config:
+  """The Config a config.json (read_saved) records, from any tfpar version's file.
+
+  A field added since the run was written takes its default; one this version
+  no longer knows is dropped (inference must not fail on it); JSON lists
+  become the tuples the dataclasses hold.
+  """
+  sections = {}
+  for section in dataclasses.fields(Config):
+    kind = section.default.__class__
+    known = {f.name for f in dataclasses.fields(kind)}
+    values = {k: tuple(v) if isinstance(v, list) else v
+              for k, v in saved.get(section.name, {}).items() if k in known}
+    sections[section.name] = kind(**values)
+  return Config(**sections)
+
+
+def saved_class_names(saved: dict) -> Tuple[str, ...]:
+  """The class names a config.json (read_saved) records, in id order; () where it has none."""
+  names = saved.get(CLASS_NAMES)
+  return tuple(str(n) for n in names) if isinstance(names, list) else ()
 
 
 # --- what the flags meet on this machine ------------------------------------------------------
@@ -559,19 +616,13 @@ def _check_model_dir(cfg: Config) -> None:
   if "://" not in path:
     _check_local_model_dir(path)
   import tensorflow as tf  # pylint: disable=import-outside-toplevel  # gfile only: reads gs:// too.
-  config_path = os.path.join(path, "config.json")
   try:
-    if not tf.io.gfile.exists(config_path):
+    if not tf.io.gfile.exists(os.path.join(path, RUN_CONFIG)):
       return
   except tf.errors.OpError as e:  # Never for a local path: a remote store that does not answer.
     raise storage.describe_unreachable(f"--model_dir={path}", e) from None
-  try:
-    with tf.io.gfile.GFile(config_path) as f:
-      saved = json.load(f)
-    saved_model, saved_train = saved.get("model"), saved.get("train", {})
-  except (ValueError, AttributeError, tf.errors.OpError) as e:
-    raise ConfigError(f"--model_dir={path} has a config.json that cannot be read ({e}): "
-                      "restore it from the run's first flags, or use a new --model_dir") from None
+  saved = read_saved(path)
+  saved_model, saved_train = saved.get("model"), saved.get("train", {})
   ours = cfg.to_dict()
   if saved_model is not None:  # A model field added since the run started has its default.
     saved_model = {**dataclasses.asdict(ModelConfig()), **saved_model}

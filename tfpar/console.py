@@ -64,9 +64,9 @@ def import_tensorflow_quietly(verbosity: Optional[int] = None) -> None:
       os.close(saved)
 
 
-def count(n: int, noun: str) -> str:
-  """'1 replica', '2 replicas'."""
-  return f"{n} {noun}" + ("" if n == 1 else "s")
+def count(n: int, noun: str, plural: str = "") -> str:
+  """'1 replica', '2 replicas', '1,000 steps'; `plural` where adding an s is wrong ('boxes')."""
+  return f"{n:,} {noun}" if n == 1 else f"{n:,} {plural or noun + 's'}"
 
 
 def describe_run(cfg, info: dict) -> str:
@@ -76,11 +76,12 @@ def describe_run(cfg, info: dict) -> str:
   how = info["strategy"] + (": " + ", ".join(extra) if extra else "")
   m, t = cfg.model, cfg.train
   if m.task == "lm":
-    model, batch = "GPT", f"{t.global_batch_size} sequences x {m.seq_len} tokens"
+    model = "GPT"
+    batch = f"{count(t.global_batch_size, 'sequence')} x {count(m.seq_len, 'token')}"
   else:
     model = {"classify": "ViT classifier", "detect": "ViT detector",
              "segment": "ViT segmenter"}.get(m.task, f"ViT ({m.task})")
-    batch = f"{t.global_batch_size} {m.image_size}x{m.image_size} images"
+    batch = count(t.global_batch_size, f"{m.image_size}x{m.image_size} image")
   return (f"training a {m.num_layers}-layer {model} of {info['parameters']:,} "
-          f"parameters for {t.train_steps:,} steps of {batch}, "
+          f"parameters for {count(t.train_steps, 'step')} of {batch}, "
           f"on {count(info['replicas'], 'replica')} ({how})")

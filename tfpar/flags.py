@@ -28,12 +28,19 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
           "(a class per image), 'detect' (boxes and classes) or 'segment' (a class per pixel) "
           "(the model, data, loss and metrics come from tfpar.tasks).")
   # Data.
-  _define(flags.DEFINE_string, fv, 
+  _define(flags.DEFINE_string, fv,
       "data", None,
-      "Text to train on: a file, a directory, a glob of text files, or TFRecord shards "
-      "(*.tfrecord, a tf.train.Example with a bytes feature --tfrecord_key). "
-      "Default: the Python standard library's own source files, present on every machine.")
-  _define(flags.DEFINE_string, fv, "tfrecord_key", "text", "Feature holding the text in TFRecord examples.")
+      "What to train on, by --task. lm: text, as a file, a directory, a glob of text files, "
+      "or TFRecord shards (*.tfrecord, a tf.train.Example with a bytes feature "
+      "--tfrecord_key); default: the Python standard library's own source files, present on "
+      "every machine. classify: a directory with one sub-directory of images per class "
+      "(DIR/<class>/*.png|jpg); default: scikit-learn's digits. detect: a COCO instances "
+      "JSON (images relative to its directory); segment: a directory with images/NAME.png|jpg "
+      "and masks/NAME.png (pixel = class id); default for both: canvases of the digits. "
+      "Any vision task also reads TFRecord shards (tfpar/data/image_records.py); "
+      "tfpar/data/images.py describes the layouts.")
+  _define(flags.DEFINE_string, fv, "tfrecord_key", "text",
+          "--task=lm: the bytes feature holding the text in TFRecord examples.")
   _define(flags.DEFINE_float, fv, "eval_fraction", 0.05, "Fraction of the corpus (its tail) held out for eval.")
   _define(flags.DEFINE_enum, fv, 
       "input_sharding", "auto", ["auto", "data", "file"],
@@ -60,7 +67,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   # Vision model (--task=classify, detect, segment).
   _define(flags.DEFINE_integer, fv, "image_size", 8, "Image height and width in pixels (square).")
   _define(flags.DEFINE_integer, fv, "patch_size", 2, "ViT patch height and width; must divide --image_size.")
-  _define(flags.DEFINE_integer, fv, "num_channels", 1, "Image channels (1 grey, 3 RGB).")
+  _define(flags.DEFINE_integer, fv, "num_channels", 1,
+          "Image channels: 1 grey, 3 RGB or 4 RGBA (PNG only); the built-in digits are grey.")
   _define(flags.DEFINE_integer, fv, "num_classes", 10, "Classes of the task's labels (ids 0..num_classes-1).")
   _define(flags.DEFINE_enum, fv, "pooling", "cls", ["cls", "mean"],
           "How the ViT pools patches for the classifier: a class token, or the mean of patches.")

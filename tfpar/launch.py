@@ -58,6 +58,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from tfpar import cluster as cluster_lib
 from tfpar import status
+from tfpar.console import count
 
 USAGE = ("python -m tfpar.launch --num_workers=N [--num_ps=P] [--max_restarts=R] "
          "[--restart_backoff=SECONDS] [--grace_period=SECONDS] [--port_base=PORT] "
@@ -140,7 +141,7 @@ def parse_args(argv: Sequence[str]) -> LaunchConfig:
   cfg = LaunchConfig(train_args=tuple(train_args), **values)
   num_tasks = len(cluster_tasks(cfg))
   if cfg.port_base and not 1024 <= cfg.port_base <= 65535 - num_tasks:
-    raise LaunchError(f"--port_base={cfg.port_base} must leave room for {num_tasks} ports "
+    raise LaunchError(f"--port_base={cfg.port_base} must leave room for {count(num_tasks, 'port')} "
                       f"in 1024..65535 (or 0 to pick free ports)")
   if not train_args:
     raise LaunchError(f"no training flags after '--': {USAGE}")
@@ -441,7 +442,7 @@ def launch(cfg: LaunchConfig) -> int:
       code, failed = job.wait()
       if failed is None:
         job.stop()
-        say(f"job succeeded ({len(job.tasks)} tasks)")
+        say(f"job succeeded ({count(len(job.tasks), 'task')})")
         return 0
       what = f"{failed.label} {describe_status(code)}"
       if code == status.PREEMPTED:  # Name every task that saved, whichever exited first.
@@ -464,7 +465,7 @@ def launch(cfg: LaunchConfig) -> int:
             continue
           job.stop()
           say(f"{what}: stopped every task; the job failed with status {job_status(code)}"
-              + (f" after {cfg.max_restarts} restarts" if cfg.max_restarts else ""))
+              + (f" after {count(cfg.max_restarts, 'restart')}" if cfg.max_restarts else ""))
           return job_status(code)
         restarts += 1
         delay = backoff(restarts, cfg.restart_backoff)

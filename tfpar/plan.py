@@ -61,7 +61,7 @@ def plan(m, cluster, *, global_batch, precision, system, fixed) -> search.Ranked
     given = {k: v for k, v in fixed.items() if v is not None}
     what = ", ".join(f"--{k}={v}" for k, v in given.items()) or "any plan"
     raise PlanError(
-        f"{what} cannot use the {cluster.devices} devices of {cluster.name} with "
+        f"{what} cannot use the {console.count(cluster.devices, 'device')} of {cluster.name} with "
         f"--global_batch_size={global_batch}: D x K x T must equal the devices, D divide the "
         "batch, T divide --num_heads and --d_ff and sit in one node, K <= --num_layers"
         + (" (tfpar runs only data parallelism on TPUs)" if cluster.kind == "tpu" and
@@ -77,7 +77,8 @@ def nothing_fits(m, cluster, ranked, global_batch, precision, system, fixed) -> 
   """One line: the smallest footprint found, and how many such devices (or how much memory) would do."""
   smallest = ranked.row(ranked.order[0])
   need = smallest["memory_bytes_per_device"]
-  line = (f"{m.num_layers} blocks of d_model={m.d_model} do not fit on {cluster.name}: the "
+  line = (f"{console.count(m.num_layers, 'block')} of d_model={m.d_model} "
+          f"{'does' if m.num_layers == 1 else 'do'} not fit on {cluster.name}: the "
           f"smallest plan ({report.degrees(smallest)}) needs {need / 2 ** 30:.1f} GiB per device, "
           f"a device has {cluster.memory_bytes / 2 ** 30:.1f} GiB")
   n = cluster.devices

@@ -15,12 +15,14 @@ model's --image_size:
 - segment: writes the mask, a palette PNG of class ids at the image's own
   size (0 background), to --output_dir/NAME.mask.png.
 
+A class prints as its name where the training data named it (a class folder,
+a COCO category: tfpar.train records them in config.json), else as its id.
+
 `--overlay` also writes --output_dir/NAME.overlay.png: the boxes, or the mask
 in colour, or the class, drawn on the image. Bad input ends with one line on
 stderr and exit status 2. These flags belong to this tool alone.
 """
 
-import json
 import os
 import sys
 from typing import List, Sequence
@@ -28,6 +30,7 @@ from typing import List, Sequence
 import numpy as np
 from absl import flags
 
+from tfpar import config as config_lib
 from tfpar import console
 from tfpar import storage
 
@@ -76,9 +79,13 @@ def check(fv: flags.FlagValues) -> None:
   d = fv.model_dir
   if not d:
     raise PredictError("--model_dir is not set: pass the --model_dir of a tfpar.train run")
-  if not storage.exists(os.path.join(d, "config.json")):
+  if not storage.exists(os.path.join(d, config_lib.RUN_CONFIG)):
     raise PredictError(f"--model_dir={d} has no config.json: pass the --model_dir of a "
                        "tfpar.train run")
+  if read_config(d).model.task == "lm":
+    raise PredictError(f"--model_dir={d} holds a language model (--task=lm), but tfpar.predict "
+                       "needs a vision run (--task=classify, detect or segment): sample from "
+                       "this one with python -m tfpar.generate")
   if not fv.image:
     raise PredictError("--image is not set: pass an image file or a directory of images")
   if not 0 <= fv.score_threshold <= 1:
@@ -87,18 +94,18 @@ def check(fv: flags.FlagValues) -> None:
 
 def read_config(model_dir: str):
   """The run's Config from model_dir/config.json (dropout off: nothing random at inference)."""
-  from tfpar import config as config_lib  # pylint: disable=import-outside-toplevel
-  saved = json.loads(storage.read_text(os.path.join(model_dir, "config.json")))
-  sections = {}
-  for field in config_lib.dataclasses.fields(config_lib.Config):
-    kind = field.default.__class__
-    known = {f.name for f in config_lib.dataclasses.fields(kind)}
-    values = {k: v for k, v in saved.get(field.name, {}).items() if k in known}
-    if field.name == "parallel" and values.get("stage_layers") is not None:
-      values["stage_layers"] = tuple(values["stage_layers"])
-    sections[field.name] = kind(**values)
-  cfg = config_lib.Config(**sections)
+  cfg = config_lib.from_saved(config_lib.read_saved(model_dir))
   return cfg.replace(model={"dropout": 0.0})
+
+
+def class_names(model_dir: str):
+  """The run's class names in id order (config.json), or () where its data had none."""
+  return config_lib.saved_class_names(config_lib.read_saved(model_dir))
+
+
+def _class_label(c: int, names) -> str:
+  """A class as printed: its name where the data named it, else its id."""
+  return names[c] if c < len(names) else str(c)
 
 
 def load_model(model_dir: str):
@@ -106,10 +113,7 @@ def load_model(model_dir: str):
   import keras  # pylint: disable=import-outside-toplevel
   from tfpar import tasks  # pylint: disable=import-outside-toplevel
   from tfpar.training import checkpoint  # pylint: disable=import-outside-toplevel
-  cfg = read_config(model_dir)
-  if cfg.model.task == "lm":
-    raise PredictError(f"--model_dir={model_dir} holds a language model: sample from it with "
-                       "python -m tfpar.generate")
+  cfg = read_config(model_dir)  # check() refused a language model.
   keras.mixed_precision.set_global_policy("float32")
   task = tasks.make(cfg)
   model = task.build_model()
@@ -153,8 +157,12 @@ def _save(image, path: str) -> None:
 
 
 def predict(task, model, paths: Sequence[str], *, output_dir: str, overlay: bool,
-            score_threshold: float, batch_size: int = 64) -> List[str]:
-  """Runs the model on every image; returns the lines it prints."""
+            score_threshold: float, names: Sequence[str] = (), batch_size: int = 64) -> List[str]:
+  """Runs the model on every image; returns the lines it prints.
+
+  Args:
+    names: the class names in id order (class_names); a class without one prints its id.
+  """
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from PIL import Image, ImageDraw  # pylint: disable=import-outside-toplevel
   from tfpar.data import images as images_lib  # pylint: disable=import-outside-toplevel
@@ -180,18 +188,19 @@ def predict(task, model, paths: Sequence[str], *, output_dir: str, overlay: bool
       if kind == "detect":
         n = int(found.num_detections[i])
         keep = range(n)  # NMS kept only boxes scoring at least score_threshold.
-        lines.append(f"{path}: {n} boxes")
+        lines.append(f"{path}: {console.count(n, 'box', 'boxes')}")
         scale = np.array([h, w, h, w], np.float32) / m.image_size
         for k in keep:
           box = found.boxes[i, k].numpy() * scale
           c, s = int(found.classes[i, k]), float(found.scores[i, k])
-          lines.append(f"  class {c} score {s:.3f} box (ymin, xmin, ymax, xmax) = "
+          label = _class_label(c, names)
+          lines.append(f"  class {label} score {s:.3f} box (ymin, xmin, ymax, xmax) = "
                        f"({box[0]:.1f}, {box[1]:.1f}, {box[2]:.1f}, {box[3]:.1f})")
           if drawing is not None:
             pen = ImageDraw.Draw(drawing)
             colour = tuple(int(v) for v in PALETTE[1 + c % (len(PALETTE) - 1)])
             pen.rectangle([box[1], box[0], box[3] - 1, box[2] - 1], outline=colour)
-            pen.text((box[1] + 1, box[0]), f"{c} {s:.2f}", fill=colour)
+            pen.text((box[1] + 1, box[0]), f"{label} {s:.2f}", fill=colour)
       elif kind == "segment":
         labels = np.argmax(np.asarray(outputs[i]), axis=-1)
         mask = resize_labels(labels, h, w)
@@ -206,9 +215,10 @@ def predict(task, model, paths: Sequence[str], *, output_dir: str, overlay: bool
       else:  # classify
         probs = tf.nn.softmax(tf.cast(outputs[i], tf.float32)).numpy()
         c = int(np.argmax(probs))
-        lines.append(f"{path}: class {c} ({probs[c]:.3f})")
+        label = _class_label(c, names)
+        lines.append(f"{path}: class {label} ({probs[c]:.3f})")
         if drawing is not None:
-          ImageDraw.Draw(drawing).text((1, 1), str(c), fill=(255, 0, 0))
+          ImageDraw.Draw(drawing).text((1, 1), label, fill=(255, 0, 0))
       if drawing is not None:
         _save(drawing, stem + ".overlay.png")
         lines.append(f"  overlay -> {stem}.overlay.png")
@@ -234,16 +244,17 @@ def main(argv: Sequence[str]) -> None:
   console.import_tensorflow_quietly()  # check() reads --model_dir through tf.io.gfile.
   try:
     check(fv)
-  except PredictError as e:
+  except (PredictError, config_lib.ConfigError) as e:
     fail(str(e))
   from tfpar.data.corpus import DataError  # pylint: disable=import-outside-toplevel
   from tfpar.training.checkpoint import CheckpointMismatchError  # pylint: disable=import-outside-toplevel
   try:
     paths = list_images(fv.image)
     task, model = load_model(fv.model_dir)
-    lines = predict(task, model, paths, output_dir=fv.output_dir or os.path.join(
-        fv.model_dir, "predictions"), overlay=fv.overlay, score_threshold=fv.score_threshold)
-  except (PredictError, DataError, CheckpointMismatchError) as e:
+    output_dir = fv.output_dir or os.path.join(fv.model_dir, "predictions")
+    lines = predict(task, model, paths, output_dir=output_dir, overlay=fv.overlay,
+                    score_threshold=fv.score_threshold, names=class_names(fv.model_dir))
+  except (PredictError, config_lib.ConfigError, DataError, CheckpointMismatchError) as e:
     fail(str(e))
   print("\n".join(lines), flush=True)
 

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+from typing import Sequence
 
 import keras
 from absl import logging as absl_logging
@@ -13,7 +14,7 @@ from tfpar import storage
 from tfpar import strategies
 from tfpar import tasks
 from tfpar.cluster import Cluster, ClusterError, PeerError
-from tfpar.config import Config, ConfigError
+from tfpar.config import CLASS_NAMES, RUN_CONFIG, Config, ConfigError
 from tfpar.data import corpus as corpus_lib
 from tfpar.training import loop, preemption
 from tfpar.training.checkpoint import (CheckpointMismatchError, CheckpointUnreadableError,
@@ -31,17 +32,22 @@ USER_ERRORS = (ConfigError, ClusterError, corpus_lib.DataError, CheckpointMismat
 NONFINITE_ERRORS = (loop.NonFiniteError, NonFiniteStateError)
 
 
-def write_run_config(cfg: Config) -> None:
+def write_run_config(cfg: Config, class_names: Sequence[str] = ()) -> None:
   """The chief records the run's flags in <model_dir>/config.json, once.
 
-  tfpar.config.check_run compares a resume against it; tfpar.generate rebuilds
-  the model from it. Written whole, then renamed: other workers may read it
-  at the same moment.
+  tfpar.config.check_run compares a resume against it; tfpar.generate and
+  tfpar.predict rebuild the model from it. `class_names` (when the data names
+  its classes: class folders, COCO categories) go with them, so that predict
+  prints a name, not an index the user would have to look up. Written whole,
+  then renamed: other workers may read it at the same moment.
   """
-  path = os.path.join(cfg.train.model_dir, "config.json")
+  path = os.path.join(cfg.train.model_dir, RUN_CONFIG)
   if not storage.exists(path):
+    record = cfg.to_dict()
+    if class_names:
+      record[CLASS_NAMES] = list(class_names)
     storage.makedirs(cfg.train.model_dir)
-    storage.write_atomically(path, json.dumps(cfg.to_dict(), indent=2))
+    storage.write_atomically(path, json.dumps(record, indent=2))
 
 
 def run(cfg: Config, cluster: Cluster) -> dict:
@@ -121,7 +127,8 @@ def _run(cfg: Config, cluster: Cluster) -> dict:
     # model, found before, leaves --model_dir as it was.
     return loop.run(cfg, engine, is_chief=is_chief, worker_index=worker_index,
                     num_workers=num_workers,
-                    on_restored=(lambda: write_run_config(cfg)) if is_chief else None)
+                    on_restored=(lambda: write_run_config(cfg, task.class_names(data)))
+                    if is_chief else None)
   except PEER_ERRORS as e:
     if len(cluster.spec.get("worker", [])) + len(cluster.spec.get("chief", [])) < 2:
       raise

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
+from tfpar.console import count
 from tfpar.data.corpus import DataError
 from tfpar.data.images import ImageSet, check_num_classes, decode_images, decode_mask, pad_boxes
 from tfpar.data.images import resize_mask
@@ -111,7 +112,8 @@ def read_tfrecords(files: Sequence[str], task: str, *, image_size: int, channels
       b = np.stack([r[k] for k in BOX_KEYS], -1).astype(np.float32)  # [m, 4] in [0, 1]
       c = r["image/object/class/label"].astype(np.int32)
       if len(b) != len(c):
-        raise DataError(f"{name} has {len(b)} boxes but {len(c)} class labels: fix the record")
+        raise DataError(f"{name} has {count(len(b), 'box', 'boxes')} but "
+                        f"{count(len(c), 'class label')}: give each box one")
       if len(b) and (b.min() < 0 or b.max() > 1 or (b[:, 2:] <= b[:, :2]).any()):
         raise DataError(f"{name} has a box outside [0, 1] or with max <= min: boxes are "
                         "(ymin, xmin, ymax, xmax) as fractions of the image's size")

@@ -15,17 +15,21 @@ label be checked once before training starts.
 | TFRecord shards | any | see `tfpar.data.image_records` |
 
 Bad data (an empty or unreadable folder, a class id outside --num_classes, a
-COCO box outside its image) raises `DataError` naming the file and the fix.
+COCO box outside its image, a COCO entry without a field tfpar reads or with
+one of another type, a COCO file without categories or annotations) raises
+`DataError` naming the file (and the entry and field) and the fix.
 """
 
 import dataclasses
 import io
 import json
+import math
 import os
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from tfpar.console import count
 from tfpar.data.corpus import DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
@@ -68,8 +72,8 @@ def split(data: ImageSet, eval_fraction: float, seed: int) -> Tuple[ImageSet, Im
   order = np.random.default_rng(seed).permutation(len(data))
   n_eval = max(1, int(round(len(data) * eval_fraction)))
   if n_eval >= len(data):
-    raise DataError(f"{len(data)} examples leave none for training after holding out "
-                    f"{n_eval}: bring more data or lower --eval_fraction")
+    raise DataError(f"holding out {n_eval} of {count(len(data), 'example')} leaves none for "
+                    "training: bring more data or lower --eval_fraction")
   return data.take(np.sort(order[n_eval:])), data.take(np.sort(order[:n_eval]))
 
 
@@ -102,11 +106,28 @@ def decode_images(sources: Sequence, image_size: int, channels: int, *, names: S
     for source, name in zip(sources, names):  # Find the bad one to name it.
       try:
         decode(tf.constant(source))
-      except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError):
-        raise DataError(f"{name} is not a readable image: remove or replace it "
-                        "(PNG, JPEG, BMP or GIF)") from None
+      except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError) as e:
+        raise _unreadable(source, name, channels, are_files, e) from None
     raise
   return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+
+
+def _unreadable(source, name: str, channels: int, are_files: bool, error) -> DataError:
+  """Blames the image, or --num_channels where the image decodes to its own channels.
+
+  A JPEG has no alpha channel: under --num_channels=4 a good JPEG fails, and
+  the fix is the flag, not the file.
+  """
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  try:
+    data = tf.io.read_file(source) if are_files else source
+    tf.io.decode_image(data, expand_animations=False)
+  except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError):
+    return DataError(f"{name} is not a readable image: remove or replace it "
+                     "(PNG, JPEG, BMP or GIF)")
+  why = error.message.split("}}")[-1].split("[Op:")[0].strip()  # TF's own reason, unwrapped.
+  return DataError(f"{name} cannot be decoded to --num_channels={channels} ({why}): train "
+                   "with --num_channels=3 (RGB) or 1 (greyscale), or convert it to PNG")
 
 
 def _is_image(name: str) -> bool:
@@ -148,13 +169,68 @@ def read_image_folder(path: str, *, image_size: int, channels: int, num_classes:
   return ImageSet(images, labels=np.array(labels, np.int32), class_names=tuple(classes))
 
 
-def read_coco(json_path: str, *, image_size: int, channels: int, num_classes: int,
-              image_dir: Optional[str] = None) -> ImageSet:
-  """Detection: a COCO instances JSON and its images (`file_name` relative to `image_dir`).
+def _entry(kind: str, i: int, entry) -> str:
+  """'annotation 3 (id 17)': an entry's place in its list, and its id where it has one."""
+  ident = entry.get("id") if isinstance(entry, dict) else None
+  return f"{kind} {i}" + (f" (id {ident})" if ident is not None else "")
 
-  Categories are numbered 0..K-1 in order of their COCO id; crowd annotations
-  are skipped; boxes are scaled with their image to `image_size` square.
+
+def _is_number(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_size(value) -> bool:
+  """A pixel count: a positive whole number (some converters write 640.0)."""
+  return _is_number(value) and value > 0 and float(value).is_integer()
+
+
+def _is_bbox(value) -> bool:
+  return isinstance(value, (list, tuple)) and len(value) == 4 and all(map(_is_number, value))
+
+
+def _is_id(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+# COCO fields tfpar reads: (the test a value must pass, what it must be, for the message).
+_COCO_FIELDS = {
+    "id": (_is_id, "an integer id"),
+    "file_name": (lambda v: isinstance(v, str) and bool(v), "the image's path, relative to "
+                  "the JSON's directory"),
+    "width": (_is_size, "the image's width in pixels, a positive integer"),
+    "height": (_is_size, "the image's height in pixels, a positive integer"),
+    "image_id": (_is_id, "the id of its image in 'images'"),
+    "category_id": (_is_id, "the id of its category in 'categories'"),
+    "bbox": (_is_bbox, "[x, y, width, height] in pixels (4 numbers)"),
+}
+
+
+# What each kind of entry must have (a crowd annotation only its image_id: it is skipped).
+_COCO_REQUIRED = {"image": ("id", "file_name", "width", "height"), "category": ("id",),
+                  "annotation": ("image_id", "category_id", "bbox")}
+
+
+def _coco_fields(json_path: str, kind: str, i: int, entry,
+                 keys: Optional[Sequence[str]] = None) -> None:
+  """Each field of `keys` (default: all a `kind` needs) is there and of its type, else DataError.
+
+  Checked before any is used, so a bad file fails on its first bad field with
+  the file, the entry and the field named, not with a KeyError or ValueError.
   """
+  if not isinstance(entry, dict):
+    raise DataError(f"{json_path}: {kind} {i} is {entry!r:.40}, not an object: make it one "
+                    f"with the fields {', '.join(_COCO_REQUIRED[kind])}")
+  for key in keys or _COCO_REQUIRED[kind]:
+    test, meaning = _COCO_FIELDS[key]
+    if key not in entry:
+      raise DataError(f"{json_path}: {_entry(kind, i, entry)} has no '{key}': add {meaning}")
+    if not test(entry[key]):
+      raise DataError(f"{json_path}: {_entry(kind, i, entry)} has {key} {entry[key]!r:.40}, "
+                      f"not {meaning}: fix it")
+
+
+def _load_coco(json_path: str) -> dict:
+  """The JSON, with its three lists present, non-empty, and every field tfpar reads checked."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   try:
     with tf.io.gfile.GFile(json_path) as f:
@@ -164,46 +240,70 @@ def read_coco(json_path: str, *, image_size: int, channels: int, num_classes: in
   if not isinstance(coco, dict) or not {"images", "annotations", "categories"} <= set(coco):
     raise DataError(f"{json_path} lacks 'images', 'annotations' or 'categories': "
                     "pass a COCO instances file")
+  needs = {"images": "the images to train on", "categories": "one per class of the boxes",
+           "annotations": "boxes (a detector learns nothing without them)"}
+  for key, what in needs.items():
+    if not isinstance(coco[key], list):
+      raise DataError(f"{json_path}: '{key}' is {type(coco[key]).__name__}, not a list: "
+                      "pass a COCO instances file")
+    if not coco[key]:
+      raise DataError(f"{json_path} lists no {key}: add {what}, or pass another file")
+  for kind, key in (("image", "images"), ("category", "categories"), ("annotation", "annotations")):
+    for i, entry in enumerate(coco[key]):
+      crowd = isinstance(entry, dict) and entry.get("iscrowd", 0)
+      _coco_fields(json_path, kind, i, entry, ("image_id",) if crowd else None)
+  return coco
+
+
+def read_coco(json_path: str, *, image_size: int, channels: int, num_classes: int,
+              image_dir: Optional[str] = None) -> ImageSet:
+  """Detection: a COCO instances JSON and its images (`file_name` relative to `image_dir`).
+
+  Categories are numbered 0..K-1 in order of their COCO id; crowd annotations
+  are skipped; boxes are scaled with their image to `image_size` square.
+  """
+  coco = _load_coco(json_path)
   image_dir = image_dir or os.path.dirname(json_path)
   category_ids = sorted(c["id"] for c in coco["categories"])
   index = {cid: i for i, cid in enumerate(category_ids)}
   check_num_classes(len(category_ids) - 1, num_classes,
                     f"{json_path} ({len(category_ids)} categories)", "category index")
   images = sorted(coco["images"], key=lambda im: im["id"])
-  if not images:
-    raise DataError(f"{json_path} lists no images: add them or pass another file")
   per_image = {im["id"]: [] for im in images}
   by_id = {im["id"]: im for im in images}
-  for ann in coco["annotations"]:
-    image = by_id.get(ann.get("image_id"))
+  for i, ann in enumerate(coco["annotations"]):
+    image = by_id.get(ann["image_id"])
     if image is None:
-      raise DataError(f"{json_path}: annotation {ann.get('id')} names image_id "
-                      f"{ann.get('image_id')}, which is not in 'images': fix the file")
+      raise DataError(f"{json_path}: {_entry('annotation', i, ann)} names image_id "
+                      f"{ann['image_id']}, which is not in 'images': fix the file")
     if ann.get("iscrowd", 0):
       continue
     if ann["category_id"] not in index:
-      raise DataError(f"{json_path}: annotation {ann.get('id')} has category_id "
+      raise DataError(f"{json_path}: {_entry('annotation', i, ann)} has category_id "
                       f"{ann['category_id']}, which is not in 'categories': fix the file")
     x, y, w, h = (float(v) for v in ann["bbox"])
     width, height = image["width"], image["height"]
     if x < 0 or y < 0 or w <= 0 or h <= 0 or x + w > width + 0.5 or y + h > height + 0.5:
-      raise DataError(f"{json_path}: annotation {ann.get('id')} of {image['file_name']} has bbox "
-                      f"[{x:g}, {y:g}, {w:g}, {h:g}] outside its {width}x{height} image: fix the "
-                      "box (COCO bbox is [x, y, width, height] in pixels)")
+      raise DataError(f"{json_path}: {_entry('annotation', i, ann)} of {image['file_name']} has "
+                      f"bbox [{x:g}, {y:g}, {w:g}, {h:g}] outside its {width:g}x{height:g} image: "
+                      "fix the box (COCO bbox is [x, y, width, height] in pixels)")
     sy, sx = image_size / height, image_size / width
     per_image[image["id"]].append(((y * sy, x * sx, (y + h) * sy, (x + w) * sx),
                                    index[ann["category_id"]]))
+  if not any(per_image.values()):
+    raise DataError(f"{json_path} has no annotations but crowd regions (iscrowd=1), which "
+                    "detection skips: add boxes of single objects")
   paths = [os.path.join(image_dir, im["file_name"]) for im in images]
   pixels, sizes = decode_images(paths, image_size, channels)
   for im, (h, w), path in zip(images, sizes, paths):
     if (h, w) != (im["height"], im["width"]):
-      raise DataError(f"{path} is {w}x{h} but {json_path} says {im['width']}x{im['height']}: "
+      raise DataError(f"{path} is {w}x{h} but {json_path} says {im['width']:g}x{im['height']:g}: "
                       "fix the image's width and height in the JSON")
   boxes, classes = pad_boxes([[b for b, _ in per_image[im["id"]]] for im in images],
                              [[c for _, c in per_image[im["id"]]] for im in images])
   names = {c["id"]: c.get("name", str(c["id"])) for c in coco["categories"]}
   return ImageSet(pixels, boxes=boxes, classes=classes,
-                  class_names=tuple(names[c] for c in category_ids))
+                  class_names=tuple(str(names[c]) for c in category_ids))
 
 
 def decode_mask(data: bytes, where: str) -> np.ndarray:

@@ -22,6 +22,7 @@ from typing import Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
+from tfpar.console import count
 from tfpar.data import corpus
 
 
@@ -67,8 +68,8 @@ def split_tokens(tokens: np.ndarray, seq_len: int, eval_fraction: float
   n_eval = max(int(len(tokens) * eval_fraction), seq_len + 1)
   if len(tokens) - n_eval < 2 * (seq_len + 1):
     raise corpus.DataError(
-        f"the data has {len(tokens)} bytes, too few for --seq_len={seq_len} with a held-out "
-        f"split: give more text or a shorter --seq_len")
+        f"the data has {count(len(tokens), 'byte')}, too few for --seq_len={seq_len} with a "
+        "held-out split: give more text or a shorter --seq_len")
   return tokens[:-n_eval], tokens[-n_eval:]
 
 
@@ -156,7 +157,7 @@ def load_corpus(data: Optional[str], *, seq_len: int, eval_fraction: float,
   if sharding == "file":
     if len(files) < num_workers:
       raise corpus.DataError(f"--input_sharding=file needs at least one file per worker "
-                             f"({len(files)} files, {num_workers} workers): use "
+                             f"({count(len(files), 'file')}, {num_workers} workers): use "
                              "--input_sharding=data")
     files = files[worker_index::num_workers]
   tokens = corpus.read_tokens(files, tfrecord_key)

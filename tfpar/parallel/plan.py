@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from tfpar import config as config_lib
+from tfpar.console import count
 from tfpar import storage
 from tfpar import tasks
 from tfpar.config import Config, ConfigError, ModelConfig
@@ -168,7 +169,7 @@ class ParallelPlan:
   def format(self) -> str:
     """The plan as a few lines for the start-up log."""
     d, k, t, m = self.data_parallel, self.pipeline_stages, self.tensor_parallel, self.microbatches
-    lines = [f"plan: D={d} data x K={k} pipeline x T={t} tensor = {d * k * t} devices; "
+    lines = [f"plan: D={d} data x K={k} pipeline x T={t} tensor = {count(d * k * t, 'device')}; "
              f"M={m} micro-batches of {self.per_replica_batch // m}; bubble (K-1)/(M+K-1) = "
              f"{k - 1}/{m + k - 1} = {self.bubble:.1%}; remat {'on' if self.remat else 'off'}"]
     for s in self.stages:

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from tfpar.console import count
 from tfpar.planner import cost, search
 
 GIB = 2 ** 30
@@ -169,8 +170,8 @@ def write_flagfile(path: str, given, row: dict, cluster) -> str:
             f"# Predicted: {row['memory_bytes_per_device'] / GIB:.2f} GiB per device, "
             f"{row['step_seconds']:.4g} s per step, {row['tokens_per_second']:,.0f} tokens/s."]
   if cluster.kind != "tpu" and n > cluster.devices_per_node:
-    header.append(f"# Launch {row['data_parallel']} workers (TF_CONFIG), each with "
-                  f"{row['pipeline_stages'] * row['tensor_parallel']} devices.")
+    header.append(f"# Launch {count(row['data_parallel'], 'worker')} (TF_CONFIG), each with "
+                  f"{count(row['pipeline_stages'] * row['tensor_parallel'], 'device')}.")
   with tf.io.gfile.GFile(path, "w") as f:
     f.write("\n".join(header + list(given) + plan_flags(row, cluster)) + "\n")
   return path

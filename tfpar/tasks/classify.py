@@ -101,6 +101,9 @@ class Classification(Task):
     return (f"{data.source}, {len(data.train):,} train / {len(data.eval):,} held-out images "
             f"of {shape}")
 
+  def class_names(self, data):
+    return data.train.class_names  # The class folders' names (none for the digits).
+
   def dataset(self, split, shard, *, start_step: int = 0, shuffle: bool = True):
     seed, n, d = self.cfg.train.seed, len(split), self.cfg.data
     pixels, labels = tf.constant(split.images), tf.constant(split.labels)

@@ -111,6 +111,9 @@ class DenseVisionTask(Task):
     return (f"{data.source}, {len(data.train):,} train / {len(data.eval):,} held-out images "
             f"of {shape}")
 
+  def class_names(self, data):
+    return data.train.class_names  # A COCO file's category names (none for the canvases).
+
   def dataset(self, split, shard, *, start_step: int = 0, shuffle: bool = True):
     d = self.cfg.data
 

@@ -4,6 +4,7 @@ from typing import Dict, List
 
 import numpy as np
 
+from tfpar import console
 from tfpar.data import corpus as corpus_lib
 from tfpar.data import pipeline
 from tfpar.models import GPT
@@ -52,7 +53,7 @@ class LanguageModeling(Task):
   def describe_data(self, data) -> str:
     total = len(corpus_lib.list_files(self.cfg.data.data))
     share = "" if len(data.files) == total else f" of {total} (this worker's share)"
-    return (f"{len(data.files)}{share} files, {len(data.train):,} train / "
+    return (f"{console.count(len(data.files), 'file')}{share}, {len(data.train):,} train / "
             f"{len(data.eval):,} held-out bytes")
 
   def dataset(self, split, shard, *, start_step: int = 0, shuffle: bool = True):

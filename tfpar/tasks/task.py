@@ -90,6 +90,14 @@ class Task:
     """One line for the start-up log."""
     raise NotImplementedError
 
+  def class_names(self, data) -> Tuple[str, ...]:
+    """The classes' names in id order, where the data has them (class folders); else ().
+
+    Recorded in config.json, so that tfpar.predict prints names, not indices.
+    """
+    del data
+    return ()
+
   def dataset(self, split, shard, *, start_step: int = 0, shuffle: bool = True) -> tf.data.Dataset:
     """Endless per-replica batches (inputs, targets) of `split` (data.train or data.eval).
 
