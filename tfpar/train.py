@@ -57,6 +57,7 @@ def main(argv):
   except runner.NONFINITE_ERRORS as e:
     fail(str(e), status.NONFINITE)
   except preemption.Preempted:
+    preemption.stand_down()  # Saved: no later signal may turn 75 into a kill during teardown.
     sys.exit(status.PREEMPTED)
   except cluster_lib.PeerError as e:  # Not bad input: a restart may well succeed.
     print(f"tfpar.train: error: {e}", file=sys.stderr, flush=True)

@@ -8,6 +8,14 @@ signalled, every worker saves a checkpoint at the same step and exits with
 `tfpar.status.PREEMPTED`. The next start resumes from that checkpoint: no step
 is lost or repeated.
 
+More signals. Kubernetes and launchers may send SIGTERM again while a worker
+saves or shuts down: it changes nothing, the save goes on and the status is
+75. Once the process has decided to exit 75, `stand_down` sets SIGTERM to
+SIG_IGN: CPython's finalization (3.11, `_PySignal_Fini`) restores SIG_DFL for
+every handler Python installed and leaves SIG_IGN alone, so a SIGTERM during
+the seconds of teardown after `sys.exit` (TensorFlow's threads) used to kill a
+process that had saved, with status 143.
+
 Agreement. A signal reaches one pod, not all of them. Workers of a
 synchronous multi-worker job (multi_worker_mirrored, also under model
 parallelism) run the same chunks in the same order, so after each chunk they
@@ -81,6 +89,16 @@ def disarm() -> None:
 def signalled() -> bool:
   """Whether this process has received SIGTERM."""
   return _WATCHER.signalled_at is not None
+
+
+def stand_down() -> None:
+  """Call once the process will exit 75: every later SIGTERM is ignored.
+
+  SIG_IGN, not a handler: interpreter finalization keeps it (see the module
+  docstring), so the status stays 75 however many signals the teardown meets.
+  """
+  if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class Agreement:
