@@ -1,9 +1,17 @@
 """Signals to `python -m tfpar.train` itself: real processes, real signals, no launcher.
 
-Kubernetes and launchers may send SIGTERM more than once. However many
-arrive, a stop by signal saves and exits 75 (tfpar.status.PREEMPTED). Each
-signal is sent once the first progress line is out (training has started),
-never after a fixed sleep.
+Kubernetes and launchers may send SIGTERM more than once; a person at a
+terminal presses Ctrl-C (SIGINT), maybe twice. Whatever arrives, a stop by
+signal saves and exits 75 (tfpar.status.PREEMPTED), except a second SIGINT,
+which aborts at once without saving (one line, exit 130). Each signal is sent
+once the first progress line is out (training has started), never after a
+fixed sleep.
+
+The runs share one --model_dir, each resuming from the one before: so every
+saved checkpoint is shown to restore, and to continue from its own step. The
+loop stops only through preemption.Agreement.stop(), so the SIGINT run shows
+the agreement counting SIGINT as a notice (a multi-worker agreement sums the
+same flag over the workers).
 """
 
 import os
@@ -138,3 +146,49 @@ def test_repeated_sigterms_still_save_and_exit_75(sigterms, model_dir):
   assert sigterms.stderr == ""
   assert checkpoint_steps(model_dir) == [saved_step(sigterms)]
 
+
+@pytest.fixture(scope="module")
+def sigint(sigterms, model_dir):
+  """One Ctrl-C, to the run that resumes from the SIGTERM run's checkpoint."""
+  return train_and_signal(model_dir, signal.SIGINT)
+
+
+ACK = (f"tfpar: SIGINT: saving a checkpoint after this chunk of steps, then exiting with status "
+       f"{status.PREEMPTED}; press Ctrl-C again to abort without saving")
+
+
+def test_a_first_sigint_saves_like_sigterm_and_exits_75(sigterms, sigint, model_dir):
+  assert sigint.code == status.PREEMPTED, (sigint.code, sigint.stderr[-3000:])
+  assert_resumed_at(sigint, saved_step(sigterms))
+  assert SAVED.search(sigint.stdout).group(1) == "SIGINT"
+  assert saved_step(sigint) > saved_step(sigterms)
+  assert sigint.stderr.splitlines() == [ACK]  # The one line, at once: no traceback.
+  assert "Traceback" not in sigint.stdout
+  assert checkpoint_steps(model_dir) == [saved_step(sigterms), saved_step(sigint)]
+
+
+@pytest.fixture(scope="module")
+def sigints(sigint, model_dir):
+  """Ctrl-C twice, the second once the first is acknowledged, while a long chunk still runs."""
+  run = Training(ARGS + [f"--model_dir={model_dir}", "--steps_per_call=300", "--log_every=300"])
+  run.wait_for(r"^step +\d+/")
+  run.proc.send_signal(signal.SIGINT)
+  deadline = time.monotonic() + 60
+  while ACK not in run.stderr and time.monotonic() < deadline:
+    time.sleep(0.01)
+  run.proc.send_signal(signal.SIGINT)
+  run.code = run.finish(120)
+  return run
+
+
+def test_a_second_sigint_aborts_at_once_without_saving(sigterms, sigint, sigints, model_dir):
+  assert sigints.code == status.ABORTED, (sigints.code, sigints.stderr[-3000:])
+  resumed = saved_step(sigint)
+  assert_resumed_at(sigints, resumed)
+  assert sigints.stderr.splitlines() == [
+      ACK, "tfpar: second SIGINT: aborted without saving (the steps since the last checkpoint "
+      f"are lost), exiting with status {status.ABORTED}"]
+  assert "Traceback" not in sigints.stdout and not SAVED.search(sigints.stdout)
+  # At once, mid-chunk: no chunk after the first progress line finished.
+  assert read_metrics(model_dir)[-1]["step"] == (resumed // 300 + 1) * 300
+  assert checkpoint_steps(model_dir) == [saved_step(sigterms), resumed]

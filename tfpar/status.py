@@ -11,10 +11,15 @@ Read without TensorFlow (the launcher imports it).
   3   NONFINITE  a NaN or infinite loss or gradient norm under --on_nonfinite=stop:
                  nothing was saved after the last good checkpoint; restarting
                  would meet the same numbers (lower --learning_rate, or skip).
-  75  PREEMPTED  SIGTERM (eviction, maintenance, Ctrl-C to the launcher): every
-                 worker saved a checkpoint at the same step; start the same
-                 command again to resume exactly there. 75 is EX_TEMPFAIL of
-                 sysexits.h ("temporary failure; the user is invited to retry").
+  75  PREEMPTED  SIGTERM (eviction, maintenance, Ctrl-C to the launcher) or a
+                 first Ctrl-C (SIGINT) to tfpar.train: every worker saved a
+                 checkpoint at the same step; start the same command again to
+                 resume exactly there. 75 is EX_TEMPFAIL of sysexits.h
+                 ("temporary failure; the user is invited to retry").
+  130 ABORTED    a second Ctrl-C to tfpar.train: it stopped at once without
+                 saving; the checkpoints already written are intact, the steps
+                 since the newest are lost. 130 is 128 + SIGINT, what a shell
+                 reports for a process Ctrl-C ended.
 """
 
 OK = 0
@@ -22,3 +27,4 @@ CRASH = 1
 BAD_INPUT = 2
 NONFINITE = 3
 PREEMPTED = 75
+ABORTED = 130

@@ -5,8 +5,9 @@ the run directory and the cluster (all before TensorFlow starts), make the
 strategy, build the engine under it, run the loop. Bad input ends with one line
 on stderr and exit status 2; a NaN or infinite step under --on_nonfinite=stop
 with one line and exit status 3 (nothing saved after the last good
-checkpoint); a SIGTERM saves a checkpoint and exits 75 (tfpar.status lists
-every status). TensorFlow's C++ start-up lines are silenced; absl's
+checkpoint); a SIGTERM or a first Ctrl-C saves a checkpoint and exits 75, a
+second Ctrl-C aborts without saving and exits 130 (tfpar.status lists every
+status). TensorFlow's C++ start-up lines are silenced; absl's
 --verbosity=0 shows them.
 """
 
@@ -31,7 +32,7 @@ def fail(message: str, code: int = status.BAD_INPUT) -> None:
 
 
 def main(argv):
-  preemption.watch()  # Before TensorFlow: in a container, python may be PID 1.
+  preemption.watch(interrupt=True)  # Before TensorFlow: in a container, python may be PID 1.
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}: flags are written --name=value")
   try:
