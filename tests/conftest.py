@@ -70,14 +70,17 @@ TINY = ["--num_layers=2", "--d_model=32", "--num_heads=4", "--d_ff=64", "--seq_l
         "--learning_rate=3e-3", "--warmup_steps=1"]
 
 
-def run_module(module, args, *, env=None, timeout=600, check=True):
-  """Runs `python -m module args` and returns the CompletedProcess (text)."""
+def run_module(module, args, *, env=None, timeout=600, check=True, preexec_fn=None):
+  """Runs `python -m module args` and returns the CompletedProcess (text).
+
+  `preexec_fn` runs in the child before it starts Python (e.g. to set a resource limit).
+  """
   full_env = dict(os.environ, PYTHONPATH=REPO)
   # tfpar's own default (TensorFlow's C++ start-up lines silenced), not this process's level.
   full_env.pop("TF_CPP_MIN_LOG_LEVEL", None)
   full_env.update(env or {})
   proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                        env=full_env, timeout=timeout, cwd=REPO)
+                        env=full_env, timeout=timeout, cwd=REPO, preexec_fn=preexec_fn)
   if check and proc.returncode != 0:
     raise AssertionError(f"{module} {' '.join(args)} exited {proc.returncode}\n"
                          f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")

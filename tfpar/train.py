@@ -5,7 +5,9 @@ the run directory and the cluster (all before TensorFlow starts), make the
 strategy, build the engine under it, run the loop. Bad input ends with one line
 on stderr and exit status 2; a NaN or infinite step under --on_nonfinite=stop
 with one line and exit status 3 (nothing saved after the last good
-checkpoint); a SIGTERM or a first Ctrl-C saves a checkpoint and exits 75, a
+checkpoint); a full disk with one line naming the path and exit status 4
+(the failed save removed, the older checkpoints intact); a SIGTERM or a first
+Ctrl-C saves a checkpoint and exits 75, a
 second Ctrl-C aborts without saving and exits 130 (tfpar.status lists every
 status). TensorFlow's C++ start-up lines are silenced; absl's
 --verbosity=0 shows them.
@@ -20,6 +22,7 @@ from tfpar import config as config_lib
 from tfpar import console
 from tfpar import flags as tfpar_flags
 from tfpar import status
+from tfpar import storage
 from tfpar.training import preemption
 
 tfpar_flags.define_flags()
@@ -63,6 +66,11 @@ def main(argv):
   except cluster_lib.PeerError as e:  # Not bad input: a restart may well succeed.
     print(f"tfpar.train: error: {e}", file=sys.stderr, flush=True)
     sys.exit(status.CRASH)
+  except runner.WRITE_ERRORS as e:
+    line = storage.disk_full(e)
+    if line is None:  # Any other error: the traceback, as for every crash.
+      raise
+    fail(line, status.DISK_FULL)
 
 
 def parse_flags(argv):
