@@ -20,8 +20,9 @@ input, 75 preempted, else a failure):
   `--max_restarts` remain: then, after a backoff (`--restart_backoff` seconds,
   doubled at every restart, at most MAX_BACKOFF), every task is started again
   (on fresh ports, unless --port_base fixes them) and training resumes from the
-  latest checkpoint in --model_dir. A task that exits with status 2 (bad input)
-  is not restarted: it would fail again.
+  latest checkpoint in --model_dir. A task that exits with status 2 (bad
+  input), 3 (a NaN or infinite step) or 4 (a full disk) is not restarted: it
+  would fail again.
 - Preemption: a task that exits 75 saved a checkpoint together with its peers
   (tfpar.training.preemption); the launcher gives the others up to
   `--grace_period` seconds to finish their save, then starts the job again at
@@ -71,6 +72,10 @@ TERMINATE_GRACE = 5.0
 MAX_LOCAL_TASKS = 32
 # The longest wait between two restarts (--restart_backoff doubles up to it).
 MAX_BACKOFF = 60.0
+# Task statuses that end the job at once, whatever --max_restarts says: a restart
+# would fail the same way (tfpar.status).
+NOT_RESTARTED = {status.BAD_INPUT: "bad input", status.NONFINITE: "a NaN or infinite step",
+                 status.DISK_FULL: "a full disk"}
 # Seconds the other workers get to finish once the chief of a multi-worker job
 # has succeeded (they only clean up by then), before they count as hung.
 FINISH_GRACE = 120.0
@@ -448,9 +453,9 @@ def launch(cfg: LaunchConfig) -> int:
       if code == status.PREEMPTED:  # Name every task that saved, whichever exited first.
         saved = [t.label for t, c in job.codes().items() if c == status.PREEMPTED]
         what = f"{', '.join(saved)} {describe_status(code)}"
-      if code in (status.BAD_INPUT, status.NONFINITE):
+      if code in NOT_RESTARTED:
         job.stop()
-        why = "bad input" if code == status.BAD_INPUT else "a NaN or infinite step"
+        why = NOT_RESTARTED[code]
         say(f"{what} ({why}, see its error line): stopped every task; the job failed with "
             f"status {code}, not restarted: it would fail again")
         return code

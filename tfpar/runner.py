@@ -30,6 +30,8 @@ USER_ERRORS = (ConfigError, ClusterError, corpus_lib.DataError, CheckpointMismat
                CheckpointUnreadableError, OutOfMemoryError)
 # A NaN or infinite step under --on_nonfinite=stop: one line, exit 3, nothing saved.
 NONFINITE_ERRORS = (loop.NonFiniteError, NonFiniteStateError)
+# What a write that found no room raises (tfpar.storage.disk_full tells it from the rest).
+WRITE_ERRORS = (storage.DiskFullError, OSError, tf.errors.OpError)
 
 
 def write_run_config(cfg: Config, class_names: Sequence[str] = ()) -> None:

@@ -11,14 +11,28 @@ Read without TensorFlow (the launcher imports it).
   3   NONFINITE  a NaN or infinite loss or gradient norm under --on_nonfinite=stop:
                  nothing was saved after the last good checkpoint; restarting
                  would meet the same numbers (lower --learning_rate, or skip).
-  75  PREEMPTED  SIGTERM (eviction, maintenance, Ctrl-C to the launcher): every
-                 worker saved a checkpoint at the same step; start the same
-                 command again to resume exactly there. 75 is EX_TEMPFAIL of
-                 sysexits.h ("temporary failure; the user is invited to retry").
+  4   DISK_FULL  a write of the run found no room (no space left, over a quota,
+                 past a file size limit): one line names the path and the fix;
+                 a failed checkpoint save removed its partial files and the
+                 older checkpoints are intact. Not bad input (the flags were
+                 fine) and not a crash (restarting would meet the same full
+                 disk at the next save): free space, or move the run and point
+                 --model_dir at it, then start the same command again.
+  75  PREEMPTED  SIGTERM (eviction, maintenance, Ctrl-C to the launcher) or a
+                 first Ctrl-C (SIGINT) to tfpar.train: every worker saved a
+                 checkpoint at the same step; start the same command again to
+                 resume exactly there. 75 is EX_TEMPFAIL of sysexits.h
+                 ("temporary failure; the user is invited to retry").
+  130 ABORTED    a second Ctrl-C to tfpar.train: it stopped at once without
+                 saving; the checkpoints already written are intact, the steps
+                 since the newest are lost. 130 is 128 + SIGINT, what a shell
+                 reports for a process Ctrl-C ended.
 """
 
 OK = 0
 CRASH = 1
 BAD_INPUT = 2
 NONFINITE = 3
+DISK_FULL = 4
 PREEMPTED = 75
+ABORTED = 130

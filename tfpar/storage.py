@@ -8,9 +8,79 @@ or the in-memory ram:// the tests use) holds every file of a run.
 Appending: on object stores (GCS, S3) TensorFlow's filesystem implements
 append by rewriting the object, which costs one upload of the file per call;
 tfpar appends once per logged step, so that stays small.
+
+A full disk. A write that finds no room (ENOSPC; EDQUOT, over a quota; EFBIG,
+past a file size limit) is not a crash a blind restart fixes: the next save
+would meet the same disk. `disk_full` turns such an error, as TensorFlow's
+filesystems or Python raise it, into one line that names the path and the fix
+(tfpar.train exits with tfpar.status.DISK_FULL); the helpers here raise
+DiskFullError naming the file they write, and `write_atomically` removes its
+temporary file when the write fails, so a failed write takes no space.
 """
 
-from typing import Iterable
+import contextlib
+import errno
+import os
+import re
+from typing import Iterable, Optional
+
+# Why a write found no room, in libc's words (TensorFlow's messages quote them), and the fix.
+_NO_ROOM = {
+    os.strerror(errno.ENOSPC): "free space there",
+    os.strerror(errno.EDQUOT): "free space there or raise the quota",
+    os.strerror(errno.EFBIG): "raise the file size limit (ulimit -f)",
+}
+
+
+class DiskFullError(Exception):
+  """A write of the run found no room; the message is the one line tfpar.train prints."""
+
+
+def no_room(error: BaseException) -> Optional[str]:
+  """'No space left on device' (or the quota's, or the file size limit's words), else None."""
+  if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    return os.strerror(error.errno)
+  text = str(error)
+  return next((why for why in _NO_ROOM if why in text), None)
+
+
+def full_disk_advice(why: str) -> str:
+  """What to do about `no_room`'s answer, as the end of one line."""
+  return (f"{_NO_ROOM[why]}, or move the run to a disk with room and point --model_dir at it; "
+          "then start the same command again: it resumes from the newest checkpoint")
+
+
+def _no_room_line(path: str, why: str) -> str:
+  return f"no room to write {path} ({why}): {full_disk_advice(why)}"
+
+
+def disk_full(error: BaseException) -> Optional[str]:
+  """The one line for a write that found no room, naming the file; None for any other error.
+
+  For errors raised outside these helpers too (TensorFlow's summary writer).
+  """
+  if isinstance(error, DiskFullError):
+    return str(error)
+  why = no_room(error)
+  if why is None:
+    return None
+  path = getattr(error, "filename", None)
+  if not path:  # TensorFlow writes '<path>; No space left on device'.
+    match = re.search(r"(\S+); " + re.escape(why), str(error))
+    path = match.group(1) if match else "a file of --model_dir"
+  return _no_room_line(path, why)
+
+
+@contextlib.contextmanager
+def _writing(path: str):
+  """Turns a write of `path` that found no room into DiskFullError naming `path`."""
+  try:
+    yield
+  except Exception as e:  # pylint: disable=broad-except  # Re-raised unless no room.
+    why = no_room(e)
+    if why is None:
+      raise
+    raise DiskFullError(_no_room_line(path, why)) from None
 
 
 class Unreachable(OSError):
@@ -50,22 +120,49 @@ def remove(path: str) -> None:
   _gfile().remove(path)
 
 
+def discard(path: str) -> None:
+  """Removes a file or a whole directory if there; for cleaning up after a failure.
+
+  Never raises: a cleanup that fails too must not hide the failure it cleans up after.
+  """
+  gfile = _gfile()
+  try:
+    if gfile.isdir(path):
+      gfile.rmtree(path)
+    elif gfile.exists(path):
+      gfile.remove(path)
+  except Exception:  # pylint: disable=broad-except
+    pass
+
+
 def read_text(path: str) -> str:
   with _gfile().GFile(path, "r") as f:
     return f.read()
 
 
 def write_atomically(path: str, text: str) -> None:
-  """Writes `path` whole, then renames it into place: readers never see half a file."""
+  """Writes `path` whole, then renames it into place: readers never see half a file.
+
+  A failed write (a full disk) removes the temporary file and raises.
+  """
   gfile = _gfile()
   tmp = path + ".tmp"
-  with gfile.GFile(tmp, "w") as f:
-    f.write(text)
-  gfile.rename(tmp, path, overwrite=True)
+  with _writing(path):
+    try:
+      with gfile.GFile(tmp, "w") as f:
+        f.write(text)
+      gfile.rename(tmp, path, overwrite=True)
+    except Exception:
+      discard(tmp)
+      raise
 
 
 def append_lines(path: str, lines: Iterable[str]) -> None:
-  """Appends lines (each ending in a newline) to `path`, creating it if needed."""
-  with _gfile().GFile(path, "a") as f:
+  """Appends lines (each ending in a newline) to `path`, creating it if needed.
+
+  On a full disk the last line may be cut short: the next start sets it aside
+  (tfpar.training.metrics).
+  """
+  with _writing(path), _gfile().GFile(path, "a") as f:
     for line in lines:
       f.write(line)

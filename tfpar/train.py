@@ -7,9 +7,11 @@ Examples:
 
 The same command resumes from the newest checkpoint in --model_dir. Exit
 status: 0 done; 2 bad input (one line says what to fix); 3 a NaN or infinite
-step under --on_nonfinite=stop; 75 stopped by SIGTERM or Ctrl-C after saving
-(start it again to resume); 1 anything a restart may fix (tfpar/status.py
-says more). --helpfull lists absl's own flags too.
+step under --on_nonfinite=stop; 4 the disk filled up during a save (one line
+names the path; older checkpoints intact); 75 stopped by SIGTERM or a first
+Ctrl-C, after saving (start it again to resume; a second Ctrl-C aborts with
+130, unsaved); 1 anything a restart may fix (tfpar/status.py says more).
+--helpfull lists absl's own flags too.
 """
 # This file only wires: parse flags into a validated config and check it
 # against the run directory and the cluster (all before TensorFlow starts),
@@ -39,7 +41,7 @@ def fail(message: str, code: int = status.BAD_INPUT) -> None:
 
 
 def main(argv):
-  preemption.watch()  # Before TensorFlow: in a container, python may be PID 1.
+  preemption.watch(interrupt=True)  # Before TensorFlow: in a container, python may be PID 1.
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}: flags are written --name=value")
   try:
@@ -68,10 +70,16 @@ def main(argv):
   except runner.NONFINITE_ERRORS as e:
     fail(str(e), status.NONFINITE)
   except preemption.Preempted:
+    preemption.stand_down()  # Saved: no later signal may turn 75 into a kill during teardown.
     sys.exit(status.PREEMPTED)
   except cluster_lib.PeerError as e:  # Not bad input: a restart may well succeed.
     print(f"tfpar.train: error: {e}", file=sys.stderr, flush=True)
     sys.exit(status.CRASH)
+  except runner.WRITE_ERRORS as e:
+    line = storage.disk_full(e)
+    if line is None:  # Any other error: the traceback, as for every crash.
+      raise
+    fail(line, status.DISK_FULL)
 
 
 def parse_flags(argv):

@@ -22,11 +22,17 @@ was cut short) is reported in one line and the next older one is restored.
 Only when every checkpoint is unreadable does the run stop (exit 2).
 Retention counts the same files: after each save the chief keeps the newest
 `keep` checkpoints on disk, whichever process wrote them, and deletes the rest.
+
+A failed save (a full disk, most often) removes what it had written: TensorFlow
+writes `ckpt-N_temp/` and then moves its files to `ckpt-N.*`, and leaves the
+temporary directory behind when a write fails, taking the space. The older
+checkpoints are untouched, so the newest of them is the one the next start
+restores; on a full disk, `save` raises tfpar.storage.DiskFullError, whose one
+line names the directory, that newest checkpoint and the fix.
 """
 
 import os
 import re
-import shutil
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -219,6 +225,7 @@ class CanonicalCheckpointer:
     Raises:
       NonFiniteStateError: a weight or slot holds a NaN or infinity; nothing
         is written (so no good checkpoint is rotated out for it).
+      tfpar.storage.DiskFullError: no room for it; its partial files are removed.
     """
     values = read_canonical(self.layouts[0])
     bad = [name for name, value in values.items()
@@ -230,13 +237,53 @@ class CanonicalCheckpointer:
     for name, value in values.items():
       self._host[name].assign(value)
     if self.is_chief:
-      path = self._manager(self.directory).save(checkpoint_number=step)
+      path = self._write(step)
       self._prune(path)
       return path
     tmp = os.path.join(self.directory, f".worker_{self.worker_index}_tmp")
-    self._manager(tmp).save(checkpoint_number=step)
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+      self._manager(tmp).save(checkpoint_number=step)
+    finally:
+      storage.discard(tmp)  # Through gfile: a gs:// model dir is cleaned up too.
     return None
+
+  def _write(self, step: int) -> str:
+    """Writes ckpt-<step>; on failure removes its partial files first (module docstring).
+
+    Raises:
+      tfpar.storage.DiskFullError: the disk (or quota, or file size limit) had no room.
+    """
+    prefix = os.path.join(self.directory, f"ckpt-{step}")
+    before = set(self._files_of(prefix))
+    try:
+      return self._manager(self.directory).save(checkpoint_number=step)
+    except Exception as e:
+      self._remove_partial(prefix, before)
+      why = storage.no_room(e)
+      if why is None:
+        raise
+      newest = self.latest
+      kept = (f"the newest checkpoint, {os.path.basename(newest)}, is intact" if newest
+              else "no checkpoint was saved before")
+      raise storage.DiskFullError(
+          f"no room to save the checkpoint of step {step} in {self.directory} ({why}): its "
+          f"partial files are removed and {kept}; {storage.full_disk_advice(why)}") from None
+
+  def _files_of(self, prefix: str) -> List[str]:
+    """What a save of `prefix` writes: ckpt-N_temp/, ckpt-N.index, ckpt-N.data-*, state temps."""
+    return (storage.glob(prefix + "_temp") + storage.glob(prefix + ".*")
+            + storage.glob(os.path.join(self.directory, "checkpoint.tmp*")))
+
+  def _remove_partial(self, prefix: str, before) -> None:
+    """Removes what a failed save of `prefix` left, keeping a ckpt-N it did write whole.
+
+    The checkpoint itself may be complete when only the state file that follows
+    it failed: it stays, since it restores (and is newer than the rest).
+    """
+    whole = storage.exists(prefix + ".index") and is_readable(prefix)
+    for path in self._files_of(prefix):
+      if path not in before and not (whole and path.startswith(prefix + ".")):
+        storage.discard(path)
 
   def _prune(self, saved: str) -> None:
     """Keeps the newest `keep` checkpoints on disk, deleting the rest (the chief only).
@@ -331,10 +378,7 @@ class CanonicalCheckpointer:
     lines = [f'model_checkpoint_path: "{os.path.basename(restored)}"']
     lines += [f'all_model_checkpoint_paths: "{os.path.basename(p)}"'
               for _, p in reversed(list_checkpoints(self.directory))]
-    path = os.path.join(self.directory, "checkpoint")
-    with tf.io.gfile.GFile(path + ".tmp", "w") as f:
-      f.write("\n".join(lines) + "\n")
-    tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+    storage.write_atomically(os.path.join(self.directory, "checkpoint"), "\n".join(lines) + "\n")
 
 
 def load_weights(model, model_dir: str) -> Optional[str]:

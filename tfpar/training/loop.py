@@ -93,9 +93,9 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
 
   The engine's task names the throughput unit (`<unit>_per_sec`, e.g.
   tokens_per_sec) and the held-out metrics. Returns the last train and eval
-  records. Raises preemption.Preempted after saving, when SIGTERM reached any worker.
-  Nothing is written to --model_dir before the restore has succeeded; then
-  `on_restored()` runs (the runner records config.json there).
+  records. Raises preemption.Preempted after saving, when SIGTERM or SIGINT reached
+  any worker. Nothing is written to --model_dir before the restore has
+  succeeded; then `on_restored()` runs (the runner records config.json there).
   """
   t = cfg.train
   metrics = MetricsWriter(t.model_dir, enabled=is_chief)
@@ -179,8 +179,8 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
     if preempted:  # Before eval: the grace period is for saving.
       path = checkpointer.save(step)
       who = "" if is_chief else f"worker {worker_index}: "
-      print(f"tfpar: {who}preempted (SIGTERM), saved {path or 'its part'} at step {step}; "
-            f"the next start resumes at step {step + 1}", flush=True)
+      print(f"tfpar: {who}preempted ({preemption.notice()}), saved {path or 'its part'} at step "
+            f"{step}; the next start resumes at step {step + 1}", flush=True)
       raise preemption.Preempted(step)
     if t.eval_steps and ((t.eval_every and step % t.eval_every == 0) or done):
       values = engine.eval_metrics(engine.eval_iterator(), t.eval_steps)
