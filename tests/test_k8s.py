@@ -219,10 +219,12 @@ def test_manifests_render_and_validate(kind, variant, crd_schemas):
     spec = workload["spec"]
     assert spec["network"] == {"enableDNSHostnames": True, "publishNotReadyAddresses": True}
     assert spec["failurePolicy"]["maxRestarts"] == 3  # Any failed Job restarts the whole set...
-    # ...except bad input (exit 2): it fails; and preemption (75): restarts, not counted.
+    # ...except what no restart fixes (exit 2, 3, 4): it fails; and preemption (75):
+    # restarts, not counted.
     assert [(r["name"], r["action"], r["onJobFailureReasons"], r["onJobFailureMessagePatterns"])
             for r in spec["failurePolicy"]["rules"]] == [
-        ("BadInput", "FailJobSet", ["PodFailurePolicy"], ["failed with exit code 2 matching"]),
+        ("NotRestartable", "FailJobSet", ["PodFailurePolicy"],
+         ["failed with exit code (2|3|4) matching"]),
         ("Preempted", "RestartJobSetAndIgnoreMaxRestarts", ["PodFailurePolicy"],
          ["failed with exit code 75 matching"])]
     jobs = {rj["name"]: rj["template"]["spec"] for rj in spec["replicatedJobs"]}
@@ -231,16 +233,18 @@ def test_manifests_render_and_validate(kind, variant, crd_schemas):
     for job in jobs.values():
       assert job["completionMode"] == "Indexed" and job["backoffLimit"] == 0
       assert [(r["action"], r["onExitCodes"]["values"]) for r in job["podFailurePolicy"]["rules"]
-              ] == [("FailJob", [2]), ("FailJob", [75])]
+              ] == [("FailJob", [2, 3, 4]), ("FailJob", [75])]
       # The JobSet's patterns match the message the Job controller writes for these rules.
       message = ("Container tensorflow for pod default/gpt-worker-0-1-x7k2p failed with exit "
                  "code {} matching FailJob rule at index {}")
-      for code, index, rule in ((2, 0, "BadInput"), (75, 1, "Preempted")):
+      for code, index, rule in ((2, 0, "NotRestartable"), (3, 0, "NotRestartable"),
+                                (4, 0, "NotRestartable"), (75, 1, "Preempted")):
         matching = [r["name"] for r in spec["failurePolicy"]["rules"]
                     if any(re.search(p, message.format(code, index))
                            for p in r["onJobFailureMessagePatterns"])]
         assert matching[:1] == [rule]
       assert not any(re.search(p, message.format(1, 0)) or re.search(p, message.format(137, 0))
+                     or re.search(p, message.format(24, 0)) or re.search(p, message.format(130, 0))
                      for r in spec["failurePolicy"]["rules"] for p in r["onJobFailureMessagePatterns"])
     assert spec["successPolicy"]["targetReplicatedJobs"] == (["chief"] if ps else ["worker"])
   else:

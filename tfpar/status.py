@@ -36,3 +36,6 @@ NONFINITE = 3
 DISK_FULL = 4
 PREEMPTED = 75
 ABORTED = 130
+
+# No restart helps: the launcher does not restart them, Kubernetes manifests fail the job.
+NOT_RESTARTABLE = (BAD_INPUT, NONFINITE, DISK_FULL)

@@ -186,8 +186,8 @@ def _indexed_job_spec(job: Job, role: Optional[str], count: int) -> dict:
       # failure policy reads.
       "podFailurePolicy": {"rules": [
           {"action": "FailJob",
-           "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [code]}}
-          for code in (status.BAD_INPUT, status.PREEMPTED)]},
+           "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": list(codes)}}
+          for codes in (status.NOT_RESTARTABLE, (status.PREEMPTED,))]},
       "template": _pod_template(job, role),
   }
 
@@ -198,16 +198,18 @@ def jobset(job: Job) -> dict:
       "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
       "failurePolicy": {
           "maxRestarts": job.max_restarts,
-          # Bad input fails the set; a preempted job (every worker saved) restarts
-          # without using up a restart; any other failure restarts every Job of
-          # the set. The Job controller's message reads "Container tensorflow for
-          # pod NS/POD failed with exit code N matching FailJob rule at index I".
+          # What no restart fixes (bad input, a non-finite step, a full disk) fails
+          # the set; a preempted job (every worker saved) restarts without using up
+          # a restart; any other failure restarts every Job of the set. The Job
+          # controller's message reads "Container tensorflow for pod NS/POD failed
+          # with exit code N matching FailJob rule at index I".
           "rules": [
               {"name": name, "action": action, "onJobFailureReasons": ["PodFailurePolicy"],
-               "onJobFailureMessagePatterns": [f"failed with exit code {code} matching"]}
-              for name, action, code in (
-                  ("BadInput", "FailJobSet", status.BAD_INPUT),
-                  ("Preempted", "RestartJobSetAndIgnoreMaxRestarts", status.PREEMPTED))],
+               "onJobFailureMessagePatterns": [f"failed with exit code {codes} matching"]}
+              for name, action, codes in (
+                  ("NotRestartable", "FailJobSet",
+                   "(" + "|".join(str(c) for c in status.NOT_RESTARTABLE) + ")"),
+                  ("Preempted", "RestartJobSetAndIgnoreMaxRestarts", str(status.PREEMPTED)))],
       },
       # Parameter servers and workers serve until the chief is done.
       "successPolicy": ({"operator": "Any", "targetReplicatedJobs": ["chief"]} if job.ps
