@@ -77,8 +77,9 @@ class _Watcher:
       self.notice = signal.Signals(signum).name
     if not self.armed:
       # Nothing trained since the last checkpoint: exit now, as preempted.
-      _say(f"tfpar: {signal.Signals(signum).name} before training started: nothing to save, "
-           f"exiting with status {status.PREEMPTED}")
+      _say(f"tfpar: {signal.Signals(signum).name} outside the training loop (before it "
+           f"started, or after its last save): nothing to save, exiting with status "
+           f"{status.PREEMPTED}")
       os._exit(status.PREEMPTED)  # pylint: disable=protected-access  # TF threads may be mid-call.
 
   def _count_interrupts(self, fd: int) -> None:
