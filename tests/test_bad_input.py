@@ -341,14 +341,24 @@ some_ints = st.one_of(st.integers(-3, 300), st.integers(-2 ** 64, 2 ** 64),
                       st.sampled_from([0, 1, 2 ** 31 - 1, 2 ** 31, 2 ** 63]))
 
 
-@pytest.fixture(scope="module")
-def fake_run(tmp_path_factory):
+def _fake_run(root, task):
   """What generate's and predict's flag checks look for: config.json and a checkpoint index."""
-  run = tmp_path_factory.mktemp("fake_run")
-  (run / "config.json").write_text(json.dumps(make_config(TINY + [f"--model_dir={run}"]).to_dict()))
+  run = root.mktemp(f"fake_{task}_run")
+  config = make_config(TINY + [f"--model_dir={run}", f"--task={task}"]).to_dict()
+  (run / "config.json").write_text(json.dumps(config))
   (run / "checkpoints").mkdir()
   (run / "checkpoints" / "ckpt-1.index").write_bytes(b"")
   return run
+
+
+@pytest.fixture(scope="module")
+def fake_run(tmp_path_factory):
+  return _fake_run(tmp_path_factory, "lm")
+
+
+@pytest.fixture(scope="module")
+def fake_vision_run(tmp_path_factory):
+  return _fake_run(tmp_path_factory, "classify")
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -376,10 +386,11 @@ def test_generate_flags_are_refused_in_one_line_or_sample_a_byte(values, tempera
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(value=floats)
-def test_predict_score_threshold_is_refused_in_one_line_or_in_range(value, fake_run):
+def test_predict_score_threshold_is_refused_in_one_line_or_in_range(value, fake_vision_run):
   from tfpar import predict  # pylint: disable=import-outside-toplevel
   fv = predict.define_flags()
-  fv(["predict", f"--model_dir={fake_run}", f"--image={fake_run}", f"--score_threshold={value!r}"])
+  fv(["predict", f"--model_dir={fake_vision_run}", f"--image={fake_vision_run}",
+      f"--score_threshold={value!r}"])
   try:
     predict.check(fv)
   except predict.PredictError as e:

@@ -5,7 +5,7 @@ conftest makes, on hand-made gradients: PowerSGD reproduces a rank-R sum
 exactly, error feedback loses nothing, fp16 scaling neither overflows nor
 flushes, and the counted bytes equal the docstring's formula. Then whole
 runs: 80 steps of the TINY model on 4 mirrored replicas per method against
-uncompressed, a PowerSGD run stopped at 40 and resumed, a hybrid data 2 x
+uncompressed, a PowerSGD run stopped midway and resumed, a hybrid data 2 x
 pipeline 2 run, and two multi_worker_mirrored processes whose weights must
 stay identical.
 """
@@ -20,8 +20,8 @@ import pytest
 
 from conftest import REPO, TINY, read_metrics, run_module, start_module, train_in_process
 
-# --min_lr_ratio=1: a constant rate after warmup, so a run stopped at 40 is the
-# first half of the 80-step run. --powersgd_min_size=0: TINY's matrices are small.
+# --min_lr_ratio=1: a constant rate after warmup, so a run stopped halfway is the
+# first half of the longer run. --powersgd_min_size=0: TINY's matrices are small.
 RUN = TINY + ["--jit_compile=false", "--min_lr_ratio=1.0", "--eval_steps=0",
               "--checkpoint_every=40", "--strategy=mirrored", "--num_cpu_devices=4",
               "--powersgd_min_size=0", "--steps_per_call=10", "--log_every=10"]
@@ -194,33 +194,38 @@ def test_compressed_training_ends_near_uncompressed(runs, method, tolerance):
   assert records[-1]["comm_bytes_uncompressed"] == read_metrics(runs("none"))[-1]["comm_bytes"]
 
 
-def test_powersgd_stopped_at_40_and_resumed_matches_the_uninterrupted_run(tmp_path):
+def test_powersgd_stopped_midway_and_resumed_matches_the_uninterrupted_run(tmp_path):
   """Real processes, one inter-op thread: the two runs are then bit-reproducible.
+
+  20 steps, stopped at 10: every step compresses (no PowerSGD warmup), so the
+  residuals and Q restored at step 10 decide every step after it.
 
   With TensorFlow's default inter-op pool, two identical mirrored PowerSGD runs
   on CPU have differed by up to 8e-5 relative after tens of steps (a rare
   scheduling race, docs/compression.md); a resume can only be held to the
   uninterrupted run where the uninterrupted run is held to itself.
   """
-  args = RUN + ["--log_every=1", "--steps_per_call=1", "--grad_compression=powersgd"]
+  steps, half = 20, 10
+  args = RUN + ["--log_every=1", "--steps_per_call=1", "--grad_compression=powersgd",
+                f"--checkpoint_every={half}"]
   env = {"TF_NUM_INTEROP_THREADS": "1"}
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
   # The uninterrupted run and the first half at once (each mostly one thread).
   first = [start_module("tfpar.train", args + [f"--train_steps={n}", f"--model_dir={d}"], env=env)
-           for n, d in ((STEPS, straight), (40, resumed))]
+           for n, d in ((steps, straight), (half, resumed))]
   for proc in first:
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-4000:]
   from tfpar.training.checkpoint import read_checkpoint  # pylint: disable=import-outside-toplevel
-  saved = read_checkpoint(str(resumed / "checkpoints" / "ckpt-40"))
+  saved = read_checkpoint(str(resumed / "checkpoints" / f"ckpt-{half}"))
   errors = saved["compression/powersgd@error"]
   assert errors.shape[0] == 4  # The residuals of each replica, each its own.
   assert len(set(np.asarray(errors[r]).tobytes() for r in range(4))) == 4
-  out = run_module("tfpar.train", args + [f"--train_steps={STEPS}", f"--model_dir={resumed}"],
+  out = run_module("tfpar.train", args + [f"--train_steps={steps}", f"--model_dir={resumed}"],
                    env=env).stdout
-  assert "at step 40" in out, out[-2000:]
+  assert f"at step {half}" in out, out[-2000:]
   resumed, straight = read_metrics(str(resumed)), read_metrics(str(straight))
-  assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+  assert [r["step"] for r in resumed] == list(range(1, steps + 1))
   np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in straight],
                              rtol=1e-5)
   np.testing.assert_allclose([r["grad_norm"] for r in resumed],

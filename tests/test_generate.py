@@ -88,18 +88,8 @@ def test_cli_prints_the_prompt_and_its_continuation(model_dir, next_logits):
   assert proc.stdout == "def f(" + corpus.decode(expected) + "\n"
 
 
-@pytest.mark.parametrize("case,flag", [
-    ("missing", "model_dir"),
-    ("not-a-run", "model_dir"),
-    ("no-checkpoint", "model_dir"),
-    ("--max_new_tokens=-1", "max_new_tokens"),
-    ("--top_k=257", "top_k"),
-    ("--top_k=-1", "top_k"),
-    ("--temperature=-0.5", "temperature"),
-    ("--temperature=nan", "temperature"),
-    ("--top_k=many", "top_k"),
-])
-def test_cli_bad_input_is_one_line(tmp_path, model_dir, case, flag):
+def bad_args(case, tmp_path, model_dir):
+  """generate's arguments for one bad-input case (a flag, or a run directory that is not one)."""
   args = [f"--model_dir={model_dir}", "--prompt=hi", "--max_new_tokens=5"]
   if case == "missing":
     args[0] = f"--model_dir={tmp_path / 'nowhere'}"
@@ -111,7 +101,34 @@ def test_cli_bad_input_is_one_line(tmp_path, model_dir, case, flag):
     args[0] = f"--model_dir={tmp_path}"
   else:
     args.append(case)
-  proc = run_module("tfpar.generate", args, check=False)
+  return args
+
+
+@pytest.mark.parametrize("case,flag", [
+    ("missing", "model_dir"),
+    ("not-a-run", "model_dir"),
+    ("--max_new_tokens=-1", "max_new_tokens"),
+    ("--top_k=257", "top_k"),
+    ("--top_k=-1", "top_k"),
+    ("--temperature=-0.5", "temperature"),
+    ("--seed=-1", "seed"),
+])
+def test_bad_input_is_refused_by_the_check_in_one_line(tmp_path, model_dir, case, flag):
+  """The check the CLI runs before loading anything (the CLI cases below show its one line)."""
+  fv = generate.define_flags()
+  fv(["generate"] + bad_args(case, tmp_path, model_dir))
+  with pytest.raises(generate.GenerateError) as info:
+    generate.check(fv)
+  assert f"--{flag}" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("case,flag", [
+    ("no-checkpoint", "model_dir"),  # Found by check.
+    ("--temperature=nan", "temperature"),  # Found by check, a float flag absl parses.
+    ("--top_k=many", "top_k"),  # Found by absl's parser.
+])
+def test_cli_bad_input_is_one_line(tmp_path, model_dir, case, flag):
+  proc = run_module("tfpar.generate", bad_args(case, tmp_path, model_dir), check=False)
   assert proc.returncode == 2, proc.stderr
   assert "Traceback" not in proc.stderr + proc.stdout
   assert proc.stdout == ""

@@ -187,7 +187,8 @@ def emitted(tmp_path_factory):
       f"--model_dir={d / 'run'}", "--cluster=cpu:4", "--pipeline_stages=2", "--format=json",
       "--top=3", f"--emit_flags={flagfile}", "--train_steps=3", "--eval_every=0"])
   # Nothing but the answer: TensorFlow's C++ start-up lines (cuInit's E-line) stay silenced.
-  assert proc.stderr == "", proc.stderr
+  assert proc.stderr == f"wrote {flagfile}: python -m tfpar.train --flagfile={flagfile}\n", \
+      proc.stderr
   return json.loads(proc.stdout), flagfile, str(d / "run")
 
 

@@ -31,8 +31,8 @@ from tfpar import storage
 from tfpar.training import preemption
 
 tfpar_flags.define_flags()
-flags.adopt_module_key_flags(tfpar_flags)  # --help lists tfpar's flags, not only absl's hint.
 FLAGS = flags.FLAGS
+HELP = ("-h", "--help", "-help", "--helpshort", "-?")
 
 
 def fail(message: str, code: int = status.BAD_INPUT) -> None:
@@ -83,7 +83,14 @@ def main(argv):
 
 
 def parse_flags(argv):
-  """absl's own parse errors (unknown flag, bad enum or int) get the same one line and exit 2."""
+  """absl's own parse errors (unknown flag, bad enum or int) get the same one line and exit 2.
+
+  --help prints how to run it and tfpar's flags, and exits 0 (absl's own
+  --help lists only the main module's flags, which are none here, and exits 1).
+  """
+  if any(a in HELP for a in argv[1:]):
+    print(__doc__ + "\n" + FLAGS.module_help(tfpar_flags))
+    sys.exit(status.OK)
   try:
     return FLAGS(argv)
   except flags.Error as e:
