@@ -474,27 +474,27 @@ def launch(cfg: LaunchConfig) -> int:
           return job_status(code)
         restarts += 1
         delay = backoff(restarts, cfg.restart_backoff)
-        count = f"restart {restarts} of {cfg.max_restarts}, in {delay:g} s"
+        which = f"restart {restarts} of {cfg.max_restarts}, in {delay:g} s"
       else:
-        delay, count = 0.0, "a preemption restart, not counted in --max_restarts"
+        delay, which = 0.0, "a preemption restart, not counted in --max_restarts"
       if ps_worker:
         say(f"{what}: the chief runs its steps on the other workers; starting {failed.label} "
-            f"again ({count})")
+            f"again ({which})")
         time.sleep(delay)
         job.start_task(failed)
       elif job.ps_job and failed == job.chief:
-        say(f"{what}: starting the chief again ({count}); the workers and ps keep serving, "
+        say(f"{what}: starting the chief again ({which}); the workers and ps keep serving, "
             "it resumes from the latest checkpoint")
         time.sleep(delay)
         job.start_task(failed)
       else:
         if not preempted:
           job.stop()
-          say(f"{what}: stopped every task; restarting the job ({count}), it resumes from the "
+          say(f"{what}: stopped every task; restarting the job ({which}), it resumes from the "
               "latest checkpoint")
         else:
           job.stop(grace=TERMINATE_GRACE)
-          say(f"{what}: every task saved; restarting the job ({count}), it resumes from the "
+          say(f"{what}: every task saved; restarting the job ({which}), it resumes from the "
               "saved step")
         time.sleep(delay)
         attempt += 1
