@@ -176,10 +176,8 @@ def _check_train_flags(cfg: LaunchConfig) -> None:
 
 def cluster_tasks(cfg: LaunchConfig) -> List[Task]:
   """The job's tasks in port order: the chief (parameter-server jobs), workers, ps."""
-  tasks = [Task("chief", 0)] if cfg.num_ps else []
-  tasks += [Task("worker", i) for i in range(cfg.num_workers)]
-  tasks += [Task("ps", i) for i in range(cfg.num_ps)]
-  return tasks
+  return [Task(role, i) for role, n in cluster_lib.job_roles(cfg.num_workers, cfg.num_ps)
+          for i in range(n)]
 
 
 def free_ports(count: int) -> List[int]:
