@@ -6,6 +6,9 @@ behind; with --max_restarts the whole job starts again and resumes from the
 latest checkpoint; a signal to the launcher stops every task; every line a task
 writes carries its task's prefix.
 
+The restart policy itself (launch.decide) is a pure function: its rules are
+tested row by row, in-process, without starting anything.
+
 The model is tiny and --jit_compile=false: the launcher is under test here, not
 the step, and XLA would add ~30 s of compilation per process on 2 cores.
 """
@@ -219,6 +222,156 @@ def test_max_restarts_restarts_the_whole_job_which_resumes_from_its_checkpoint(l
 def test_restart_backoff_doubles_up_to_its_cap():
   assert [launch_lib.backoff(k, 1.0) for k in (1, 2, 3, 6, 7, 20)] == [1, 2, 4, 32, 60, 60]
   assert launch_lib.backoff(3, 0.0) == 0
+
+
+# The restart policy, rule by rule: launch.decide needs no process, so each row
+# runs in microseconds. Tasks of a multi-worker job (MW) and of a
+# parameter-server job (PS: the chief, 2 workers, 1 ps).
+Task, Stop, Restart, GoOn = launch_lib.Task, launch_lib.Stop, launch_lib.Restart, launch_lib.GoOn
+W0, W1, CHIEF, PS0 = Task("worker", 0), Task("worker", 1), Task("chief", 0), Task("ps", 0)
+MW, PS = (W0, W1), (CHIEF, W0, W1, PS0)
+SAVED = "every task saved: exiting with status 75 (start the same command again to resume)"
+NOT_RESTARTED_TAIL = "stopped every task; the job failed with status {}, not restarted: it would " \
+                     "fail again"
+
+
+def ended(tasks, codes, task=None, code=0, gone=()):
+  """An attempt that ended: `codes` in the order of `tasks`; `task` ended it with `code`."""
+  return launch_lib.Outcome(dict(zip(tasks, codes)), task, code, frozenset(gone))
+
+
+def signalled(tasks, codes, signum=signal.SIGTERM, gone=()):
+  """The launcher received `signum`; `codes` are its tasks' after the stop."""
+  return launch_lib.Outcome(dict(zip(tasks, codes)), gone=frozenset(gone), signal=signum)
+
+
+# (outcome, restarts used, --max_restarts, --restart_backoff, decision)
+POLICY = [
+    pytest.param(ended(MW, (0, 0)), 0, 0, 1.0, Stop(0, "job succeeded (2 tasks)"),
+                 id="every-worker-exits-0"),
+    pytest.param(ended((W0,), (0,)), 0, 0, 1.0, Stop(0, "job succeeded (1 task)"),
+                 id="one-task-singular"),
+    pytest.param(ended(PS, (0, None, None, None)), 0, 0, 1.0, Stop(0, "job succeeded (4 tasks)"),
+                 id="ps-job-chief-exits-0"),
+    pytest.param(ended(MW, (None, 2), W1, 2), 0, 3, 1.0,
+                 Stop(2, "worker 1 exited with status 2 (bad input, see its error line): "
+                      + NOT_RESTARTED_TAIL.format(2)), id="bad-input-not-restarted"),
+    pytest.param(ended(MW, (3, None), W0, 3), 0, 3, 1.0,
+                 Stop(3, "worker 0 exited with status 3 (a NaN or infinite step, see its error "
+                      "line): " + NOT_RESTARTED_TAIL.format(3)), id="nonfinite-not-restarted"),
+    pytest.param(ended(MW, (4, 4), W0, 4), 0, 3, 1.0,
+                 Stop(4, "worker 0 exited with status 4 (a full disk, see its error line): "
+                      + NOT_RESTARTED_TAIL.format(4)), id="disk-full-not-restarted"),
+    pytest.param(ended(PS, (None, 2, None, None), W0, 2), 0, 3, 1.0,
+                 Stop(2, "worker 0 exited with status 2 (bad input, see its error line): "
+                      + NOT_RESTARTED_TAIL.format(2)), id="ps-worker-bad-input-stops-the-job"),
+    # Both exited by the same poll: the task that ended the attempt decides.
+    pytest.param(ended(MW, (2, 1), W0, 2), 0, 3, 1.0,
+                 Stop(2, "worker 0 exited with status 2 (bad input, see its error line): "
+                      + NOT_RESTARTED_TAIL.format(2)), id="mix-2-first-then-1"),
+    pytest.param(ended(MW, (2, 1), W1, 1), 0, 3, 1.0,
+                 Restart(1.0, True, "worker 1 exited with status 1: stopped every task; "
+                         "restarting the job (restart 1 of 3, in 1 s), it resumes from the latest "
+                         "checkpoint"), id="mix-1-first-then-2"),
+    # None: still running when the attempt ended, the launcher kills it.
+    pytest.param(ended(MW, (None, -9), W1, -9), 0, 2, 0.5,
+                 Restart(0.5, True, "worker 1 was killed by SIGKILL: stopped every task; "
+                         "restarting the job (restart 1 of 2, in 0.5 s), it resumes from the "
+                         "latest checkpoint"), id="first-restart-peer-still-running"),
+    pytest.param(ended(MW, (1, None), W0, 1), 1, 2, 1.0,
+                 Restart(2.0, True, "worker 0 exited with status 1: stopped every task; "
+                         "restarting the job (restart 2 of 2, in 2 s), it resumes from the latest "
+                         "checkpoint"), id="the-last-restart-doubles-the-backoff"),
+    pytest.param(ended(MW, (1, None), W0, 1), 10, 20, 1.0,
+                 Restart(60.0, True, "worker 0 exited with status 1: stopped every task; "
+                         "restarting the job (restart 11 of 20, in 60 s), it resumes from the "
+                         "latest checkpoint"), id="backoff-capped"),
+    pytest.param(ended(MW, (None, 1), W1, 1), 2, 2, 1.0,
+                 Stop(1, "worker 1 exited with status 1: stopped every task; the job failed with "
+                      "status 1 after 2 restarts"), id="restarts-used-up"),
+    pytest.param(ended(MW, (None, 1), W1, 1), 1, 1, 1.0,
+                 Stop(1, "worker 1 exited with status 1: stopped every task; the job failed with "
+                      "status 1 after 1 restart"), id="restarts-used-up-singular"),
+    pytest.param(ended(MW, (None, -9), W1, -9), 0, 0, 1.0,
+                 Stop(137, "worker 1 was killed by SIGKILL: stopped every task; the job failed "
+                      "with status 137"), id="max-restarts-0-signal-status-as-a-shell"),
+    pytest.param(ended(MW, (-99, None), W0, -99), 0, 0, 1.0,
+                 Stop(227, "worker 0 was killed by signal 99: stopped every task; the job failed "
+                      "with status 227"), id="unnamed-signal"),
+    pytest.param(ended(MW, (130, None), W0, 130), 0, 1, 0.0,
+                 Restart(0.0, True, "worker 0 exited with status 130: stopped every task; "
+                         "restarting the job (restart 1 of 1, in 0 s), it resumes from the latest "
+                         "checkpoint"), id="aborted-130-is-a-failure"),
+    # Preempted: at once, not counted, even with no restarts left.
+    pytest.param(ended(MW, (75, 75), W1, 75), 0, 0, 1.0,
+                 Restart(0.0, False, "worker 0, worker 1 exited with status 75: every task saved; "
+                         "restarting the job (a preemption restart, not counted in "
+                         "--max_restarts), it resumes from the saved step"),
+                 id="75-from-every-task-names-them-all"),
+    pytest.param(ended(MW, (0, 75), W1, 75), 3, 3, 1.0,
+                 Restart(0.0, False, "worker 1 exited with status 75: every task saved; "
+                         "restarting the job (a preemption restart, not counted in "
+                         "--max_restarts), it resumes from the saved step"),
+                 id="75-from-one-task"),
+    # Parameter servers: a worker or the chief restarts alone, a ps restarts all.
+    pytest.param(ended(PS, (None, None, 1, None), W1, 1), 0, 1, 1.0,
+                 Restart(1.0, True, "worker 1 exited with status 1: the chief runs its steps on "
+                         "the other workers; starting worker 1 again (restart 1 of 1, in 1 s)",
+                         task=W1), id="ps-worker-restarts-alone"),
+    pytest.param(ended(PS, (None, None, 1, None), W1, 1), 1, 1, 1.0,
+                 GoOn(W1, "worker 1 exited with status 1: no restarts left (--max_restarts=1); "
+                      "the chief goes on with the other workers"), id="ps-worker-left-gone"),
+    pytest.param(ended(PS, (None, 75, None, None), W0, 75), 0, 0, 1.0,
+                 Restart(0.0, False, "worker 0 exited with status 75: the chief runs its steps on "
+                         "the other workers; starting worker 0 again (a preemption restart, not "
+                         "counted in --max_restarts)", task=W0), id="ps-worker-preempted"),
+    pytest.param(ended(PS, (1, None, None, None), CHIEF, 1), 0, 3, 1.0,
+                 Restart(1.0, True, "chief exited with status 1: starting the chief again "
+                         "(restart 1 of 3, in 1 s); the workers and ps keep serving, it resumes "
+                         "from the latest checkpoint", task=CHIEF), id="ps-chief-restarts-alone"),
+    pytest.param(ended(PS, (75, None, None, None), CHIEF, 75), 0, 0, 1.0,
+                 Restart(0.0, False, "chief exited with status 75: starting the chief again (a "
+                         "preemption restart, not counted in --max_restarts); the workers and ps "
+                         "keep serving, it resumes from the latest checkpoint", task=CHIEF),
+                 id="ps-chief-preempted"),
+    pytest.param(ended(PS, (1, None, None, None), CHIEF, 1), 0, 0, 1.0,
+                 Stop(1, "chief exited with status 1: stopped every task; the job failed with "
+                      "status 1"), id="ps-chief-no-restarts-left"),
+    pytest.param(ended(PS, (None, None, None, -9), PS0, -9), 0, 1, 1.0,
+                 Restart(1.0, True, "ps 0 was killed by SIGKILL: stopped every task; restarting "
+                         "the job (restart 1 of 1, in 1 s), it resumes from the latest "
+                         "checkpoint"), id="ps-task-restarts-the-job"),
+    # A signal to the launcher stops the job, whatever restarts remain.
+    pytest.param(signalled(MW, (75, 75)), 0, 3, 1.0, Stop(75, SAVED), id="signal-every-task-saved"),
+    pytest.param(signalled(MW, (0, 75)), 0, 3, 1.0, Stop(75, SAVED), id="signal-saved-or-done"),
+    pytest.param(signalled(MW, (0, 0)), 0, 3, 1.0, Stop(143, ""), id="signal-nothing-saved"),
+    pytest.param(signalled(MW, (75, -9), signal.SIGINT), 0, 3, 1.0, Stop(130, ""),
+                 id="signal-one-task-killed"),
+    pytest.param(signalled(MW, (75, None)), 0, 3, 1.0, Stop(143, ""), id="signal-task-not-done"),
+    pytest.param(signalled((), ()), 0, 3, 1.0, Stop(143, ""), id="signal-before-any-task"),
+    pytest.param(signalled(PS, (75, 75, 1, 75), gone=(W1,)), 0, 0, 1.0, Stop(75, SAVED),
+                 id="signal-gone-worker-ignored"),
+]
+
+
+@pytest.mark.parametrize("outcome, restarts, max_restarts, restart_backoff, decision", POLICY)
+def test_restart_policy(outcome, restarts, max_restarts, restart_backoff, decision):
+  assert launch_lib.decide(outcome, restarts=restarts, max_restarts=max_restarts,
+                           restart_backoff=restart_backoff) == decision
+
+
+def test_the_launcher_refuses_to_restart_what_kubernetes_fails():
+  """One list of statuses no restart fixes, for the launcher and the manifests alike."""
+  assert sorted(launch_lib.NOT_RESTARTED) == sorted(status.NOT_RESTARTABLE)
+
+
+@pytest.mark.parametrize("num_ps, labels", [
+    (0, ["worker 0", "worker 1"]),
+    (2, ["chief", "worker 0", "worker 1", "ps 0", "ps 1"]),
+])
+def test_a_chief_only_with_parameter_servers(num_ps, labels):
+  cfg = launch_lib.LaunchConfig(num_workers=2, num_ps=num_ps)
+  assert [t.label for t in launch_lib.cluster_tasks(cfg)] == labels
 
 
 def test_bad_input_found_by_the_tasks_is_not_restarted(launch, tmp_path):

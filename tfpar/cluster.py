@@ -105,6 +105,22 @@ def check_job_shape(strategy: str, num_workers: int, num_ps: int, *,
                        "independent copies: pass --strategy=multi_worker_mirrored")
 
 
+def job_roles(num_workers: int, num_ps: int) -> List[Tuple[str, int]]:
+  """(task type, number of tasks) of a job, in TASK_ORDER: a chief only with parameter servers.
+
+  With parameter servers the chief is the coordinator, a task of its own that
+  dispatches steps to the workers; without them worker 0 is the chief (TF's
+  convention) and a separate one would be a task that trains nothing. The
+  launcher and the Kubernetes manifests both build a job from this, so that its
+  ports, completion indexes and replica specs agree on one shape.
+  """
+  roles = [("chief", 1)] if num_ps else []
+  roles.append(("worker", num_workers))
+  if num_ps:
+    roles.append(("ps", num_ps))
+  return roles
+
+
 def tasks_in_order(spec: Mapping[str, Sequence[str]]) -> List[Tuple[str, int]]:
   """(type, index) of every task, numbered as TASK_ORDER says."""
   return [(t, i) for t in TASK_ORDER for i in range(len(spec.get(t, ())))]

@@ -42,6 +42,11 @@ input, 75 preempted, else a failure):
   itself is killed, the kernel kills each task (PR_SET_PDEATHSIG), so no task
   outlives it.
 
+These rules are one pure function, `decide`: an attempt's `Outcome` (each
+task's exit status, the task that ended the attempt, a signal to the launcher)
+and the restarts used so far in, a `Stop`, `Restart` or `GoOn` with the line to
+print out. `launch` only runs the tasks, waits for them and acts on it.
+
 Bad launcher input (or training flags that cannot work) ends with one line on
 stderr and exit status 2, before any process starts.
 """
@@ -55,7 +60,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union
 
 from tfpar import cluster as cluster_lib
 from tfpar import status
@@ -176,10 +181,8 @@ def _check_train_flags(cfg: LaunchConfig) -> None:
 
 def cluster_tasks(cfg: LaunchConfig) -> List[Task]:
   """The job's tasks in port order: the chief (parameter-server jobs), workers, ps."""
-  tasks = [Task("chief", 0)] if cfg.num_ps else []
-  tasks += [Task("worker", i) for i in range(cfg.num_workers)]
-  tasks += [Task("ps", i) for i in range(cfg.num_ps)]
-  return tasks
+  return [Task(role, i) for role, n in cluster_lib.job_roles(cfg.num_workers, cfg.num_ps)
+          for i in range(n)]
 
 
 def free_ports(count: int) -> List[int]:
@@ -299,6 +302,123 @@ class _Stop(Exception):
 def backoff(restart: int, base: float) -> float:
   """Seconds to wait before restart number `restart` (1, 2, ...): doubling, capped."""
   return min(base * 2 ** (restart - 1), MAX_BACKOFF)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+  """How one attempt of the job ended: every fact the restart policy decides on.
+
+  Gathered by `launch` from the processes; `decide` then needs no process, no
+  clock and no output, so each rule can be tested on its own.
+
+  Attributes:
+    codes: every task's exit status when the attempt ended (negative: killed
+      by that signal), None for one still running (the launcher stops it).
+    ended: the task that ended the attempt (the first to exit, or one still
+      running FINISH_GRACE s after the chief finished); None: the job succeeded.
+    status: the attempt's status as Job.wait saw it: `ended`'s exit status, or
+      1 (CRASH) for a parameter-server worker that exited 0 under a running
+      chief or a worker hung after the chief finished.
+    gone: parameter-server workers the job already goes on without.
+    signal: the signal the launcher itself received, if any; every task has
+      then been stopped, `codes` are final and `ended`/`status` are unused.
+  """
+  codes: Mapping[Task, Optional[int]]
+  ended: Optional[Task] = None
+  status: int = 0
+  gone: FrozenSet[Task] = frozenset()
+  signal: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+  """Stop every task and exit `status`, after saying `reason` ('': nothing to say)."""
+  status: int
+  reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Restart:
+  """Say `reason`, wait `delay` s, then start `task` again (None: every task, on fresh ports).
+
+  A whole-job restart stops the tasks still running first; a single task is
+  restarted under its running peers (parameter-server jobs only).
+  `counted`: it uses up one of --max_restarts (a preemption does not).
+  """
+  delay: float
+  counted: bool
+  reason: str
+  task: Optional[Task] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GoOn:
+  """A parameter-server job goes on without worker `task` (no restarts left), after `reason`."""
+  task: Task
+  reason: str
+
+
+Decision = Union[Stop, Restart, GoOn]
+
+
+def decide(outcome: Outcome, *, restarts: int, max_restarts: int,
+           restart_backoff: float) -> Decision:
+  """The restart policy of the module docstring: what the launcher does after an attempt.
+
+  Pure (no processes, no I/O, no clock) so that every rule is unit-tested in
+  tests/test_launch.py; `launch` runs the attempt, asks here, and acts.
+
+  Args:
+    outcome: how the attempt ended.
+    restarts: counted restarts used so far.
+    max_restarts: --max_restarts.
+    restart_backoff: --restart_backoff, seconds before the first counted restart.
+
+  Returns:
+    Stop, Restart or GoOn, with the one line the launcher prints.
+  """
+  if outcome.signal is not None:  # The launcher's own stop: nothing restarts.
+    codes = [c for t, c in outcome.codes.items() if t not in outcome.gone]
+    if all(c in (0, status.PREEMPTED) for c in codes) and status.PREEMPTED in codes:
+      return Stop(status.PREEMPTED, f"every task saved: exiting with status {status.PREEMPTED} "
+                  "(start the same command again to resume)")
+    return Stop(128 + outcome.signal, "")
+  ended, code = outcome.ended, outcome.status
+  if ended is None:
+    return Stop(0, f"job succeeded ({count(len(outcome.codes), 'task')})")
+  what = f"{ended.label} {describe_status(code)}"
+  preempted = code == status.PREEMPTED
+  if preempted:  # Name every task that saved, whichever exited first.
+    saved = [t.label for t, c in outcome.codes.items() if c == status.PREEMPTED]
+    what = f"{', '.join(saved)} {describe_status(code)}"
+  if code in NOT_RESTARTED:
+    return Stop(code, f"{what} ({NOT_RESTARTED[code]}, see its error line): stopped every task; "
+                f"the job failed with status {code}, not restarted: it would fail again")
+  ps_job = any(t.type == "ps" for t in outcome.codes)
+  ps_worker = ps_job and ended.type == "worker"
+  if preempted:  # Nothing failed: at once, and not counted.
+    delay, counted, which = 0.0, False, "a preemption restart, not counted in --max_restarts"
+  elif restarts >= max_restarts:
+    if ps_worker:
+      return GoOn(ended, f"{what}: no restarts left (--max_restarts={max_restarts}); the chief "
+                  "goes on with the other workers")
+    after = f" after {count(max_restarts, 'restart')}" if max_restarts else ""
+    return Stop(job_status(code), f"{what}: stopped every task; the job failed with status "
+                f"{job_status(code)}{after}")
+  else:
+    delay, counted = backoff(restarts + 1, restart_backoff), True
+    which = f"restart {restarts + 1} of {max_restarts}, in {delay:g} s"
+  if ps_worker:
+    return Restart(delay, counted, f"{what}: the chief runs its steps on the other workers; "
+                   f"starting {ended.label} again ({which})", task=ended)
+  if ps_job and ended.type == "chief":
+    return Restart(delay, counted, f"{what}: starting the chief again ({which}); the workers "
+                   "and ps keep serving, it resumes from the latest checkpoint", task=ended)
+  if preempted:
+    return Restart(delay, counted, f"{what}: every task saved; restarting the job ({which}), it "
+                   "resumes from the saved step")
+  return Restart(delay, counted, f"{what}: stopped every task; restarting the job ({which}), it "
+                 "resumes from the latest checkpoint")
 
 
 class Job:
@@ -434,84 +554,54 @@ def _signal_group(proc: subprocess.Popen, sig) -> None:
 
 
 def launch(cfg: LaunchConfig) -> int:
-  """Runs the job to its end, restarting it (or one task) as the module docstring says."""
+  """Runs the job to its end, restarting it (or one task) as `decide` says.
+
+  Only the processes, the waiting and the printing are here: every decision is
+  `decide`'s.
+  """
   def on_signal(signum, _frame):
     raise _Stop(signum)
 
   previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-  job, attempt, restarts = None, 0, 0
+  job, restarts = None, 0
+  policy = dict(max_restarts=cfg.max_restarts, restart_backoff=cfg.restart_backoff)
   try:
-    job = Job(cfg, attempt)
+    job = Job(cfg, attempt=0)
     job.start()
     while True:
-      code, failed = job.wait()
-      if failed is None:
+      code, ended = job.wait()
+      decision = decide(Outcome(job.codes(), ended, code, frozenset(job.gone)),
+                        restarts=restarts, **policy)
+      if isinstance(decision, GoOn):
+        job.gone.add(decision.task)
+        say(decision.reason)
+        continue
+      if isinstance(decision, Stop):
         job.stop()
-        say(f"job succeeded ({count(len(job.tasks), 'task')})")
-        return 0
-      what = f"{failed.label} {describe_status(code)}"
-      if code == status.PREEMPTED:  # Name every task that saved, whichever exited first.
-        saved = [t.label for t, c in job.codes().items() if c == status.PREEMPTED]
-        what = f"{', '.join(saved)} {describe_status(code)}"
-      if code in NOT_RESTARTED:
-        job.stop()
-        why = NOT_RESTARTED[code]
-        say(f"{what} ({why}, see its error line): stopped every task; the job failed with "
-            f"status {code}, not restarted: it would fail again")
-        return code
-      preempted = code == status.PREEMPTED
-      ps_worker = job.ps_job and failed.type == "worker"
-      if not preempted:
-        if restarts >= cfg.max_restarts:
-          if ps_worker:
-            job.gone.add(failed)
-            say(f"{what}: no restarts left (--max_restarts={cfg.max_restarts}); the chief goes "
-                "on with the other workers")
-            continue
-          job.stop()
-          say(f"{what}: stopped every task; the job failed with status {job_status(code)}"
-              + (f" after {count(cfg.max_restarts, 'restart')}" if cfg.max_restarts else ""))
-          return job_status(code)
+        say(decision.reason)
+        return decision.status
+      if decision.counted:
         restarts += 1
-        delay = backoff(restarts, cfg.restart_backoff)
-        which = f"restart {restarts} of {cfg.max_restarts}, in {delay:g} s"
+      if decision.task is None:
+        job.stop()
+      say(decision.reason)
+      time.sleep(decision.delay)
+      if decision.task is not None:
+        job.start_task(decision.task)
       else:
-        delay, which = 0.0, "a preemption restart, not counted in --max_restarts"
-      if ps_worker:
-        say(f"{what}: the chief runs its steps on the other workers; starting {failed.label} "
-            f"again ({which})")
-        time.sleep(delay)
-        job.start_task(failed)
-      elif job.ps_job and failed == job.chief:
-        say(f"{what}: starting the chief again ({which}); the workers and ps keep serving, "
-            "it resumes from the latest checkpoint")
-        time.sleep(delay)
-        job.start_task(failed)
-      else:
-        if not preempted:
-          job.stop()
-          say(f"{what}: stopped every task; restarting the job ({which}), it resumes from the "
-              "latest checkpoint")
-        else:
-          job.stop(grace=TERMINATE_GRACE)
-          say(f"{what}: every task saved; restarting the job ({which}), it resumes from the "
-              "saved step")
-        time.sleep(delay)
-        attempt += 1
-        job = Job(cfg, attempt)
+        job = Job(cfg, job.attempt + 1)
         job.start()
   except _Stop as stop:
     say(f"received {signal.Signals(stop.signum).name}: stopping every task (up to "
         f"--grace_period={cfg.grace_period:g} s to save)")
-    if job is None:
-      return 128 + stop.signum
-    job.stop(grace=cfg.grace_period)
-    codes = [c for t, c in job.codes().items() if t not in job.gone]
-    if all(c in (0, status.PREEMPTED) for c in codes) and status.PREEMPTED in codes:
-      say(f"every task saved: exiting with status {status.PREEMPTED} (start the same command "
-          "again to resume)")
-      return status.PREEMPTED
-    return 128 + stop.signum
+    codes, gone = {}, frozenset()
+    if job is not None:
+      job.stop(grace=cfg.grace_period)
+      codes, gone = job.codes(), frozenset(job.gone)
+    decision = decide(Outcome(codes, gone=gone, signal=stop.signum), restarts=restarts, **policy)
+    if decision.reason:
+      say(decision.reason)
+    return decision.status
   finally:
     if job is not None:
       job.stop()

@@ -59,9 +59,8 @@ class Job:
 
   @property
   def roles(self) -> List[Tuple[str, int]]:
-    """(task type, pods) in TF's order: a chief only with parameter servers."""
-    roles = [("chief", 1)] if self.ps else []
-    return roles + [("worker", self.workers)] + ([("ps", self.ps)] if self.ps else [])
+    """(task type, pods) in TF's order, as tfpar.cluster.job_roles shapes every job."""
+    return cluster_lib.job_roles(self.workers, self.ps)
 
   @property
   def labels(self) -> Dict[str, str]:
