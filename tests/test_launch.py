@@ -212,7 +212,7 @@ def test_max_restarts_restarts_the_whole_job_which_resumes_from_its_checkpoint(l
   # The resumed run logged every step after the checkpoint exactly once.
   steps = [r["step"] for r in read_metrics(str(tmp_path))]
   assert steps == list(range(10, 201, 10)), steps
-  share = re.search(r"^\[worker 0\] tfpar: .* data: (\d+) of (\d+) \(this worker's share\) files, "
+  share = re.search(r"^\[worker 0\] tfpar: .* data: (\d+) files of (\d+) \(this worker's share\), "
                     r".* file-level input sharding$", out, re.M)
   assert share and int(share.group(2)) // 2 == int(share.group(1)), out  # half the files each
   assert not re.search(r"auto.?shard", out, re.I), "tf.distribute should not auto-shard our input"
