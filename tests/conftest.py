@@ -2,9 +2,13 @@
 
 import json
 import os
+import queue
+import re
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 import pytest
 
@@ -93,6 +97,73 @@ def start_module(module, args, *, env=None) -> subprocess.Popen:
   full_env.update(env or {})
   return subprocess.Popen([sys.executable, "-m", module, *args], env=full_env, cwd=REPO, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+class Watched:
+  """`python -m module args` in the background, its stdout read line by line as it comes.
+
+  Tests wait for a line (training has started) before they signal or kill,
+  never for a fixed time. stderr is kept apart, or merged into the lines.
+  """
+
+  def __init__(self, module, args, *, env=None, merge_stderr=False):
+    full_env = dict(os.environ, PYTHONPATH=REPO)
+    full_env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # tfpar's own default, as a user gets it
+    full_env.update(env or {})
+    self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=full_env,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+                                 text=True)
+    self.lines, self.stderr_lines, self._queue = [], [], queue.Queue()
+    self._readers = [threading.Thread(target=self._read_stdout, daemon=True)]
+    if not merge_stderr:
+      self._readers.append(threading.Thread(target=self._read_stderr, daemon=True))
+    for reader in self._readers:
+      reader.start()
+
+  def _read_stdout(self):
+    for line in self.proc.stdout:
+      self.lines.append(line.rstrip("\n"))
+      self._queue.put(self.lines[-1])
+    self._queue.put(None)
+
+  def _read_stderr(self):
+    for line in self.proc.stderr:
+      self.stderr_lines.append(line)
+
+  def wait_for(self, pattern, timeout=120):
+    """Blocks until a line matches `pattern` and returns the match; kills the process if none."""
+    deadline = time.monotonic() + timeout
+    while True:
+      try:
+        line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+      except queue.Empty:
+        line = None
+      if line is None:
+        self.proc.kill()  # Never left running: it would take the cores from every later test.
+        raise AssertionError(f"no line matched {pattern!r}; output:\n{self.output[-4000:]}")
+      match = re.search(pattern, line)
+      if match:
+        return match
+
+  def finish(self, timeout=180):
+    """Waits for the exit status (killing the process past `timeout`) and the last lines."""
+    try:
+      code = self.proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+      self.proc.kill()
+      raise
+    for reader in self._readers:
+      reader.join(10)
+    return code
+
+  @property
+  def output(self):
+    return "\n".join(self.lines)
+
+  @property
+  def stderr(self):
+    return "".join(self.stderr_lines)
 
 
 def read_metrics(model_dir, kind="train"):

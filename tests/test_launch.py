@@ -15,18 +15,15 @@ the step, and XLA would add ~30 s of compilation per process on 2 cores.
 
 import json
 import os
-import queue
 import re
 import signal
 import socket
 import subprocess
-import sys
-import threading
 import time
 
 import pytest
 
-from conftest import REPO, TINY, read_metrics, run_module
+from conftest import TINY, Watched, read_metrics, run_module
 from tfpar import launch as launch_lib
 from tfpar import status
 
@@ -34,38 +31,12 @@ MWMS = TINY + ["--strategy=multi_worker_mirrored", "--jit_compile=false", "--eva
 PREFIXED = re.compile(r"^(tfpar\.launch: |\[(chief|worker \d+|ps \d+)\] )")
 
 
-class Launched:
+class Launched(Watched):
   """`python -m tfpar.launch ...` running in the background, its output read line by line."""
 
   def __init__(self, args):
     # TensorFlow's C++ warnings shown (tfpar.train would hide them): the logs are checked.
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", PYTHONPATH=REPO)
-    self.proc = subprocess.Popen([sys.executable, "-m", "tfpar.launch", *args], cwd=REPO,
-                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True)
-    self.lines, self._queue = [], queue.Queue()
-    self._reader = threading.Thread(target=self._read, daemon=True)
-    self._reader.start()
-
-  def _read(self):
-    for line in self.proc.stdout:
-      self.lines.append(line.rstrip("\n"))
-      self._queue.put(self.lines[-1])
-    self._queue.put(None)
-
-  def wait_for(self, pattern, timeout=120):
-    """Blocks until a line matches `pattern`; returns the match."""
-    deadline = time.monotonic() + timeout
-    while True:
-      try:
-        line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-      except queue.Empty:
-        line = None
-      if line is None:
-        raise AssertionError(f"no line matched {pattern!r}; output:\n" + self.output[-4000:])
-      match = re.search(pattern, line)
-      if match:
-        return match
+    super().__init__("tfpar.launch", args, env={"TF_CPP_MIN_LOG_LEVEL": "0"}, merge_stderr=True)
 
   def task_pids(self):
     """{'worker 1': [pid of attempt 0, pid of attempt 1, ...], ...} from the launcher's log."""
@@ -75,15 +46,6 @@ class Launched:
       if match:
         pids.setdefault(match.group(1), []).append(int(match.group(2)))
     return pids
-
-  def finish(self, timeout=180):
-    code = self.proc.wait(timeout)
-    self._reader.join(10)
-    return code
-
-  @property
-  def output(self):
-    return "\n".join(self.lines)
 
   def cleanup(self):
     """However a test ended: the launcher stops its tasks on SIGTERM; any survivor is killed."""

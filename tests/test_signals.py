@@ -15,17 +15,13 @@ same flag over the workers).
 """
 
 import os
-import queue
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
 
-from conftest import REPO, TINY, read_metrics
+from conftest import TINY, Watched, read_metrics
 from tfpar import status
 
 STEPS = 100000  # Never reached: every run here ends by a signal.
@@ -35,43 +31,14 @@ SAVED = re.compile(r"^tfpar: preempted \((SIGTERM|SIGINT)\), saved (\S+/ckpt-(\d
                    r"(\d+); the next start resumes at step (\d+)$", re.M)
 
 
-class Training:
+class Training(Watched):
   """`python -m tfpar.train` in the background: stdout read line by line, stderr kept apart."""
 
   def __init__(self, args):
-    env = dict(os.environ, PYTHONPATH=REPO)
-    env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # tfpar's own default, as a user gets it
-    self.proc = subprocess.Popen([sys.executable, "-m", "tfpar.train", *args], cwd=REPO, env=env,
-                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True)
-    self.lines, self._queue, self.stderr_lines = [], queue.Queue(), []
-    self._readers = [threading.Thread(target=self._read_stdout, daemon=True),
-                     threading.Thread(target=self._read_stderr, daemon=True)]
-    for reader in self._readers:
-      reader.start()
-
-  def _read_stdout(self):
-    for line in self.proc.stdout:
-      self.lines.append(line.rstrip("\n"))
-      self._queue.put(self.lines[-1])
-    self._queue.put(None)
-
-  def _read_stderr(self):
-    for line in self.proc.stderr:
-      self.stderr_lines.append(line)
+    super().__init__("tfpar.train", args)
 
   def wait_for(self, pattern, timeout=240):
-    deadline = time.monotonic() + timeout
-    while True:
-      try:
-        line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-      except queue.Empty:
-        line = None
-      if line is None:
-        self.proc.kill()
-        raise AssertionError(f"no line matched {pattern!r}; stdout:\n{self.stdout[-3000:]}")
-      if re.search(pattern, line):
-        return
+    return super().wait_for(pattern, timeout)
 
   def signal_until_exit(self, sig, every, timeout=120):
     """Sends `sig` now and then every `every` s until the process exits (or just once: None)."""
@@ -82,23 +49,9 @@ class Training:
       self.proc.send_signal(sig)  # A no-op once the process has exited.
     return self.finish(max(1.0, deadline - time.monotonic()))
 
-  def finish(self, timeout):
-    try:
-      code = self.proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-      self.proc.kill()
-      raise
-    for reader in self._readers:
-      reader.join(10)
-    return code
-
   @property
   def stdout(self):
-    return "\n".join(self.lines)
-
-  @property
-  def stderr(self):
-    return "".join(self.stderr_lines)
+    return self.output
 
 
 def train_and_signal(model_dir, sig, every=None):
