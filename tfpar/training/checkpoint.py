@@ -314,14 +314,14 @@ class CanonicalCheckpointer:
     model and optimizer and leaves that state at its start (residuals zero).
     """
     stored = _reader(prefix).get_variable_to_shape_map()
-    fresh = [name for name, var in self._host.items() if name.startswith(OPTIONAL_PREFIX)
-             and stored.get(_checkpoint_key(name)) != list(var.shape)]
+    differ = {name: stored.get(_checkpoint_key(name)) for name, var in self._host.items()
+              if stored.get(_checkpoint_key(name)) != list(var.shape)}
+    fresh = [name for name in differ if name.startswith(OPTIONAL_PREFIX)]
     # Compared here, not left to restore(): its error comes with a page of absl warnings.
-    for name, var in self._host.items():
-      shape = stored.get(_checkpoint_key(name))
-      if name not in fresh and shape != list(var.shape):
+    for name, shape in differ.items():
+      if name not in fresh:
         there = "is missing" if shape is None else f"has shape {shape}"
-        raise ValueError(f"{name} {there} there, shape {list(var.shape)} here")
+        raise ValueError(f"{name} {there} there, shape {list(self._host[name].shape)} here")
     checkpoint = self._checkpoint if not fresh else tf.train.Checkpoint(
         state={name: var for name, var in self._host.items() if name not in fresh})
     checkpoint.restore(prefix).assert_existing_objects_matched()
