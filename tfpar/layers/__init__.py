@@ -3,5 +3,7 @@
 from tfpar.layers.attention import SelfAttention
 from tfpar.layers.block import Block
 from tfpar.layers.mlp import MLP
+from tfpar.layers.parallel import ColumnParallelDense, Placement, RowParallelDense, TensorParallel
 
-__all__ = ["Block", "SelfAttention", "MLP"]
+__all__ = ["Block", "SelfAttention", "MLP", "ColumnParallelDense", "RowParallelDense",
+           "Placement", "TensorParallel"]

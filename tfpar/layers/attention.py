@@ -1,7 +1,9 @@
-"""Multi-head self-attention, causal (GPT) or not (ViT); one shard of the heads, or all of them."""
+"""Multi-head self-attention, causal (GPT) or not (ViT), its heads split over tensor shards."""
 
 import keras
 from keras import ops
+
+from tfpar.layers.parallel import ColumnParallelDense, RowParallelDense, TensorParallel
 
 
 def rotary(x, positions_first: int = 0):
@@ -62,20 +64,22 @@ def full_attention(q, k, v):
   return ops.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
-class SelfAttention(keras.layers.Layer):
-  """Self-attention over `num_heads` heads, without the output bias.
+class SelfAttention(TensorParallel, keras.layers.Layer):
+  """Self-attention over `num_heads` heads split in `tensor_shards` shards, without the output bias.
 
-  The output bias lives in `Block`, so that tensor-parallel shards (each a
-  `SelfAttention` over `num_heads / T` heads) sum to exactly the full
-  layer: out = sum_t softmax(Q_t K_t^T / sqrt(d) [+ mask]) V_t W_o[t] + b_o.
+  Q, K, V are column-parallel (shard t holds heads [t H/T, (t+1) H/T)) and
+  the output projection row-parallel (tfpar.layers.parallel), so shard t's
+  partial is softmax(Q_t K_t^T / sqrt(d) [+ mask]) V_t W_o[t] and the layer's
+  output is their sum; the output bias lives in `Block`, added once after it.
 
   Args:
-    num_heads: heads computed by this layer.
+    num_heads: heads in total.
     head_dim: width of each head.
     d_model: width of the input and output.
     rotary: apply rotary position embedding to queries and keys.
     causal: position i attends only to positions <= i (a language model);
       False lets every position see every other (image patches).
+    tensor_shards: T, how many shards the heads are split into.
 
   Call args:
     x: [B, T, d_model]. Returns [B, T, d_model].
@@ -83,42 +87,46 @@ class SelfAttention(keras.layers.Layer):
   Reference: Vaswani et al. 2017, "Attention Is All You Need".
   """
 
-  # Axis along which each weight is split between tensor-parallel shards.
-  SHARD_AXES = {"query/kernel": 1, "query/bias": 0, "key/kernel": 1, "key/bias": 0,
-                "value/kernel": 1, "value/bias": 0, "output/kernel": 0}
-
-  def __init__(self, *, num_heads, head_dim, d_model, rotary=False, causal=True, **kwargs):
+  def __init__(self, *, num_heads, head_dim, d_model, rotary=False, causal=True,
+               tensor_shards=1, **kwargs):
     super().__init__(**kwargs)
+    if num_heads % tensor_shards:
+      raise ValueError(f"{num_heads} heads do not split over {tensor_shards} shards")
     self.num_heads = num_heads
     self.head_dim = head_dim
     self.d_model = d_model
     self.rotary = rotary
     self.causal = causal
+    self.tensor_shards = tensor_shards
     width = num_heads * head_dim
     init = keras.initializers.RandomNormal(stddev=0.02)
-    self.query = keras.layers.Dense(width, kernel_initializer=init, name="query")
-    self.key = keras.layers.Dense(width, kernel_initializer=init, name="key")
-    self.value = keras.layers.Dense(width, kernel_initializer=init, name="value")
-    self.output_dense = keras.layers.Dense(d_model, use_bias=False, kernel_initializer=init,
-                                           name="output")
+    column = lambda name: ColumnParallelDense(width, shards=tensor_shards,
+                                              kernel_initializer=init, name=name)
+    self.query, self.key, self.value = column("query"), column("key"), column("value")
+    self.output_dense = RowParallelDense(d_model, shards=tensor_shards, kernel_initializer=init,
+                                         name="output")
 
   def build(self, input_shape):
     for dense in (self.query, self.key, self.value):
       dense.build(input_shape)
     self.output_dense.build(tuple(input_shape[:-1]) + (self.num_heads * self.head_dim,))
 
-  def call(self, x):
-    b, t = ops.shape(x)[0], ops.shape(x)[1]
-    split = lambda y: ops.reshape(y, (b, t, self.num_heads, self.head_dim))  # [B, T, H, D]
-    q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+  def partial(self, x, t):
+    b, n, heads = ops.shape(x)[0], ops.shape(x)[1], self.num_heads // self.tensor_shards
+    split = lambda y: ops.reshape(y, (b, n, heads, self.head_dim))  # [B, T, H/T, D]
+    q, k, v = (split(dense(x, shard=t)) for dense in (self.query, self.key, self.value))
     if self.rotary:
       q, k = rotary(q), rotary(k)
     if self.causal:
-      y = causal_attention(q, k, v, query_blocks(x.shape[1]))  # [B, T, H, D]
+      y = causal_attention(q, k, v, query_blocks(x.shape[1]))  # [B, T, H/T, D]
     else:
       y = full_attention(q, k, v)
-    return self.output_dense(ops.reshape(y, (b, t, self.num_heads * self.head_dim)))
+    return self.output_dense(ops.reshape(y, (b, n, heads * self.head_dim)), shard=t)
+
+  def call(self, x):
+    return self.sum_of_shards(x)
 
   def get_config(self):
     return {**super().get_config(), "num_heads": self.num_heads, "head_dim": self.head_dim,
-            "d_model": self.d_model, "rotary": self.rotary, "causal": self.causal}
+            "d_model": self.d_model, "rotary": self.rotary, "causal": self.causal,
+            "tensor_shards": self.tensor_shards}

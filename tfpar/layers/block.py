@@ -1,25 +1,22 @@
-"""A pre-LayerNorm transformer block whose attention and MLP may be split in shards."""
-
-import contextlib
+"""A pre-LayerNorm transformer block whose attention and MLP may be split over tensor shards."""
 
 import keras
 from keras import ops
 
 from tfpar.layers.attention import SelfAttention
 from tfpar.layers.mlp import MLP
+from tfpar.layers.parallel import Placement
 
 
 class Block(keras.layers.Layer):
   """x + Attn(LN(x)), then x + MLP(LN(x)) (GPT-2 / nanoGPT order).
 
-  With `tensor_shards=T` the attention holds T `SelfAttention` shards of
-  num_heads / T heads and the MLP T shards of d_ff / T columns; their partial
-  outputs are summed, then the single output bias is added (see those layers
-  for why the sum is exact). T=1 is the ordinary block. Where and how each
-  shard runs is not this layer's business: `tfpar.parallel.tensor` hands it a
-  `shard_scope(t)` that returns a context (a device scope) for shard t, and a
-  `shard_fn(layer)` that returns the callable running that shard (an
-  XLA-compiled one under --jit_compile).
+  With `tensor_shards=T` the attention's heads and the MLP's hidden width are
+  split in T shards (column- then row-parallel, tfpar.layers.parallel); each
+  sums its T partial outputs, then the block adds the single output bias.
+  T=1 is the ordinary block. Where and how each shard runs is not this
+  layer's business: `place(placement)` hands it a tfpar.layers.parallel.Placement
+  (tfpar.parallel.tensor gives one of devices), used while building and calling.
 
   Args:
     d_model: residual width.
@@ -39,42 +36,33 @@ class Block(keras.layers.Layer):
     self.dropout_rate, self.rotary, self.tensor_shards = dropout, rotary, tensor_shards
     self.causal = causal
     self.seed = seed
-    self.shard_scope = lambda t: contextlib.nullcontext()
-    self.shard_fn = lambda layer: layer
     self.ln_1 = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_1")
     self.ln_2 = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_2")
-    self.attn = [SelfAttention(num_heads=num_heads // tensor_shards,
-                               head_dim=d_model // num_heads, d_model=d_model,
-                               rotary=rotary, causal=causal, name=f"attn_shard_{t}")
-                 for t in range(tensor_shards)]
-    self.mlp = [MLP(d_ff=d_ff // tensor_shards, d_model=d_model, name=f"mlp_shard_{t}")
-                for t in range(tensor_shards)]
+    self.attn = SelfAttention(num_heads=num_heads, head_dim=d_model // num_heads,
+                              d_model=d_model, rotary=rotary, causal=causal,
+                              tensor_shards=tensor_shards, name="attn")
+    self.mlp = MLP(d_ff=d_ff, d_model=d_model, tensor_shards=tensor_shards, name="mlp")
     self.drop_1 = keras.layers.Dropout(dropout, seed=seed, name="drop_1")
     self.drop_2 = keras.layers.Dropout(dropout, seed=None if seed is None else seed + 1,
                                        name="drop_2")
 
+  def place(self, placement: Placement) -> None:
+    """Runs (and builds) shard t of the attention and the MLP as `placement` says."""
+    self.attn.place(placement)
+    self.mlp.place(placement)
+
   def build(self, input_shape):
     self.ln_1.build(input_shape)
     self.ln_2.build(input_shape)
-    for t in range(self.tensor_shards):
-      with self.shard_scope(t):  # Each shard's weights are created where it will run.
-        self.attn[t].build(input_shape)
-        self.mlp[t].build(input_shape)
+    self.attn.build(input_shape)
+    self.mlp.build(input_shape)
     self.attn_bias = self.add_weight(shape=(self.d_model,), initializer="zeros", name="attn_bias")
     self.mlp_bias = self.add_weight(shape=(self.d_model,), initializer="zeros", name="mlp_bias")
 
-  def _sharded(self, shards, h):
-    partials = []
-    for t, shard in enumerate(shards):
-      with self.shard_scope(t):
-        partials.append(self.shard_fn(shard)(h))
-    # The one reduction per sub-block: a sum of T partial outputs.
-    return partials[0] if len(partials) == 1 else ops.sum(ops.stack(partials), axis=0)
-
   def call(self, x, training=False):
-    h = self._sharded(self.attn, self.ln_1(x)) + ops.cast(self.attn_bias, x.dtype)
+    h = self.attn(self.ln_1(x)) + ops.cast(self.attn_bias, x.dtype)
     x = x + self.drop_1(h, training=training)
-    h = self._sharded(self.mlp, self.ln_2(x)) + ops.cast(self.mlp_bias, x.dtype)
+    h = self.mlp(self.ln_2(x)) + ops.cast(self.mlp_bias, x.dtype)
     return x + self.drop_2(h, training=training)
 
   def get_config(self):

@@ -1,6 +1,7 @@
-"""Models built from tfpar.layers."""
+"""Models built from tfpar.layers, and the protocol the engines use of them (tfpar.models.base)."""
 
+from tfpar.models.base import ParallelBlock, ParallelModel, Transformer
 from tfpar.models.gpt import GPT
 from tfpar.models.vit import ViT
 
-__all__ = ["GPT", "ViT"]
+__all__ = ["GPT", "ViT", "ParallelBlock", "ParallelModel", "Transformer"]

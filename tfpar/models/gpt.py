@@ -2,19 +2,21 @@
 
 tokens [B, T] -> embed (token + learned position, or rotary in attention)
 -> num_layers x Block -> final LayerNorm -> logits [B, T, V] through the tied
-token embedding. The parts are public (`embed`, `blocks`, `head`) so that
-`tfpar.parallel.pipeline` can run them on different devices; the model itself
-never names a device.
+token embedding. The parts are public (tfpar.models.base.ParallelModel) so
+that tfpar.parallel can run them on different devices; the model itself never
+names a device. How its variables split: tfpar.partitioning.GPT.
 """
 
 import keras
 from keras import ops
 
+from tfpar import partitioning
 from tfpar.config import ModelConfig
 from tfpar.layers import Block
+from tfpar.models.base import Transformer
 
 
-class GPT(keras.Model):
+class GPT(Transformer):
   """Decoder-only transformer with tied input/output embeddings.
 
   Args:
@@ -26,6 +28,8 @@ class GPT(keras.Model):
     >>> model = GPT(ModelConfig(num_layers=2, d_model=64, num_heads=4, d_ff=256))
     >>> logits = model(tokens)  # [B, T] int32 -> [B, T, 256]
   """
+
+  rules = partitioning.GPT
 
   def __init__(self, config: ModelConfig, *, tensor_shards: int = 1, seed: int = 0, **kwargs):
     kwargs.setdefault("name", "gpt")
@@ -39,21 +43,17 @@ class GPT(keras.Model):
       self.position_embedding = keras.layers.Embedding(config.seq_len, config.d_model,
                                                        embeddings_initializer=init, name="wpe")
     self.embed_dropout = keras.layers.Dropout(config.dropout, seed=seed, name="drop")
-    self.blocks = [
-        Block(d_model=config.d_model, num_heads=config.num_heads, d_ff=config.d_ff,
-              dropout=config.dropout, rotary=config.positions == "rotary",
-              tensor_shards=tensor_shards, seed=seed + 2 * (i + 1), name=f"block_{i}")
-        for i in range(config.num_layers)]
+    self.blocks = [self.make_block(i, tensor_shards=tensor_shards, seed=seed + 2 * (i + 1))
+                   for i in range(config.num_layers)]
     self.ln_f = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_f")
     self.block_shape = (None, config.seq_len, config.d_model)  # What each block is built for.
 
-  def build_all(self):
-    """Creates every weight now (under whatever device scope the caller holds)."""
-    self.build_embed()
-    for block in self.blocks:
-      block.build(self.block_shape)
-    self.build_head()
-    self.built = True
+  def make_block(self, i: int, *, tensor_shards: int, seed: int) -> Block:
+    """Block i (a model family with another block overrides this and `rules`)."""
+    c = self.config
+    return Block(d_model=c.d_model, num_heads=c.num_heads, d_ff=c.d_ff, dropout=c.dropout,
+                 rotary=c.positions == "rotary", tensor_shards=tensor_shards, seed=seed,
+                 name=f"block_{i}")
 
   def build_embed(self):
     self.token_embedding.build((None, None))
@@ -76,9 +76,3 @@ class GPT(keras.Model):
     h = self.ln_f(h)
     table = ops.cast(self.token_embedding.embeddings, h.dtype)  # Tied: the input table.
     return ops.cast(ops.einsum("btd,vd->btv", h, table), "float32")
-
-  def call(self, tokens, training=False):
-    h = self.embed(tokens, training=training)
-    for block in self.blocks:
-      h = block(h, training=training)
-    return self.head(h)

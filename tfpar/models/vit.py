@@ -6,20 +6,22 @@ projected to d_model, plus a learned class token and learned positions)
 every patch) -> final LayerNorm -> pool (the class token, or the mean of the
 patches) -> logits [B, num_classes].
 
-Like the GPT, the parts are public (`embed`, `blocks`, `head`) so that
+Like the GPT, the parts are public (tfpar.models.base.ParallelModel) so that
 tfpar.parallel runs them on different devices; the model never names a
-device. A task that needs other outputs (per-patch logits for detection or
+device. How its variables split: tfpar.partitioning.VIT. A task that needs other outputs (per-patch logits for detection or
 segmentation) subclasses ViT and replaces `build_head`/`head`.
 """
 
 import keras
 from keras import ops
 
+from tfpar import partitioning
 from tfpar.config import ModelConfig
 from tfpar.layers import Block
+from tfpar.models.base import Transformer
 
 
-class ViT(keras.Model):
+class ViT(Transformer):
   """Vision Transformer classifier.
 
   Args:
@@ -32,6 +34,8 @@ class ViT(keras.Model):
     >>> model = ViT(ModelConfig(task="classify", image_size=8, patch_size=2, d_model=64))
     >>> logits = model(images)  # [B, 8, 8, 1] float -> [B, 10]
   """
+
+  rules = partitioning.VIT
 
   def __init__(self, config: ModelConfig, *, tensor_shards: int = 1, seed: int = 0, **kwargs):
     kwargs.setdefault("name", "vit")
@@ -54,14 +58,6 @@ class ViT(keras.Model):
     self.classifier = keras.layers.Dense(config.num_classes, kernel_initializer="zeros",
                                          name="classifier")
     self.block_shape = (None, self.num_tokens, d)  # What each block is built for.
-
-  def build_all(self):
-    """Creates every weight now (under whatever device scope the caller holds)."""
-    self.build_embed()
-    for block in self.blocks:
-      block.build(self.block_shape)
-    self.build_head()
-    self.built = True
 
   def build_embed(self):
     c, d = self.config, self.config.d_model
@@ -91,9 +87,3 @@ class ViT(keras.Model):
     """tokens [B, N (+1), d_model] -> logits [B, num_classes] in float32 (for a stable loss)."""
     pooled = h[:, 0] if self.config.pooling == "cls" else ops.mean(h, axis=1)  # [B, d]
     return ops.cast(self.classifier(self.ln_f(pooled)), "float32")
-
-  def call(self, images, training=False):
-    h = self.embed(images, training=training)
-    for block in self.blocks:
-      h = block(h, training=training)
-    return self.head(h)

@@ -55,6 +55,7 @@ from typing import List, Sequence
 import keras
 import tensorflow as tf
 
+from tfpar.models.base import ParallelModel
 from tfpar.parallel import plan as plan_lib
 from tfpar.parallel.data_parallel import combine_outputs
 
@@ -63,8 +64,8 @@ class Pipeline:
   """The micro-batched forward and backward of one model copy over its stages.
 
   Args:
-    model: a task's model (embed, blocks, head) whose weights already live
-      on their stages' devices.
+    model: a task's model (tfpar.models.base.ParallelModel: embed, blocks,
+      head) whose weights already live on their stages' devices.
     stage_blocks: block indices of each stage, e.g. [(0, 1), (2, 3)].
     stage_devices: each stage's first device (its residual stream and
       unsplit weights); tensor shards are placed by tfpar.parallel.tensor.
@@ -74,7 +75,7 @@ class Pipeline:
     remat: recompute each block's activations in the backward pass.
   """
 
-  def __init__(self, model, *, stage_blocks: Sequence[Sequence[int]],
+  def __init__(self, model: ParallelModel, *, stage_blocks: Sequence[Sequence[int]],
                stage_devices: Sequence[str], microbatches: int, loss_fn, eval_fn=None,
                remat: bool = False, jit_compile: bool = False):
     self.model = model

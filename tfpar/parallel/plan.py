@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from tfpar import config as config_lib
+from tfpar import partitioning
 from tfpar.console import count
 from tfpar import storage
 from tfpar import tasks
@@ -45,8 +46,8 @@ class ParamCounts:
   """Parameters of each part of the model, per tensor-parallel shard where split."""
   embedding: int  # the model's embed part (GPT: token + position tables): stage 0, device t=0
   head: int  # the model's head part (GPT: final LayerNorm): stage K-1, device t=0
-  block_unsplit: int  # LayerNorms + attention/MLP output biases: device t=0 of its stage
-  block_shard: int  # one shard's attention (H/T heads) + MLP (d_ff/T columns)
+  block_unsplit: int  # a block's REPLICATED variables (LayerNorms, output biases): device t=0
+  block_shard: int  # one shard of its COLUMN/ROW variables (H/T heads, d_ff/T columns)
   shards: int = 1  # T
 
   @property
@@ -54,16 +55,19 @@ class ParamCounts:
     return self.block_unsplit + self.shards * self.block_shard
 
 
+def rules_of(m: ModelConfig) -> partitioning.Rules:
+  """The partitioning rules of the model family m's task builds."""
+  return partitioning.get(tasks.get(m.task).family)
+
+
 def count_params(m: ModelConfig, tensor_parallel: int = 1) -> ParamCounts:
-  """Parameter counts from the shapes alone: the blocks (tfpar.layers.Block, the
-  same in every model) counted here, the embedding and head by the task."""
-  d, t = m.d_model, tensor_parallel
-  width, hidden = d // t, m.d_ff // t  # This shard's attention width and MLP width.
-  attn = 3 * (d * width + width) + width * d  # q, k, v kernels + biases; output rows
-  mlp = d * hidden + hidden + hidden * d  # fc_in kernel + bias; fc_out rows
+  """Parameter counts from the shapes alone: a block's from its family's
+  partitioning rules (which of its variables split over the T shards), the
+  embedding and head by the task."""
+  unsplit, shard = rules_of(m).block_counts(m, tensor_parallel)
   embedding, head = tasks.get(m.task).embed_head_params(m)
-  return ParamCounts(embedding=embedding, head=head, block_unsplit=2 * 2 * d + 2 * d,
-                     block_shard=attn + mlp, shards=t)
+  return ParamCounts(embedding=embedding, head=head, block_unsplit=unsplit, block_shard=shard,
+                     shards=tensor_parallel)
 
 
 def balance_stages(num_layers: int, stages: int, block: int, first_extra: int,

@@ -21,47 +21,56 @@ So nothing is exchanged inside a sub-block; the collectives are
   backward  g': the output gradient goes unchanged to every shard (identity);
             f': the T shards' input gradients are SUMMED.
 
-In tfpar the sum is `Block._sharded` (on the stage's first device, dev_0, where
-the residual stream lives, then copied out: a reduce + broadcast, which is an
-all-reduce) and TensorFlow's send/recv between the devices carries the copies;
-the backward of the copy (a sum) and of the sum (an identity) come from the
-gradient graph, placed with the forward ops. The LayerNorms, output biases and
-residual stream stay on dev_0.
+In tfpar the sum is `TensorParallel.sum_of_shards` (tfpar.layers.parallel), on
+the stage's first device, dev_0, where the residual stream lives, then copied
+out: a reduce + broadcast, which is an all-reduce; TensorFlow's send/recv
+between the devices carries the copies; the backward of the copy (a sum) and
+of the sum (an identity) come from the gradient graph, placed with the
+forward ops. The LayerNorms, output biases and residual stream stay on dev_0.
+Which variable splits along which axis is tfpar.partitioning's table.
 
-This module only decides *where* and *how* each shard runs: it sets the
-block's `shard_scope` hook, which the block also uses while building, so
-shard t's weights are created on dev_t (see tfpar.parallel.plan for the
-bytes), and its `shard_fn` hook. Under --jit_compile each shard's attention
-and MLP is one XLA program on its own device (a compiled cluster lives on one
-device); TensorFlow differentiates a compiled function into a compiled
-forward (which also returns what the backward needs) and a compiled backward,
-placed with it, so the shard's backward runs compiled on dev_t too. The copy
-f, the sum g, the LayerNorms and the residual stay outside, on dev_0.
+This module only decides *where* and *how* each shard runs: a
+`DevicePlacement`, handed to the block by its typed `place()` hook, which the
+block also uses while building, so shard t's weights are created on dev_t
+(see tfpar.parallel.plan for the bytes). Under --jit_compile each shard's
+attention and MLP partial is one XLA program on its own device (a compiled
+cluster lives on one device); TensorFlow differentiates a compiled function
+into a compiled forward (which also returns what the backward needs) and a
+compiled backward, placed with it, so the shard's backward runs compiled on
+dev_t too. The copy f, the sum g, the LayerNorms and the residual stay
+outside, on dev_0.
 """
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import tensorflow as tf
 
+from tfpar.layers.parallel import Placement, TensorParallel
+from tfpar.models.base import ParallelBlock
 
-def place_shards(block, devices: Sequence[str], jit_compile: bool = False) -> None:
+
+class DevicePlacement(Placement):
+  """Shard t under `tf.device(devices[t])`; each shard's partial one XLA program if asked."""
+
+  def __init__(self, devices: Sequence[str], jit_compile: bool = False):
+    self.devices = list(devices)
+    self.jit_compile = jit_compile
+    self._compiled = {}
+
+  def scope(self, t: int):
+    return tf.device(self.devices[t])
+
+  def run(self, layer: TensorParallel, t: int) -> Callable:
+    if not self.jit_compile:
+      return super().run(layer, t)
+    key = (id(layer), t)  # Made once per layer and shard.
+    if key not in self._compiled:
+      self._compiled[key] = tf.function(lambda x: layer.partial(x, t), jit_compile=True)
+    return self._compiled[key]
+
+
+def place_shards(block: ParallelBlock, devices: Sequence[str], jit_compile: bool = False) -> None:
   """Makes `block` run (and build) shard t under `tf.device(devices[t])`, compiled if asked."""
   if len(devices) != block.tensor_shards:
     raise ValueError(f"{block.name} has {block.tensor_shards} shards, got {len(devices)} devices")
-  devices = list(devices)
-  block.shard_scope = lambda t: tf.device(devices[t])
-  if jit_compile:
-    block.shard_fn = compiled_calls()
-
-
-def compiled_calls():
-  """layer -> its call as one XLA program (tf.function(jit_compile=True)), made once per layer."""
-  cache = {}
-
-  def compiled(layer):
-    if id(layer) not in cache:
-      cache[id(layer)] = tf.function(lambda *args, **kwargs: layer(*args, **kwargs),
-                                     jit_compile=True)
-    return cache[id(layer)]
-
-  return compiled
+  block.place(DevicePlacement(devices, jit_compile))

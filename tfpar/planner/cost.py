@@ -88,9 +88,13 @@ SYSTEMS = {"tfpar": TFPAR, "megatron": MEGATRON}
 # --- FLOPs ---------------------------------------------------------------------
 
 def layer_flops(m: ModelConfig) -> int:
-  """Forward matmul FLOPs of one block for one sequence: projections, MLP, scores and mixing."""
-  s, h, f = m.seq_len, m.d_model, m.d_ff
-  return 2 * s * (4 * h * h + 2 * h * f) + 4 * s * s * h
+  """Forward matmul FLOPs of one block for one sequence: projections, MLP, scores and mixing.
+
+  2 s per weight of the block's matrices (its family's partitioning rules give
+  their shapes: 4h^2 + 2hf for tfpar.layers.Block), plus 4 s^2 h for attention.
+  """
+  s, h = m.seq_len, m.d_model
+  return 2 * s * plan_lib.rules_of(m).block_matmul_params(m) + 4 * s * s * h
 
 
 def logits_flops(m: ModelConfig) -> int:

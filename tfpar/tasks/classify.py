@@ -63,6 +63,7 @@ class Classification(Task):
   """
 
   unit = "images"
+  family = "vit"  # Its model's partitioning rules (tfpar.partitioning).
 
   @property
   def units_per_step(self) -> int:

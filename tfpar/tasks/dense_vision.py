@@ -74,6 +74,7 @@ class DenseVisionTask(Task):
   """Base of the detection and segmentation tasks; subclasses set `kind` and the head's parts."""
 
   unit = "images"
+  family = "vit"  # Its model's partitioning rules (tfpar.partitioning).
   kind = ""  # "detect" or "segment": which labels the data carries.
 
   @property

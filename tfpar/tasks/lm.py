@@ -21,6 +21,7 @@ class LanguageModeling(Task):
   """
 
   unit = "tokens"
+  family = "gpt"  # Its model's partitioning rules (tfpar.partitioning).
 
   @property
   def units_per_step(self) -> int:

@@ -47,11 +47,13 @@ class Task:
 
   Attributes:
     unit: what throughput counts; the loop logs `<unit>_per_sec` ("tokens", "images").
+    family: the model family `build_model` builds: its tfpar.partitioning rules.
     units_per_step: units in one global batch (throughput = units_per_step / step time).
     global_count: the loss normaliser (see the module docstring).
   """
 
   unit = "examples"
+  family = None  # A subclass names its tfpar.partitioning family.
 
   def __init__(self, cfg):
     self.cfg = cfg

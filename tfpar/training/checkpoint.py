@@ -1,13 +1,14 @@
 """Checkpoints in one canonical layout, whatever the parallel plan that wrote them.
 
 A run's weights may be one variable each (one device), mirrored (data
-parallel), sharded (tensor parallel: `.../attn_shard_1/query/kernel` holds a
+parallel), sharded (tensor parallel: `.../attn/query/kernel_shard_1` holds a
 column slice of the full query kernel), spread over pipeline stages, or copied
 once per model replica (hybrid). The checkpoint stores none of that: it stores
-each weight and each AdamW slot under its canonical name
-(`gpt/block_0/attn/query/kernel`, `...@m`, `...@v`) at its full shape, plus the
-optimizer step. Saving gathers shards (concatenate along the axis the layer's
-SHARD_AXES names); restoring splits and assigns to every copy. So a checkpoint
+each weight and each AdamW slot under its canonical name, its path inside the
+model without the shard suffix (`block_0/attn/query/kernel`, `...@m`, `...@v`),
+at its full shape, plus the optimizer step. Saving gathers shards (concatenate
+along the axis the model family's tfpar.partitioning rule gives); restoring
+splits and assigns to every copy. So a checkpoint
 written under any plan restores under any other, and the data position follows
 from the step (see tfpar.data.pipeline).
 
@@ -38,16 +39,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from tfpar import storage
-from tfpar.layers import SelfAttention, MLP
+from tfpar import partitioning, storage
 from tfpar.training.optimizer import inner_optimizer
 
-_SHARD = re.compile(r"/(attn|mlp)_shard_(\d+)/(.+)$")
+_SHARD = re.compile(r"_shard_(\d+)$")  # tfpar.layers.parallel's name of shard t's weight.
 # Keras names each dropout layer's SeedGenerator from a process-wide counter
 # ('seed_generator_7/seed_generator_state'), so the name depends on what was
 # built before: the canonical name is the state's rank within the model instead.
 _SEED_STATE = re.compile(r"(^|/)seed_generator(_\d+)?/seed_generator_state$")
-_AXES = {"attn": SelfAttention.SHARD_AXES, "mlp": MLP.SHARD_AXES}
 
 
 # Entries a checkpoint may lack (see CanonicalCheckpointer.restore).
@@ -110,13 +109,15 @@ def _first_line(error: BaseException) -> str:
   return f"{type(error).__name__}: {text[0][:160] if text else ''}"
 
 
-def canonical_name(path: str) -> Tuple[str, Optional[int], int]:
-  """'gpt/block_0/attn_shard_1/query/kernel' -> ('gpt/block_0/attn/query/kernel', 1, 1)."""
+def canonical_name(path: str, rules: partitioning.Rules, rank: int
+                   ) -> Tuple[str, Optional[int], int]:
+  """('block_0/attn/query/kernel_shard_1', GPT rules, 2) -> ('block_0/attn/query/kernel', 1, 1).
+
+  (name, axis its shards concatenate along or None, shard index).
+  """
   match = _SHARD.search(path)
-  if not match:
-    return path, None, 0
-  kind, shard, rest = match.group(1), int(match.group(2)), match.group(3)
-  return path[:match.start()] + f"/{kind}/{rest}", _AXES[kind].get(rest), shard
+  name = path[:match.start()] if match else path
+  return name, rules.axis(name, rank), int(match.group(1)) if match else 0
 
 
 # name -> (axis or None, [shard variables in shard order]) for one model copy.
@@ -140,7 +141,7 @@ def model_layout(model, optimizer=None) -> Layout:
     path = var.path[len(prefix):] if var.path.startswith(prefix) else var.path
     if _SEED_STATE.search(path):  # Dropout RNG state: saved so that a resumed run continues it.
       path, seed_states = f"dropout_rng/{seed_states}", seed_states + 1
-    name, axis, shard = canonical_name(path)
+    name, axis, shard = canonical_name(path, model.rules, len(var.shape))
     _add(raw, name, axis, shard, var)
     if opt is not None and var.trainable and opt.built:
       index = opt._get_variable_index(var)  # pylint: disable=protected-access

@@ -10,11 +10,13 @@ where it belongs: clipping each replica's partial gradient would be wrong.
 
 import keras
 
+from tfpar import partitioning
 from tfpar.config import OptimConfig
 
 # Decoupled weight decay applies to matrices and embeddings, not to biases or
-# LayerNorm scales (GPT-2/nanoGPT practice).
-NO_DECAY = ["bias", "gamma", "beta", "attn_bias", "mlp_bias"]
+# LayerNorm scales (GPT-2/nanoGPT practice): the no-decay rules of every
+# registered model family (tfpar.partitioning), by the short names Keras matches.
+NO_DECAY = list(partitioning.no_decay_names())
 
 
 class AdamW(keras.optimizers.AdamW):
@@ -40,7 +42,8 @@ def make_optimizer(optim: OptimConfig, train_steps: int, precision: str = "float
   opt = AdamW(learning_rate=learning_rate_schedule(optim, train_steps),
               weight_decay=optim.weight_decay, beta_1=0.9, beta_2=0.95, epsilon=1e-8,
               global_clipnorm=optim.clip_norm or None)
-  opt.exclude_from_weight_decay(var_names=NO_DECAY)
+  # Read now, not at import: a family registered since (a test's toy) counts too.
+  opt.exclude_from_weight_decay(var_names=list(partitioning.no_decay_names()))
   if precision == "mixed_float16":
     opt = keras.optimizers.LossScaleOptimizer(opt)
   return opt
