@@ -44,7 +44,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("logdir", None, "Keep the trace here (default: a temporary directory).")
 
 # (bucket, pattern over the TF op name with gradient prefixes and _N suffixes removed), first
-# match wins; tfpar's names (gpt/block_0/attn_shard_0/query/...) and keras-hub's
+# match wins; tfpar's names (gpt/block_0/attn/query/...) and keras-hub's
 # (functional/transformer_layer_0/self_attention/query/...).
 BUCKETS = [
     ("AdamW update + clipping", r"^(adam_?w|global_norm|clip)|/adam_?w/"),
@@ -52,8 +52,8 @@ BUCKETS = [
     ("head + loss", r"sparsesoftmaxcrossentropy|compile_loss|cross_entropy|^gpt/(matmul|einsum)|"
                     r"token_embedding/(matmul|einsum|transpose)"),
     ("attention Q/K/V/output projections", r"/(query|key|value|output|attention_output)(/|$)"),
-    ("attention core (scores, mask, softmax, x V)", r"attn_shard|self_attention"),
-    ("MLP (matmuls, GELU)", r"mlp_shard|feedforward|fc_in|fc_out"),
+    ("attention core (scores, mask, softmax, x V)", r"/attn/|self_attention"),
+    ("MLP (matmuls, GELU)", r"/mlp/|feedforward|fc_in|fc_out"),
     ("embedding", r"wte|wpe|token_embedding|position_embedding|embeddings_add|^gpt/add|"
                   r"unsortedsegmentsum"),
 ]
