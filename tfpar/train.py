@@ -49,7 +49,7 @@ def main(argv):
         FLAGS, warn=lambda text: print(f"tfpar.train: warning: {text}", file=sys.stderr, flush=True))
     cluster = cluster_lib.from_env()
     if cluster.spec:  # TF_CONFIG against --strategy: before TensorFlow starts.
-      config_lib.check_cluster(cfg, cluster)
+      cluster_lib.check_cluster(cfg, cluster)
   except (config_lib.ConfigError, cluster_lib.ClusterError) as e:
     fail(str(e))
   except cluster_lib.PeersNotFound as e:  # Not bad input: a restart may find them.
