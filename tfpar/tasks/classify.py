@@ -143,5 +143,17 @@ class Classification(Task):
     return {"loss": float(np.mean([b["loss"] for b in batches])),
             "accuracy": float(np.mean(correct[first]))}
 
+  def predict(self, outputs, images, *, score_threshold: float) -> None:
+    """The likeliest class of each image and its probability (score_threshold: unused)."""
+    del score_threshold
+    from PIL import ImageDraw  # pylint: disable=import-outside-toplevel
+    probs = tf.nn.softmax(tf.cast(outputs, tf.float32)).numpy()
+    for image, p in zip(images, probs):
+      c = int(np.argmax(p))
+      label = image.label(c)
+      image.lines.append(f"{image.path}: class {label} ({p[c]:.3f})")
+      if image.drawing is not None:
+        ImageDraw.Draw(image.drawing).text((1, 1), label, fill=(255, 0, 0))
+
 
 TASK = Classification

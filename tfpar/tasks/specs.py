@@ -3,7 +3,7 @@
 The TF-free half of a task (tfpar.tasks.task.Task is the other): tfpar.rules
 calls `check_model` and `check_data` before TensorFlow starts (tfpar.plan calls
 `check_model` with no data), tfpar.console says what is trained in the task's
-own words, and `read_images` picks the reader that the task's layout of --data
+own words, `tool` names what runs a trained model, and `read_images` picks the reader that the task's layout of --data
 needs. Every rule raises ConfigError with one line naming the flag and the fix.
 """
 
@@ -26,6 +26,7 @@ class TaskSpec:
 
   name = ""
   model = ""  # What the start-up line calls the model ("GPT", "ViT classifier").
+  tool = "tfpar.predict"  # What runs a trained model of this task (tfpar.generate, tfpar.predict).
 
   def check_model(self, m) -> None:
     """The model flags (a tfpar.schema.ModelConfig) this task cannot build."""
@@ -39,7 +40,7 @@ class TaskSpec:
 
 
 class LanguageModelingSpec(TaskSpec):
-  name, model = "lm", "GPT"
+  name, model, tool = "lm", "GPT", "tfpar.generate"
 
   def batch(self, m, global_batch_size):
     return f"{count(global_batch_size, 'sequence')} x {count(m.seq_len, 'token')}"

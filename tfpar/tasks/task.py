@@ -52,6 +52,7 @@ class Task:
   """
 
   unit = "examples"
+  writes_predictions = False  # Whether `predict` writes files (tfpar.predict makes the folder).
 
   def __init__(self, cfg):
     self.cfg = cfg
@@ -122,3 +123,8 @@ class Task:
     """The eval record's metrics from every held-out batch's (reduced) eval_outputs."""
     return {"loss": float(np.mean([b["loss"] for b in batches]))}
 
+  # --- inference (tfpar.predict) ----------------------------------------------------
+  def predict(self, outputs, images, *, score_threshold: float) -> None:
+    """Reads one batch's model outputs: appends each image's lines to print, and draws
+    on its `drawing` where there is one (`images`: tfpar.tasks.prediction.Prediction)."""
+    raise NotImplementedError(f"--task={self.cfg.model.task} has no tfpar.predict")
