@@ -11,7 +11,7 @@ flags, which are no part of a run's config, are defined by hand below.
 from absl import flags
 
 from tfpar import schema
-from tfpar.schema import PRECISIONS, STRATEGIES  # pylint: disable=unused-import  # Importable here too.
+from tfpar.schema import PRECISIONS, STRATEGIES  # pylint: disable=unused-import  # Named here too.
 
 
 def _define(define, flag_values, *args, **kwargs):

@@ -35,7 +35,7 @@ from tfpar import rundir
 from tfpar import storage
 from tfpar import tasks
 from tfpar.schema import ConfigError
-from tfpar.tasks.prediction import PALETTE, Prediction, resize_labels  # pylint: disable=unused-import
+from tfpar.tasks.prediction import Prediction
 
 def define_flags() -> flags.FlagValues:
   fv = flags.FlagValues()

@@ -28,9 +28,10 @@ class ConfigError(ValueError):
   """A flag combination that cannot work; the message names the flag and the fix."""
 
 
-def setting(default, help: str, *, flag: str = "", flag_default=UNSET,  # pylint: disable=redefined-builtin
+def setting(default, text: str, *, flag: str = "", flag_default=UNSET,
             choices: Tuple[str, ...] = ()):
-  """A dataclass field that is also the absl flag `--flag` (default: the field's name).
+  """A dataclass field that is also the absl flag `--flag` (default: the field's name), with
+  help `text`.
 
   Args:
     flag_default: what the flag holds when not passed, where from_flags resolves
@@ -38,7 +39,7 @@ def setting(default, help: str, *, flag: str = "", flag_default=UNSET,  # pylint
     choices: the values of an enum flag.
   """
   return dataclasses.field(default=default, metadata={
-      "help": help, "flag": flag, "flag_default": flag_default, "choices": tuple(choices)})
+      "help": text, "flag": flag, "flag_default": flag_default, "choices": tuple(choices)})
 
 
 @dataclasses.dataclass(frozen=True)

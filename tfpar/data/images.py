@@ -389,5 +389,5 @@ def read_layout(data: str, spec, **kwargs) -> ImageSet:
   found = spec.read_file(files[0], **kwargs) if len(files) == 1 else None
   if found is not None:
     return found
-  raise DataError(f"--data={data} is not {spec.layout} or TFRecord shards "
-                  f"(*.tfrecord): see tfpar/data/images.py for the layouts --task={spec.name} reads")
+  raise DataError(f"--data={data} is not {spec.layout} or TFRecord shards (*.tfrecord): "
+                  f"see tfpar/data/images.py for the layouts --task={spec.name} reads")

@@ -88,7 +88,7 @@ class Classification(Task):
   def load_data(self, *, worker_index: int = 0, num_workers: int = 1):
     m, d = self.cfg.model, self.cfg.data
     if d.data is None:
-      data = load_digits()  # config.validate checked --image_size/--num_classes against them.
+      data = load_digits()  # Its spec (tfpar.tasks.specs) checked the flags against them.
     else:
       found = images.read_images(d.data, "classify", image_size=m.image_size,
                                  channels=m.num_channels, num_classes=m.num_classes)

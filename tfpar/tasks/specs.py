@@ -2,9 +2,10 @@
 
 The TF-free half of a task (tfpar.tasks.task.Task is the other): tfpar.rules
 calls `check_model` and `check_data` before TensorFlow starts (tfpar.plan calls
-`check_model` with no data), tfpar.console says what is trained in the task's
-own words, `tool` names what runs a trained model, and `read_images` picks the reader that the task's layout of --data
-needs. Every rule raises ConfigError with one line naming the flag and the fix.
+`check_model` with no data); tfpar.console says what is trained in the task's
+own words (`model`, `batch`); `tool` names what runs a trained model; and
+`read_images` picks the reader that the task's layout of --data needs. Every
+rule raises ConfigError with one line naming the flag and the fix.
 """
 
 from tfpar.console import count
