@@ -48,14 +48,7 @@ def check(fv: flags.FlagValues) -> None:
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   gfile = tf.io.gfile
   d = fv.model_dir
-  if not d:
-    raise GenerateError("--model_dir is not set: pass the --model_dir of a tfpar.train run")
-  if not gfile.isdir(d):
-    raise GenerateError(f"--model_dir={d} does not exist: pass the --model_dir of a tfpar.train run")
-  if not gfile.exists(os.path.join(d, rundir.RUN_CONFIG)):
-    raise GenerateError(f"--model_dir={d} has no config.json: it is not a tfpar.train run "
-                        "directory (train into it first)")
-  task = rundir.load(d).model.task
+  task = rundir.find_run(d).model.task
   if tasks.spec(task).tool != "tfpar.generate":  # Say why, not "another version".
     raise GenerateError(f"--model_dir={d} holds a vision run (--task={task}), but "
                         "tfpar.generate samples text from a --task=lm run: pass the --model_dir "

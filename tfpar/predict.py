@@ -32,7 +32,6 @@ from absl import flags
 
 from tfpar import console
 from tfpar import rundir
-from tfpar import storage
 from tfpar import tasks
 from tfpar.schema import ConfigError
 from tfpar.tasks.prediction import Prediction
@@ -73,12 +72,7 @@ def list_images(path: str) -> List[str]:
 def check(fv: flags.FlagValues) -> None:
   """Validates the flags and the run directory before TensorFlow starts."""
   d = fv.model_dir
-  if not d:
-    raise PredictError("--model_dir is not set: pass the --model_dir of a tfpar.train run")
-  if not storage.exists(os.path.join(d, rundir.RUN_CONFIG)):
-    raise PredictError(f"--model_dir={d} has no config.json: pass the --model_dir of a "
-                       "tfpar.train run")
-  if tasks.spec(read_config(d).model.task).tool != "tfpar.predict":
+  if tasks.spec(rundir.find_run(d).model.task).tool != "tfpar.predict":
     raise PredictError(f"--model_dir={d} holds a language model (--task=lm), but tfpar.predict "
                        "needs a vision run (--task=classify, detect or segment): sample from "
                        "this one with python -m tfpar.generate")
@@ -149,10 +143,11 @@ def predict(task, model, paths: Sequence[str], *, output_dir: str, overlay: bool
                          "pass a writable --output_dir") from None
   for start in range(0, len(paths), batch_size):
     batch = pixels[start:start + batch_size].astype(np.float32) / 255.0
-    found = [Prediction(path, *(int(v) for v in sizes[start + i]),
-                        stem=os.path.join(output_dir, os.path.splitext(os.path.basename(path))[0]),
-                        names=names, drawing=_original(path) if overlay else None)
-             for i, path in enumerate(paths[start:start + batch_size])]
+    found = []
+    for path, (h, w) in zip(paths[start:start + batch_size], sizes[start:]):
+      stem = os.path.join(output_dir, os.path.splitext(os.path.basename(path))[0])
+      found.append(Prediction(path, int(h), int(w), stem, names,
+                              _original(path) if overlay else None))
     task.predict(model(batch, training=False), found, score_threshold=score_threshold)
     for image in found:
       lines.extend(image.lines)
