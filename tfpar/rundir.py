@@ -48,20 +48,18 @@ def load(model_dir: str) -> Config:
   return from_saved(read_saved(model_dir))
 
 
-def find_run(model_dir: str) -> Config:
+def find_run(model_dir: str, error=ConfigError) -> Config:
   """The Config of the tfpar.train run a tool (generate, predict) was pointed at with --model_dir.
 
-  Raises ConfigError, in one line, where --model_dir is unset, missing, holds
-  no config.json, or one that cannot be read.
+  Raises `error` (the tool's own kind), in one line, where --model_dir is unset
+  or holds no config.json; ConfigError where its config.json cannot be read.
   """
   if not model_dir:
-    raise ConfigError("--model_dir is not set: pass the --model_dir of a tfpar.train run")
-  if not storage.exists(model_dir):
-    raise ConfigError(f"--model_dir={model_dir} does not exist: pass the --model_dir of a "
-                      "tfpar.train run")
+    raise error("--model_dir is not set: pass the --model_dir of a tfpar.train run")
   if not storage.exists(os.path.join(model_dir, RUN_CONFIG)):
-    raise ConfigError(f"--model_dir={model_dir} has no config.json: it is not a tfpar.train run "
-                      "directory (train into it first)")
+    where = "" if storage.exists(model_dir) else " (it does not exist)"
+    raise error(f"--model_dir={model_dir} has no config.json{where}: pass the --model_dir of a "
+                "tfpar.train run (train into it first)")
   return load(model_dir)
 
 
