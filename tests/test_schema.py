@@ -53,6 +53,15 @@ def test_a_run_directory_reads_alike_with_fields_missing_or_unknown(tmp_path):
   saved["a_section_of_a_later_version"] = {"x": 1}
   (tmp_path / rundir.RUN_CONFIG).write_text(json.dumps(saved))
   assert rundir.load(str(tmp_path)) == config.Config().replace(model={"d_model": 64})
+  heard = []
+  assert rundir.find_run(str(tmp_path), warn=heard.append) == rundir.load(str(tmp_path))
+  assert heard == [f"--model_dir={tmp_path}: config.json is of another tfpar version: ignored "
+                   "what this tfpar does not know (a_section_of_a_later_version, "
+                   "model.a_field_of_a_later_version); defaults for what it lacks "
+                   "(model.pooling, compression.method, compression.min_size, "
+                   "compression.rank, compression.warmup_steps)"]
+  with pytest.raises(ValueError, match="has no config.json [(]it does not exist[)]"):
+    rundir.find_run(str(tmp_path / "nowhere"), ValueError)
   (tmp_path / rundir.RUN_CONFIG).write_text(json.dumps({"model": []}))
   with pytest.raises(config.ConfigError, match="config.json that cannot be read"):
     rundir.load(str(tmp_path))

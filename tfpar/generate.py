@@ -48,7 +48,7 @@ def check(fv: flags.FlagValues) -> None:
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   gfile = tf.io.gfile
   d = fv.model_dir
-  task = rundir.find_run(d, GenerateError).model.task
+  task = rundir.find_run(d, GenerateError, warn).model.task
   if tasks.spec(task).tool != "tfpar.generate":  # Say why, not "another version".
     raise GenerateError(f"--model_dir={d} holds a vision run (--task={task}), but "
                         "tfpar.generate samples text from a --task=lm run: pass the --model_dir "
@@ -138,6 +138,10 @@ def load_model(model_dir: str):
 def fail(message: str) -> None:
   print(f"tfpar.generate: error: {message}", file=sys.stderr, flush=True)
   sys.exit(2)
+
+
+def warn(message: str) -> None:
+  print(f"tfpar.generate: warning: {message}", file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str]) -> None:

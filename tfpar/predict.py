@@ -72,7 +72,7 @@ def list_images(path: str) -> List[str]:
 def check(fv: flags.FlagValues) -> None:
   """Validates the flags and the run directory before TensorFlow starts."""
   d = fv.model_dir
-  if tasks.spec(rundir.find_run(d, PredictError).model.task).tool != "tfpar.predict":
+  if tasks.spec(rundir.find_run(d, PredictError, warn).model.task).tool != "tfpar.predict":
     raise PredictError(f"--model_dir={d} holds a language model (--task=lm), but tfpar.predict "
                        "needs a vision run (--task=classify, detect or segment): sample from "
                        "this one with python -m tfpar.generate")
@@ -160,6 +160,10 @@ def predict(task, model, paths: Sequence[str], *, output_dir: str, overlay: bool
 def fail(message: str) -> None:
   print(f"tfpar.predict: error: {message}", file=sys.stderr, flush=True)
   sys.exit(2)
+
+
+def warn(message: str) -> None:
+  print(f"tfpar.predict: warning: {message}", file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -48,11 +48,12 @@ def load(model_dir: str) -> Config:
   return from_saved(read_saved(model_dir))
 
 
-def find_run(model_dir: str, error=ConfigError) -> Config:
+def find_run(model_dir: str, error=ConfigError, warn=None) -> Config:
   """The Config of the tfpar.train run a tool (generate, predict) was pointed at with --model_dir.
 
   Raises `error` (the tool's own kind), in one line, where --model_dir is unset
   or holds no config.json; ConfigError where its config.json cannot be read.
+  `warn(line)`, when given, hears of a config.json of another tfpar version.
   """
   if not model_dir:
     raise error("--model_dir is not set: pass the --model_dir of a tfpar.train run")
@@ -60,7 +61,10 @@ def find_run(model_dir: str, error=ConfigError) -> Config:
     where = "" if storage.exists(model_dir) else " (it does not exist)"
     raise error(f"--model_dir={model_dir} has no config.json{where}: pass the --model_dir of a "
                 "tfpar.train run (train into it first)")
-  return load(model_dir)
+  saved = read_saved(model_dir)
+  if warn is not None and other_version(saved):
+    warn(f"--model_dir={model_dir}: {other_version(saved)}")
+  return from_saved(saved)
 
 
 def read_saved(model_dir: str) -> dict:
@@ -87,8 +91,8 @@ def from_saved(saved: dict) -> Config:
   """The Config a config.json (read_saved) records, from any tfpar version's file.
 
   A field added since the run was written takes its default; one this version
-  no longer knows is dropped (inference must not fail on it); JSON lists
-  become the tuples the dataclasses hold.
+  no longer knows is dropped (inference must not fail on it; `other_version`
+  names both); JSON lists become the tuples the dataclasses hold.
   """
   sections = {}
   for section in dataclasses.fields(Config):
@@ -98,6 +102,21 @@ def from_saved(saved: dict) -> Config:
               for k, v in saved.get(section.name, {}).items() if k in known}
     sections[section.name] = kind(**values)
   return Config(**sections)
+
+
+def other_version(saved: dict) -> str:
+  """One line naming the fields of a config.json (read_saved) that this tfpar does not know,
+  and those it lacks; "" when it matches this version's fields."""
+  ours = Config().to_dict()
+  unknown = sorted(k for k in saved if k not in ours and k != CLASS_NAMES)
+  missing = []
+  for name, fields in ours.items():
+    theirs = saved.get(name, {})
+    unknown += sorted(f"{name}.{k}" for k in theirs if k not in fields)
+    missing += sorted(f"{name}.{k}" for k in fields if k not in theirs)
+  parts = ([f"ignored what this tfpar does not know ({', '.join(unknown)})"] if unknown else []) + (
+      [f"defaults for what it lacks ({', '.join(missing)})"] if missing else [])
+  return f"config.json is of another tfpar version: {'; '.join(parts)}" if parts else ""
 
 
 def saved_class_names(saved: dict) -> Tuple[str, ...]:
