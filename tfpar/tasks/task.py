@@ -52,7 +52,6 @@ class Task:
   """
 
   unit = "examples"
-  writes_predictions = False  # Whether `predict` writes files (tfpar.predict makes the folder).
 
   def __init__(self, cfg):
     self.cfg = cfg
@@ -124,6 +123,8 @@ class Task:
     return {"loss": float(np.mean([b["loss"] for b in batches]))}
 
   # --- inference (tfpar.predict) ----------------------------------------------------
+  writes_predictions = False  # Whether `predict` writes files (tfpar.predict makes the folder).
+
   def predict(self, outputs, images, *, score_threshold: float) -> None:
     """Reads one batch's model outputs: appends each image's lines to print, and draws
     on its `drawing` where there is one (`images`: tfpar.tasks.prediction.Prediction)."""
