@@ -23,6 +23,7 @@ import socket
 import time
 from typing import Callable, Dict, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
+from tfpar import rules
 from tfpar.console import count
 
 # Task types in the order tfpar numbers a job's tasks: the launcher's ports, an
@@ -238,3 +239,35 @@ def _parse_tf_config(raw: Optional[str]) -> Cluster:
     raise ClusterError(f"TF_CONFIG task index {task_index} is out of range for "
                        f"{len(spec[task_type])} {task_type} task(s)")
   return Cluster(spec=spec, task_type=task_type, task_index=task_index)
+
+
+def check_cluster(cfg, cluster: Cluster) -> None:
+  """The job's shape against the flags (a tfpar.config.Config): tfpar.train and tfpar.k8s.
+
+  Needs no TensorFlow: tfpar.train calls it before TensorFlow starts.
+  """
+  t, s, p = cfg.train, cfg.dist, cfg.parallel
+  tasks = cluster.num_tasks
+  if s.strategy in ("one_device", "mirrored") and tasks > 1:
+    # Each task would train its own copy, and only the chief's would be kept: a non-chief
+    # task would train, print nothing and write nothing (the launcher refuses the same).
+    me = f"{cluster.task_type} {cluster.task_index}"
+    raise rules.ConfigError(f"TF_CONFIG names a cluster of {tasks} tasks (this is {me}), but "
+                      f"--strategy={s.strategy} trains in one process: unset TF_CONFIG, or "
+                      "pass --strategy=multi_worker_mirrored to train across them")
+  if s.strategy == "multi_worker_mirrored" and not p.model_parallel:
+    # One replica per worker on CPU hosts (GPU hosts have more: the engine checks again).
+    rules.check_batch(t.global_batch_size, cluster.num_workers,
+                flag=f"{cluster.num_workers} workers in TF_CONFIG")
+  if s.strategy == "multi_worker_mirrored" and p.model_parallel:
+    workers = cluster.num_workers
+    if p.data_parallel not in (None, workers):
+      raise rules.ConfigError(f"--data_parallel={p.data_parallel} does not match the {workers} "
+                        "workers: across workers each worker is one replica; drop "
+                        f"--data_parallel or set it to {workers}")
+    rules.check_batch(t.global_batch_size, workers, p.microbatches, flag=f"{workers} workers")
+  if s.strategy == "parameter_server":
+    num_ps = len(cluster.spec.get("ps", []))
+    if num_ps and s.ps_shards > num_ps:
+      raise rules.ConfigError(f"--ps_shards={s.ps_shards} is more than the {num_ps} parameter "
+                        f"server(s) of the job: use --ps_shards<={num_ps} or start more ps tasks")

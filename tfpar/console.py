@@ -12,6 +12,8 @@ import sys
 import tempfile
 from typing import Optional
 
+from tfpar import tasks
+
 # absl verbosity (-3 fatal .. 0 info, 1 debug) -> TF_CPP_MIN_LOG_LEVEL (3 hides
 # errors, 2 warnings, 1 info, 0 nothing).
 _QUIET = "3"
@@ -75,13 +77,8 @@ def describe_run(cfg, info: dict) -> str:
   extra = [f"{key.replace('_', ' ')} {value}" for key, value in info.items() if key not in skip]
   how = info["strategy"] + (": " + ", ".join(extra) if extra else "")
   m, t = cfg.model, cfg.train
-  if m.task == "lm":
-    model = "GPT"
-    batch = f"{count(t.global_batch_size, 'sequence')} x {count(m.seq_len, 'token')}"
-  else:
-    model = {"classify": "ViT classifier", "detect": "ViT detector",
-             "segment": "ViT segmenter"}.get(m.task, f"ViT ({m.task})")
-    batch = count(t.global_batch_size, f"{m.image_size}x{m.image_size} image")
+  spec = tasks.spec(m.task)
+  model, batch = spec.model, spec.batch(m, t.global_batch_size)
   return (f"training a {m.num_layers}-layer {model} of {info['parameters']:,} "
           f"parameters for {count(t.train_steps, 'step')} of {batch}, "
           f"on {count(info['replicas'], 'replica')} ({how})")

@@ -1,135 +1,37 @@
 """The central place to define tfpar's flags.
 
-Every absl flag of `python -m tfpar.train` is defined here and nowhere else.
-`tfpar.config.from_flags` turns them into a frozen, validated `Config` before
-TensorFlow initialises; nothing below the entry point reads `FLAGS`.
+Every absl flag of `python -m tfpar.train` is a field of tfpar.schema's
+dataclasses, defined here from it (name, default, help, enum choices) and
+nowhere else; `tfpar.config.from_flags` turns the parsed values back into a
+frozen, validated `Config` before TensorFlow initialises; nothing below the
+entry point reads `FLAGS`. The planner's and the Kubernetes renderer's own
+flags, which are no part of a run's config, are defined by hand below.
 """
 
 from absl import flags
 
-from tfpar import tasks
+from tfpar import schema
+from tfpar.schema import PRECISIONS, STRATEGIES  # pylint: disable=unused-import  # Named here too.
 
 
 def _define(define, flag_values, *args, **kwargs):
   define(*args, flag_values=flag_values, **kwargs)
 
-STRATEGIES = ("one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "tpu")
-PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
+
+_DEFINE = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, float: flags.DEFINE_float,
+           str: flags.DEFINE_string, tuple: flags.DEFINE_list}
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValues:
   """Defines all training flags on `flag_values` (idempotent); returns it."""
   if "train_steps" in flag_values:
     return flag_values
-  fv = flag_values
-  # What is learned.
-  _define(flags.DEFINE_enum, fv, "task", "lm", list(tasks.NAMES),
-          "What to train: 'lm' a byte-level GPT on text; with a ViT on images, 'classify' "
-          "(a class per image), 'detect' (boxes and classes) or 'segment' (a class per pixel) "
-          "(the model, data, loss and metrics come from tfpar.tasks).")
-  # Data.
-  _define(flags.DEFINE_string, fv,
-      "data", None,
-      "What to train on, by --task. lm: text, as a file, a directory, a glob of text files, "
-      "or TFRecord shards (*.tfrecord, a tf.train.Example with a bytes feature "
-      "--tfrecord_key); default: the Python standard library's own source files, present on "
-      "every machine. classify: a directory with one sub-directory of images per class "
-      "(DIR/<class>/*.png|jpg); default: scikit-learn's digits. detect: a COCO instances "
-      "JSON (images relative to its directory); segment: a directory with images/NAME.png|jpg "
-      "and masks/NAME.png (pixel = class id); default for both: canvases of the digits. "
-      "Any vision task also reads TFRecord shards (tfpar/data/image_records.py); "
-      "tfpar/data/images.py describes the layouts.")
-  _define(flags.DEFINE_string, fv, "tfrecord_key", "text",
-          "--task=lm: the bytes feature holding the text in TFRecord examples.")
-  _define(flags.DEFINE_float, fv, "eval_fraction", 0.05, "Fraction of the corpus (its tail) held out for eval.")
-  _define(flags.DEFINE_enum, fv, 
-      "input_sharding", "auto", ["auto", "data", "file"],
-      "How workers split the input: 'data' gives each worker its slice of every global batch "
-      "(step-for-step identical to one device); 'file' gives each worker its own files; "
-      "'auto' picks 'file' when there are at least 4 files per worker, else 'data'.")
-  _define(flags.DEFINE_integer, fv, "max_shift", 1,
-          "Images: in training, shift each image by up to this many pixels (0: off).")
-  _define(flags.DEFINE_bool, fv, "random_flip", False,
-          "Images: in training, flip left-right at random (off: a mirrored digit is another digit).")
-  # Output.
-  _define(flags.DEFINE_string, fv, "model_dir", None, "Where checkpoints, summaries and metrics.jsonl go.")
-  # Model.
-  _define(flags.DEFINE_integer, fv, "seq_len", 128, "Tokens (bytes) per training sequence.")
-  _define(flags.DEFINE_integer, fv, "num_layers", 4, "Transformer blocks.")
-  _define(flags.DEFINE_integer, fv, "d_model", 128, "Width of the residual stream.")
-  _define(flags.DEFINE_integer, fv, "num_heads", 4, "Attention heads; must divide d_model.")
-  _define(flags.DEFINE_integer, fv, "d_ff", None, "MLP hidden width (default 4 * d_model).")
-  _define(flags.DEFINE_float, fv, "dropout", 0.0, "Dropout rate (0 for pretraining-style runs, as nanoGPT).")
-  _define(flags.DEFINE_enum, fv, "positions", "learned", ["learned", "rotary"], "Position encoding.")
-  _define(flags.DEFINE_integer, fv, "vocab_size", 256,
-          "Embedding rows (256: byte-level, what the data pipeline feeds; larger sizes "
-          "model a tokenizer's vocabulary, e.g. for tfpar.plan).")
-  # Vision model (--task=classify, detect, segment).
-  _define(flags.DEFINE_integer, fv, "image_size", 8, "Image height and width in pixels (square).")
-  _define(flags.DEFINE_integer, fv, "patch_size", 2, "ViT patch height and width; must divide --image_size.")
-  _define(flags.DEFINE_integer, fv, "num_channels", 1,
-          "Image channels: 1 grey, 3 RGB or 4 RGBA (PNG only); the built-in digits are grey.")
-  _define(flags.DEFINE_integer, fv, "num_classes", 10, "Classes of the task's labels (ids 0..num_classes-1).")
-  _define(flags.DEFINE_enum, fv, "pooling", "cls", ["cls", "mean"],
-          "How the ViT pools patches for the classifier: a class token, or the mean of patches.")
-  # Optimisation.
-  _define(flags.DEFINE_integer, fv, "train_steps", 200, "Optimizer steps in total (a resumed run stops here too).")
-  _define(flags.DEFINE_integer, fv, "global_batch_size", 16, "Sequences per step, summed over all replicas.")
-  _define(flags.DEFINE_float, fv, "learning_rate", 1e-3, "Peak learning rate of the warmup + cosine schedule.")
-  _define(flags.DEFINE_integer, fv, "warmup_steps", None, "Linear warmup steps (default: 5% of train_steps).")
-  _define(flags.DEFINE_float, fv, "min_lr_ratio", 0.1, "Cosine decay ends at learning_rate * min_lr_ratio.")
-  _define(flags.DEFINE_float, fv, "weight_decay", 0.1, "AdamW decoupled weight decay (kernels and embeddings only).")
-  _define(flags.DEFINE_float, fv, "clip_norm", 1.0, "Global gradient norm clip (0 disables).")
-  _define(flags.DEFINE_integer, fv, "seed", 0, "Seeds initialisation, data order and dropout.")
-  # Cadence.
-  _define(flags.DEFINE_integer, fv, "log_every", 10, "Steps between train records in metrics.jsonl.")
-  _define(flags.DEFINE_integer, fv, "eval_every", 100, "Steps between evaluations (0: only at the end).")
-  _define(flags.DEFINE_integer, fv, "eval_steps", 4, "Global batches per evaluation.")
-  _define(flags.DEFINE_integer, fv, "checkpoint_every", 100, "Steps between checkpoints (one is always written at the end).")
-  _define(flags.DEFINE_integer, fv, "keep_checkpoints", 3, "How many recent checkpoints to keep.")
-  _define(flags.DEFINE_list, fv, "profile_steps", None,
-          "FIRST,LAST: trace steps FIRST..LAST with tf.profiler into --model_dir (TensorBoard's "
-          "Profile tab; scripts/dp_profile.py reads it), on the chief.")
-  _define(flags.DEFINE_integer, fv, "steps_per_call", 10,
-                       "Steps run inside one tf.function call (fewer Python round trips).")
-  # Numerics and compilation.
-  _define(flags.DEFINE_enum, fv, "precision", "float32", list(PRECISIONS), "Compute precision policy.")
-  _define(flags.DEFINE_bool, fv, "jit_compile", True, "Compile the step with XLA (faster on CPU and GPU).")
-  _define(flags.DEFINE_enum, fv, "on_nonfinite", "stop", ["stop", "skip"],
-          "A step whose loss or gradient norm is NaN or infinite: 'stop' names it and exits "
-          "(status 3) without saving, so the last checkpoint is the last good state; 'skip' "
-          "drops that step's update, counts it, and goes on.")
-  # Distribution.
-  _define(flags.DEFINE_enum, fv, "strategy", "one_device", list(STRATEGIES), "tf.distribute strategy.")
-  _define(flags.DEFINE_integer, fv, "num_cpu_devices", 1,
-                       "Split the host CPU into this many logical devices before TF starts.")
-  _define(flags.DEFINE_enum, fv, "collective", "auto", ["auto", "ring", "nccl"],
-                    "Collective implementation for multi_worker_mirrored.")
-  _define(flags.DEFINE_integer, fv, "collective_timeout", 300,
-                       "Seconds a collective waits for a peer before the job fails (1 to 86400).")
-  _define(flags.DEFINE_string, fv, "tpu", "local", "TPU to use with --strategy=tpu: local, a name, or grpc://ADDR.")
-  _define(flags.DEFINE_float, fv, "all_reduce_pack_mb", 0.0,
-          "multi_worker_mirrored: pack the gradient all-reduce into chunks of this many MiB "
-          "(CommunicationOptions.bytes_per_pack; 0: TensorFlow decides).")
-  # Gradient compression (tfpar.parallel.compression; docs/compression.md).
-  _define(flags.DEFINE_enum, fv, "grad_compression", "none", ["none", "fp16", "bf16", "powersgd"],
-          "Compress the data-parallel gradient all-reduce: fp16/bf16 casts (half the bytes), "
-          "powersgd sends a rank --powersgd_rank approximation with error feedback.")
-  _define(flags.DEFINE_integer, fv, "powersgd_rank", 4, "PowerSGD rank R: (m + n) x R floats per m x n matrix.")
-  _define(flags.DEFINE_integer, fv, "powersgd_warmup_steps", 0,
-          "Uncompressed steps before PowerSGD starts (the first gradients change fastest).")
-  _define(flags.DEFINE_integer, fv, "powersgd_min_size", 1024,
-          "PowerSGD sends matrices with fewer elements than this (and all vectors) uncompressed.")
-  _define(flags.DEFINE_integer, fv, "ps_shards", 1, "Partition large variables over this many parameter servers.")
-  # Model parallelism.
-  _define(flags.DEFINE_integer, fv, "pipeline_stages", 1, "Pipeline stages (devices) per model replica.")
-  _define(flags.DEFINE_integer, fv, "microbatches", 1, "Micro-batches per replica batch in the pipeline.")
-  _define(flags.DEFINE_list, fv, "stage_layers", None, "Blocks per pipeline stage, e.g. 3,3,2 (default: balanced).")
-  _define(flags.DEFINE_integer, fv, "tensor_parallel", 1, "Devices each attention and MLP block is split over.")
-  _define(flags.DEFINE_integer, fv, "data_parallel", None,
-                       "Model replicas for model-parallel runs (default: what the devices allow).")
-  _define(flags.DEFINE_bool, fv, "remat", False, "Recompute each block's activations in the backward pass.")
-  return fv
+  for s in schema.settings():
+    if s.choices:
+      _define(flags.DEFINE_enum, flag_values, s.flag, s.default, list(s.choices), s.help)
+    else:
+      _define(_DEFINE[s.kind], flag_values, s.flag, s.default, s.help)
+  return flag_values
 
 
 PLAN_FORMATS = ("text", "json")

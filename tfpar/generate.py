@@ -3,8 +3,8 @@
     python -m tfpar.generate --model_dir=runs/gpt_tiny --prompt="def " --max_new_tokens=200
 
 Wiring only: read the model flags from DIR/config.json of a --task=lm run of
-`python -m tfpar.train` (through tfpar.config.read_saved, as tfpar.predict and
-a resume read it), rebuild the GPT, restore the weights of the latest
+`python -m tfpar.train` (through tfpar.rundir, as tfpar.predict and a resume
+read it), rebuild the GPT, restore the weights of the latest
 canonical checkpoint (no optimizer state; any parallel plan may have written
 it), then sample bytes one at a time. Bad input ends with one line on stderr
 and exit status 2. These few flags belong to this tool alone, so they live
@@ -19,9 +19,9 @@ from typing import Callable, List, Sequence
 import numpy as np
 from absl import flags
 
-from tfpar import config as config_lib
-
-VOCAB_SIZE = 256
+from tfpar import rundir
+from tfpar import tasks
+from tfpar.schema import VOCAB_SIZE, ConfigError
 
 
 def define_flags() -> flags.FlagValues:
@@ -48,15 +48,8 @@ def check(fv: flags.FlagValues) -> None:
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   gfile = tf.io.gfile
   d = fv.model_dir
-  if not d:
-    raise GenerateError("--model_dir is not set: pass the --model_dir of a tfpar.train run")
-  if not gfile.isdir(d):
-    raise GenerateError(f"--model_dir={d} does not exist: pass the --model_dir of a tfpar.train run")
-  if not gfile.exists(os.path.join(d, config_lib.RUN_CONFIG)):
-    raise GenerateError(f"--model_dir={d} has no config.json: it is not a tfpar.train run "
-                        "directory (train into it first)")
-  task = config_lib.from_saved(config_lib.read_saved(d)).model.task
-  if task != "lm":  # Its checkpoint lacks the GPT's weights: say why, not "another version".
+  task = rundir.find_run(d, GenerateError, warn).model.task
+  if tasks.spec(task).tool != "tfpar.generate":  # Say why, not "another version".
     raise GenerateError(f"--model_dir={d} holds a vision run (--task={task}), but "
                         "tfpar.generate samples text from a --task=lm run: pass the --model_dir "
                         "of one, or run python -m tfpar.predict on this one")
@@ -117,7 +110,7 @@ def load_model(model_dir: str):
   from tfpar.models import GPT  # pylint: disable=import-outside-toplevel
   from tfpar.training import checkpoint  # pylint: disable=import-outside-toplevel
 
-  saved = config_lib.from_saved(config_lib.read_saved(model_dir))
+  saved = rundir.load(model_dir)
   keras.mixed_precision.set_global_policy("float32")
   # Without dropout the model has no RNG state: only weights are restored.
   config = saved.replace(model={"dropout": 0.0}).model
@@ -147,6 +140,10 @@ def fail(message: str) -> None:
   sys.exit(2)
 
 
+def warn(message: str) -> None:
+  print(f"tfpar.generate: warning: {message}", file=sys.stderr, flush=True)
+
+
 def main(argv: Sequence[str]) -> None:
   fv = define_flags()
   if any(a in ("-h", "--help", "-help", "--helpshort") for a in argv[1:]):
@@ -162,13 +159,13 @@ def main(argv: Sequence[str]) -> None:
   console.import_tensorflow_quietly()
   try:
     check(fv)
-  except (GenerateError, config_lib.ConfigError) as e:
+  except (GenerateError, ConfigError) as e:
     fail(str(e))
   from tfpar.data import corpus  # pylint: disable=import-outside-toplevel
   from tfpar.training.checkpoint import CheckpointMismatchError  # pylint: disable=import-outside-toplevel
   try:
     model, next_logits = load_model(fv.model_dir)
-  except (GenerateError, config_lib.ConfigError, CheckpointMismatchError) as e:
+  except (GenerateError, ConfigError, CheckpointMismatchError) as e:
     fail(str(e))
   new = sample(next_logits, corpus.encode(fv.prompt), fv.max_new_tokens,
                seq_len=model.config.seq_len, temperature=fv.temperature, top_k=fv.top_k,

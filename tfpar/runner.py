@@ -1,20 +1,19 @@
 """Builds a run from a validated config: devices, strategy, task and its data, engine, loop."""
 
-import json
 import os
 import re
-from typing import Sequence
 
 import keras
 from absl import logging as absl_logging
 import tensorflow as tf
 
 from tfpar import console
+from tfpar import rundir
 from tfpar import storage
 from tfpar import strategies
 from tfpar import tasks
 from tfpar.cluster import Cluster, ClusterError, PeerError
-from tfpar.config import CLASS_NAMES, RUN_CONFIG, Config, ConfigError
+from tfpar.config import Config, ConfigError
 from tfpar.data import corpus as corpus_lib
 from tfpar.training import loop, preemption
 from tfpar.training.checkpoint import (CheckpointMismatchError, CheckpointUnreadableError,
@@ -34,22 +33,7 @@ NONFINITE_ERRORS = (loop.NonFiniteError, NonFiniteStateError)
 WRITE_ERRORS = (storage.DiskFullError, OSError, tf.errors.OpError)
 
 
-def write_run_config(cfg: Config, class_names: Sequence[str] = ()) -> None:
-  """The chief records the run's flags in <model_dir>/config.json, once.
-
-  tfpar.config.check_run compares a resume against it; tfpar.generate and
-  tfpar.predict rebuild the model from it. `class_names` (when the data names
-  its classes: class folders, COCO categories) go with them, so that predict
-  prints a name, not an index the user would have to look up. Written whole,
-  then renamed: other workers may read it at the same moment.
-  """
-  path = os.path.join(cfg.train.model_dir, RUN_CONFIG)
-  if not storage.exists(path):
-    record = cfg.to_dict()
-    if class_names:
-      record[CLASS_NAMES] = list(class_names)
-    storage.makedirs(cfg.train.model_dir)
-    storage.write_atomically(path, json.dumps(record, indent=2))
+write_run_config = rundir.write_config  # The one config.json writer.
 
 
 def run(cfg: Config, cluster: Cluster) -> dict:

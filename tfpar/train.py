@@ -26,6 +26,7 @@ from tfpar import cluster as cluster_lib
 from tfpar import config as config_lib
 from tfpar import console
 from tfpar import flags as tfpar_flags
+from tfpar import rundir
 from tfpar import status
 from tfpar import storage
 from tfpar.training import preemption
@@ -49,7 +50,7 @@ def main(argv):
         FLAGS, warn=lambda text: print(f"tfpar.train: warning: {text}", file=sys.stderr, flush=True))
     cluster = cluster_lib.from_env()
     if cluster.spec:  # TF_CONFIG against --strategy: before TensorFlow starts.
-      config_lib.check_cluster(cfg, cluster)
+      cluster_lib.check_cluster(cfg, cluster)
   except (config_lib.ConfigError, cluster_lib.ClusterError) as e:
     fail(str(e))
   except cluster_lib.PeersNotFound as e:  # Not bad input: a restart may find them.
@@ -57,7 +58,7 @@ def main(argv):
     sys.exit(status.CRASH)
   console.import_tensorflow_quietly(FLAGS.verbosity if FLAGS["verbosity"].present else None)
   try:
-    config_lib.check_run(cfg)  # Reads --model_dir through tf.io.gfile (TF_CONFIG: checked above).
+    rundir.check_run(cfg)  # Reads --model_dir through tf.io.gfile (TF_CONFIG: checked above).
   except config_lib.ConfigError as e:
     fail(str(e))
   except storage.Unreachable as e:  # gs:// without network: a later start may well reach it.

@@ -12,10 +12,12 @@ Detection API and DeepLab, so existing converters' output reads as is:
 | `image/segmentation/class/encoded` | bytes: PNG of class ids (0 background), the image's size | segment |
 
 `classify_example`, `detect_example` and `segment_example` build them;
-`read_tfrecords` reads shards (a file, a glob, or a list) into an `ImageSet`.
+`read_tfrecords` reads shards (a list of files) into an `ImageSet`, with the
+labels' `Format` (CLASSES, BOXES, MASKS) that the task's spec names.
 """
 
-from typing import Sequence
+import dataclasses
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -24,7 +26,6 @@ from tfpar.data.corpus import DataError
 from tfpar.data.images import ImageSet, check_num_classes, decode_images, decode_mask, pad_boxes
 from tfpar.data.images import resize_mask
 
-TASKS = ("classify", "detect", "segment")
 BOX_KEYS = tuple(f"image/object/bbox/{k}" for k in ("ymin", "xmin", "ymax", "xmax"))
 
 
@@ -67,20 +68,80 @@ def segment_example(encoded: bytes, mask_png: bytes):
                    "image/segmentation/class/encoded": _bytes(mask_png)})
 
 
-def read_tfrecords(files: Sequence[str], task: str, *, image_size: int, channels: int,
+def _class_features(tf):
+  return {"image/class/label": tf.io.FixedLenFeature([], tf.int64)}
+
+
+def _box_features(tf):
+  spec = {k: tf.io.VarLenFeature(tf.float32) for k in BOX_KEYS}
+  spec["image/object/class/label"] = tf.io.VarLenFeature(tf.int64)
+  return spec
+
+
+def _mask_features(tf):
+  return {"image/segmentation/class/encoded": tf.io.FixedLenFeature([], tf.string)}
+
+
+def _class_set(images, records, names, sizes, *, image_size, num_classes) -> ImageSet:
+  del sizes, image_size
+  labels = np.array([r["image/class/label"] for r in records], np.int32)
+  worst = int(np.argmax(labels))
+  if labels.min() < 0:
+    raise DataError(f"{names[int(np.argmin(labels))]} has a negative class id: fix the labels")
+  check_num_classes(int(labels[worst]), num_classes, names[worst], "class id")
+  return ImageSet(images, labels=labels)
+
+
+def _box_set(images, records, names, sizes, *, image_size, num_classes) -> ImageSet:
+  del sizes
+  boxes, classes = [], []
+  for r, name in zip(records, names):
+    b = np.stack([r[k] for k in BOX_KEYS], -1).astype(np.float32)  # [m, 4] in [0, 1]
+    c = r["image/object/class/label"].astype(np.int32)
+    if len(b) != len(c):
+      raise DataError(f"{name} has {count(len(b), 'box', 'boxes')} but "
+                      f"{count(len(c), 'class label')}: give each box one")
+    if len(b) and (b.min() < 0 or b.max() > 1 or (b[:, 2:] <= b[:, :2]).any()):
+      raise DataError(f"{name} has a box outside [0, 1] or with max <= min: boxes are "
+                      "(ymin, xmin, ymax, xmax) as fractions of the image's size")
+    if len(c):
+      check_num_classes(int(c.max()), num_classes, name, "class id")
+    boxes.append(b * image_size)
+    classes.append(c)
+  boxes, classes = pad_boxes(boxes, classes)
+  return ImageSet(images, boxes=boxes, classes=classes)
+
+
+def _mask_set(images, records, names, sizes, *, image_size, num_classes) -> ImageSet:
+  masks = []
+  for r, name, (h, w) in zip(records, names, sizes):
+    mask = decode_mask(r["image/segmentation/class/encoded"], f"{name} mask")
+    if mask.shape != (h, w):
+      raise DataError(f"{name}: mask is {mask.shape[1]}x{mask.shape[0]} but its image is "
+                      f"{w}x{h}: masks must match their images")
+    check_num_classes(int(mask.max()), num_classes, f"{name} mask", "class id")
+    masks.append(resize_mask(mask, image_size))
+  return ImageSet(images, masks=np.stack(masks))
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+  """One kind of label in an Example; a task's spec (tfpar.tasks.specs) names its own."""
+  task: str  # The --task that reads it, for messages.
+  features: Callable  # tf -> the label's feature spec (beside image/encoded).
+  image_set: Callable  # (images, records, names, sizes, *, image_size, num_classes) -> ImageSet
+
+
+CLASSES = Format("classify", _class_features, _class_set)
+BOXES = Format("detect", _box_features, _box_set)
+MASKS = Format("segment", _mask_features, _mask_set)
+
+
+def read_tfrecords(files: Sequence[str], labels: Format, *, image_size: int, channels: int,
                    num_classes: int) -> ImageSet:
-  """Reads every Example of `files` for `task` into an ImageSet (labels checked)."""
+  """Reads every Example of `files` with `labels` (CLASSES, BOXES or MASKS) into an ImageSet."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  if task not in TASKS:
-    raise ValueError(f"task {task} has no TFRecord features: one of {TASKS}")
-  spec = {"image/encoded": tf.io.FixedLenFeature([], tf.string)}
-  if task == "classify":
-    spec["image/class/label"] = tf.io.FixedLenFeature([], tf.int64)
-  elif task == "detect":
-    spec.update({k: tf.io.VarLenFeature(tf.float32) for k in BOX_KEYS})
-    spec["image/object/class/label"] = tf.io.VarLenFeature(tf.int64)
-  else:
-    spec["image/segmentation/class/encoded"] = tf.io.FixedLenFeature([], tf.string)
+  spec = {"image/encoded": tf.io.FixedLenFeature([], tf.string), **labels.features(tf)}
   records, names = [], []
   for path in files:
     try:
@@ -88,7 +149,7 @@ def read_tfrecords(files: Sequence[str], task: str, *, image_size: int, channels
         try:
           parsed = tf.io.parse_single_example(record, spec)
         except tf.errors.InvalidArgumentError:
-          raise DataError(f"{path}: record {i} lacks the {task} features "
+          raise DataError(f"{path}: record {i} lacks the {labels.task} features "
                           f"({', '.join(spec)}): see tfpar/data/image_records.py") from None
         records.append({k: tf.sparse.to_dense(v).numpy() if isinstance(v, tf.SparseTensor)
                         else v.numpy() for k, v in parsed.items()})
@@ -99,36 +160,5 @@ def read_tfrecords(files: Sequence[str], task: str, *, image_size: int, channels
     raise DataError(f"the TFRecord shards {', '.join(files)} hold no records: write some first")
   images, sizes = decode_images([r["image/encoded"] for r in records], image_size, channels,
                                 names=names, are_files=False)
-  if task == "classify":
-    labels = np.array([r["image/class/label"] for r in records], np.int32)
-    worst = int(np.argmax(labels))
-    if labels.min() < 0:
-      raise DataError(f"{names[int(np.argmin(labels))]} has a negative class id: fix the labels")
-    check_num_classes(int(labels[worst]), num_classes, names[worst], "class id")
-    return ImageSet(images, labels=labels)
-  if task == "detect":
-    boxes, classes = [], []
-    for r, name in zip(records, names):
-      b = np.stack([r[k] for k in BOX_KEYS], -1).astype(np.float32)  # [m, 4] in [0, 1]
-      c = r["image/object/class/label"].astype(np.int32)
-      if len(b) != len(c):
-        raise DataError(f"{name} has {count(len(b), 'box', 'boxes')} but "
-                        f"{count(len(c), 'class label')}: give each box one")
-      if len(b) and (b.min() < 0 or b.max() > 1 or (b[:, 2:] <= b[:, :2]).any()):
-        raise DataError(f"{name} has a box outside [0, 1] or with max <= min: boxes are "
-                        "(ymin, xmin, ymax, xmax) as fractions of the image's size")
-      if len(c):
-        check_num_classes(int(c.max()), num_classes, name, "class id")
-      boxes.append(b * image_size)
-      classes.append(c)
-    boxes, classes = pad_boxes(boxes, classes)
-    return ImageSet(images, boxes=boxes, classes=classes)
-  masks = []
-  for r, name, (h, w) in zip(records, names, sizes):
-    mask = decode_mask(r["image/segmentation/class/encoded"], f"{name} mask")
-    if mask.shape != (h, w):
-      raise DataError(f"{name}: mask is {mask.shape[1]}x{mask.shape[0]} but its image is "
-                      f"{w}x{h}: masks must match their images")
-    check_num_classes(int(mask.max()), num_classes, f"{name} mask", "class id")
-    masks.append(resize_mask(mask, image_size))
-  return ImageSet(images, masks=np.stack(masks))
+  return labels.image_set(images, records, names, sizes, image_size=image_size,
+                          num_classes=num_classes)

@@ -367,26 +367,27 @@ def pad_boxes(boxes: List[np.ndarray], classes: List[np.ndarray]) -> Tuple[np.nd
 
 def read_images(data: str, task: str, *, image_size: int, channels: int,
                 num_classes: int) -> ImageSet:
-  """Reads --data for `task` (classify, detect, segment) with the reader its layout needs."""
+  """Reads --data for --task=task with the reader its layout needs (the task's spec picks it)."""
+  from tfpar import tasks  # pylint: disable=import-outside-toplevel
+  return tasks.spec(task).read_images(data, image_size=image_size, channels=channels,
+                                      num_classes=num_classes)
+
+
+def read_layout(data: str, spec, **kwargs) -> ImageSet:
+  """Reads --data in the layout of a task's spec (tfpar.tasks.specs.VisionSpec): a directory,
+  TFRecord shards, or the one file its layout has (a COCO JSON)."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tfpar.data import corpus, image_records  # pylint: disable=import-outside-toplevel
-  kwargs = dict(image_size=image_size, channels=channels, num_classes=num_classes)
   if tf.io.gfile.isdir(data):
-    if task == "classify":
-      return read_image_folder(data, **kwargs)
-    if task == "segment":
-      return read_mask_pairs(data, **kwargs)
-    raise DataError(f"--data={data} is a directory, but --task=detect reads a COCO instances "
-                    "JSON or TFRecord shards: pass --data=PATH/instances.json")
+    return spec.read_directory(data, **kwargs)
   files = sorted(tf.io.gfile.glob(data))
   if not files:
     raise DataError(f"--data={data} matches no file or directory: pass an image folder, "
                     "a COCO JSON or TFRecord shards")
   if all(f.endswith(corpus.TFRECORD_SUFFIXES) for f in files):
-    return image_records.read_tfrecords(files, task, **kwargs)
-  if task == "detect" and len(files) == 1 and files[0].endswith(".json"):
-    return read_coco(files[0], **kwargs)
-  layouts = {"classify": "a directory with one sub-directory per class",
-             "detect": "a COCO instances JSON", "segment": "a directory with images/ and masks/"}
-  raise DataError(f"--data={data} is not {layouts[task]} or TFRecord shards "
-                  f"(*.tfrecord): see tfpar/data/images.py for the layouts --task={task} reads")
+    return image_records.read_tfrecords(files, spec.records(), **kwargs)
+  found = spec.read_file(files[0], **kwargs) if len(files) == 1 else None
+  if found is not None:
+    return found
+  raise DataError(f"--data={data} is not {spec.layout} or TFRecord shards (*.tfrecord): "
+                  f"see tfpar/data/images.py for the layouts --task={spec.name} reads")

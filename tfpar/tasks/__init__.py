@@ -1,13 +1,17 @@
-"""Tasks: what is learned. One string (--task) -> one Task.
+"""Tasks: what is learned. One string (--task) -> one Task, and its rules.
 
 A task (tfpar.tasks.task.Task) holds everything the engines must not know:
 the model, the loss and its global normaliser, the data, the held-out
-metrics and the throughput unit. The engines (tfpar.training.engine,
-tfpar.parallel.hybrid, tfpar.parallel.parameter_server), tfpar.parallel and
-the loop only run what a task gives them.
+metrics, the throughput unit and what tfpar.predict prints. The engines
+(tfpar.training.engine, tfpar.parallel.hybrid,
+tfpar.parallel.parameter_server), tfpar.parallel and the loop only run what a
+task gives them. Its TF-free half (tfpar.tasks.specs: validation, the
+start-up line's words, the reader of --data) is `spec(name)`.
 
-The modules are imported on demand, so that the flags and the config (which
-need only the names) stay free of TensorFlow.
+Nothing outside this package compares --task to a name (tests/test_config.py
+scans for it): whatever differs by task is asked of the task. The modules
+are imported on demand, so that the flags and the config (which need only
+the names and the specs) stay free of TensorFlow.
 """
 
 import importlib
@@ -22,11 +26,22 @@ _MODULES = {
 NAMES = tuple(_MODULES)
 
 
-def get(name: str):
-  """The Task class of --task=name."""
+def _known(name: str) -> None:
   if name not in _MODULES:
     raise ValueError(f"unknown task {name!r}: use one of {', '.join(NAMES)}")
+
+
+def get(name: str):
+  """The Task class of --task=name."""
+  _known(name)
   return importlib.import_module(_MODULES[name]).TASK
+
+
+def spec(name: str):
+  """The TF-free half of --task=name (a tfpar.tasks.specs.TaskSpec)."""
+  _known(name)
+  from tfpar.tasks import specs  # pylint: disable=import-outside-toplevel
+  return specs.SPECS[name]
 
 
 def make(cfg):

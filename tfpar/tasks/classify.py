@@ -89,7 +89,7 @@ class Classification(Task):
   def load_data(self, *, worker_index: int = 0, num_workers: int = 1):
     m, d = self.cfg.model, self.cfg.data
     if d.data is None:
-      data = load_digits()  # config.validate checked --image_size/--num_classes against them.
+      data = load_digits()  # Its spec (tfpar.tasks.specs) checked the flags against them.
     else:
       found = images.read_images(d.data, "classify", image_size=m.image_size,
                                  channels=m.num_channels, num_classes=m.num_classes)
@@ -143,6 +143,18 @@ class Classification(Task):
     _, first = np.unique(index, return_index=True)  # Each held-out image once.
     return {"loss": float(np.mean([b["loss"] for b in batches])),
             "accuracy": float(np.mean(correct[first]))}
+
+  def predict(self, outputs, images, *, score_threshold: float) -> None:
+    """The likeliest class of each image and its probability (score_threshold: unused)."""
+    del score_threshold
+    from PIL import ImageDraw  # pylint: disable=import-outside-toplevel
+    probs = tf.nn.softmax(tf.cast(outputs, tf.float32)).numpy()
+    for image, p in zip(images, probs):
+      c = int(np.argmax(p))
+      label = image.label(c)
+      image.lines.append(f"{image.path}: class {label} ({p[c]:.3f})")
+      if image.drawing is not None:
+        ImageDraw.Draw(image.drawing).text((1, 1), label, fill=(255, 0, 0))
 
 
 TASK = Classification

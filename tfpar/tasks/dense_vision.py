@@ -94,7 +94,7 @@ class DenseVisionTask(Task):
   # --- data ---------------------------------------------------------------------
   def load_data(self, *, worker_index: int = 0, num_workers: int = 1):
     m, d = self.cfg.model, self.cfg.data
-    if d.data is None:  # config.validate checked the flags against the canvases.
+    if d.data is None:  # Its spec (tfpar.tasks.specs) checked the flags against them.
       scale = 2 if m.image_size >= 32 else 1
       train, held_out = digit_canvas.digit_canvases(
           TRAIN_CANVASES, EVAL_CANVASES, seed=SPLIT_SEED, eval_fraction=EVAL_FRACTION,

@@ -19,8 +19,10 @@ from typing import Dict, List
 import numpy as np
 import tensorflow as tf
 
+from tfpar.console import count
 from tfpar.layers.dense_heads import DetectionHead
 from tfpar.tasks.dense_vision import DenseVisionTask, embedding_params
+from tfpar.tasks.prediction import PALETTE
 from tfpar.vision import boxes as box_lib
 from tfpar.vision import metrics
 
@@ -91,6 +93,28 @@ class Detection(DenseVisionTask):
     scores = metrics.detection_map(true_boxes, true_classes, d.boxes.numpy(), d.scores.numpy(),
                                    d.classes.numpy(), self.cfg.model.num_classes)
     return {"loss": float(np.mean([b["loss"] for b in batches])), **scores}
+
+  def predict(self, outputs, images, *, score_threshold: float) -> None:
+    """Each box (ymin, xmin, ymax, xmax) in the image's own pixels, its class and score:
+    those scoring at least score_threshold (NMS keeps no others)."""
+    from PIL import ImageDraw  # pylint: disable=import-outside-toplevel
+    found = self.detect(outputs, score_threshold=score_threshold)
+    size = self.cfg.model.image_size
+    for i, image in enumerate(images):
+      n = int(found.num_detections[i])
+      image.lines.append(f"{image.path}: {count(n, 'box', 'boxes')}")
+      scale = np.array([image.height, image.width] * 2, np.float32) / size
+      for k in range(n):
+        box = found.boxes[i, k].numpy() * scale
+        c, s = int(found.classes[i, k]), float(found.scores[i, k])
+        label = image.label(c)
+        image.lines.append(f"  class {label} score {s:.3f} box (ymin, xmin, ymax, xmax) = "
+                           f"({box[0]:.1f}, {box[1]:.1f}, {box[2]:.1f}, {box[3]:.1f})")
+        if image.drawing is not None:
+          pen = ImageDraw.Draw(image.drawing)
+          colour = tuple(int(v) for v in PALETTE[1 + c % (len(PALETTE) - 1)])
+          pen.rectangle([box[1], box[0], box[3] - 1, box[2] - 1], outline=colour)
+          pen.text((box[1] + 1, box[0]), f"{label} {s:.2f}", fill=colour)
 
 
 TASK = Detection

@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar.layers.dense_heads import SegmentationHead
+from tfpar.tasks import prediction
 from tfpar.tasks.dense_vision import DenseVisionTask, embedding_params
 from tfpar.tasks.task import cross_entropy
 from tfpar.vision import metrics
@@ -27,6 +28,7 @@ class Segmentation(DenseVisionTask):
   """Semantic segmentation: inputs [B, S, S, C]; targets {"mask" [B, S, S], "index" [B]}."""
 
   kind = "segment"
+  writes_predictions = True  # The masks.
 
   @property
   def global_count(self) -> int:
@@ -61,6 +63,22 @@ class Segmentation(DenseVisionTask):
     scores = metrics.SegmentationMetrics(self.cfg.model.num_classes)
     scores.update(mask, predictions)
     return {"loss": float(np.mean([b["loss"] for b in batches])), **scores.result()}
+
+  def predict(self, outputs, images, *, score_threshold: float) -> None:
+    """Writes each mask, a palette PNG of class ids at the image's own size (0 background),
+    to stem.mask.png (score_threshold: unused)."""
+    del score_threshold
+    from PIL import Image  # pylint: disable=import-outside-toplevel
+    for image, logits in zip(images, np.asarray(outputs)):
+      mask = prediction.resize_labels(np.argmax(logits, axis=-1), image.height, image.width)
+      prediction.write_mask_png(mask, image.stem + ".mask.png")
+      present = ", ".join(str(c) for c in np.unique(mask))
+      image.lines.append(f"{image.path}: mask -> {image.stem}.mask.png (classes {present})")
+      if image.drawing is not None:
+        colours = prediction.PALETTE[mask % len(prediction.PALETTE)].astype(np.float32)
+        base = np.asarray(image.drawing, np.float32)
+        blend = np.where((mask > 0)[..., None], 0.5 * base + 0.5 * colours, base)
+        image.drawing = Image.fromarray(blend.astype(np.uint8))
 
 
 TASK = Segmentation

@@ -124,3 +124,10 @@ class Task:
     """The eval record's metrics from every held-out batch's (reduced) eval_outputs."""
     return {"loss": float(np.mean([b["loss"] for b in batches]))}
 
+  # --- inference (tfpar.predict) ----------------------------------------------------
+  writes_predictions = False  # Whether `predict` writes files (tfpar.predict makes the folder).
+
+  def predict(self, outputs, images, *, score_threshold: float) -> None:
+    """Reads one batch's model outputs: appends each image's lines to print, and draws
+    on its `drawing` where there is one (`images`: tfpar.tasks.prediction.Prediction)."""
+    raise NotImplementedError(f"--task={self.cfg.model.task} has no tfpar.predict")

@@ -1,0 +1,251 @@
+"""The rules a run's settings must obey: pure functions of the config, before TensorFlow.
+
+Every rule raises ConfigError with one line naming the flag and the fix.
+`validate(cfg)` (called by tfpar.config.from_flags) checks the flags alone;
+what differs by task is asked of the task's spec (tfpar.tasks.specs); the
+rules a model-parallel plan must obey (`check_batch`, `check_model_split`) are
+called again by tfpar.parallel.plan with the real devices, not a second copy.
+What the flags meet on the machine is checked elsewhere, with the same
+ConfigError: the run directory by tfpar.rundir, TF_CONFIG by tfpar.cluster.
+Nothing here imports TensorFlow (tests/test_config.py checks it).
+"""
+
+import dataclasses
+import glob
+import math
+import os
+
+from tfpar import tasks
+from tfpar.console import count
+from tfpar.schema import VOCAB_SIZE, COMPRESSIONS, ON_NONFINITE, Config, ConfigError, ModelConfig
+from tfpar.schema import ParallelConfig
+from tfpar.tasks.specs import positive as _positive
+
+MAX_INT = 2 ** 31 - 1  # TensorFlow counts steps, shapes and batches in int32 in places.
+MAX_SEED = 2 ** 32 - 1  # numpy and tf.random take seeds in [0, 2^32).
+# Logical CPU devices share the host's cores (they test correctness, not speed)
+# and each gets its own thread pools: 64 covers every plan a test or a laptop
+# run needs; more is a typo that would start thousands of threads.
+MAX_CPU_DEVICES = 64
+MAX_COLLECTIVE_TIMEOUT = 24 * 3600  # A day: longer than any save or restart should take.
+# --strategy -> why its gradients cannot be compressed; a strategy not named here
+# all-reduces them between replicas (tfpar.parallel.compression compresses that).
+UNCOMPRESSED = {
+    "parameter_server": "its workers push gradients to the parameter servers one by one, "
+                        "asynchronously; no all-reduce between replicas runs",
+    "tpu": "TPUStrategy all-reduces inside its compiled step over the TPU interconnect, "
+           "which tfpar does not compress",
+}
+
+
+def _check_data_path(path: str):
+  if "://" in path:  # gs://, hdfs://: checked by tf.io.gfile when read.
+    return
+  if os.path.isdir(path):
+    if not os.access(path, os.R_OK | os.X_OK):
+      raise ConfigError(f"--data={path} is a directory this user cannot read: fix its "
+                        "permissions or pass another --data")
+    return
+  matches = glob.glob(path)
+  if not matches:
+    raise ConfigError(f"--data={path} matches no file or directory: "
+                      "pass an existing text file, directory, glob or TFRecord shards")
+  for match in matches:
+    if not os.path.isdir(match) and not (os.path.isfile(match) and os.access(match, os.R_OK)):
+      raise ConfigError(f"--data={path}: {match} cannot be read (a broken link, or no read "
+                        "permission): fix or remove it, or pass another --data")
+
+
+def _finite_floats(cfg: Config) -> None:
+  for section in (cfg.model, cfg.data, cfg.optim):
+    for field in dataclasses.fields(section):
+      value = getattr(section, field.name)
+      if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"--{field.name}={value} is not a finite number: pass a real value "
+                          f"(default {field.default})")
+
+
+def _bounded_ints(cfg: Config) -> None:
+  for section in (cfg.model, cfg.train, cfg.dist, cfg.parallel):
+    for field in dataclasses.fields(section):
+      value = getattr(section, field.name)
+      if type(value) is int and field.name != "seed" and abs(value) > MAX_INT:  # pylint: disable=unidiomatic-typecheck
+        raise ConfigError(f"--{field.name}={value} is too large: it must be below 2^31")
+
+
+def validate_model(m: ModelConfig) -> None:
+  """Raises ConfigError naming the first model flag that cannot work."""
+  for value, flag in ((m.seq_len, "seq_len"), (m.num_layers, "num_layers"),
+                      (m.d_model, "d_model"), (m.num_heads, "num_heads"), (m.d_ff, "d_ff")):
+    _positive(value, flag)
+  if m.vocab_size < VOCAB_SIZE:
+    raise ConfigError(f"--vocab_size={m.vocab_size} is smaller than the {VOCAB_SIZE} byte values "
+                      f"the data pipeline feeds: use --vocab_size >= {VOCAB_SIZE}")
+  if m.d_model % m.num_heads:
+    raise ConfigError(f"--num_heads={m.num_heads} does not divide --d_model={m.d_model}: "
+                      "pick a head count that divides d_model (e.g. 4 or 8 for 256)")
+  if m.positions == "rotary" and (m.d_model // m.num_heads) % 2:
+    raise ConfigError(f"--positions=rotary needs an even head size, got "
+                      f"d_model/num_heads={m.d_model // m.num_heads}: change --num_heads")
+  tasks.spec(m.task).check_model(m)
+  if not 0.0 <= m.dropout < 1.0:
+    raise ConfigError(f"--dropout={m.dropout} must be in [0, 1): e.g. --dropout=0.1")
+
+
+def validate(cfg: Config) -> None:
+  """Raises ConfigError naming the first flag that cannot work, and how to fix it."""
+  m, d, o, t, s, p = cfg.model, cfg.data, cfg.optim, cfg.train, cfg.dist, cfg.parallel
+  _finite_floats(cfg)
+  if not 0 <= t.seed <= MAX_SEED:
+    raise ConfigError(f"--seed={t.seed} must be in [0, 2^32-1]: e.g. --seed=0")
+  _bounded_ints(cfg)
+  validate_model(m)
+  tasks.spec(m.task).check_data(m, d)
+  for value, flag in ((t.train_steps, "train_steps"), (t.global_batch_size, "global_batch_size"),
+                      (t.log_every, "log_every"), (t.checkpoint_every, "checkpoint_every"),
+                      (t.keep_checkpoints, "keep_checkpoints"), (t.steps_per_call, "steps_per_call"),
+                      (s.num_cpu_devices, "num_cpu_devices"), (s.ps_shards, "ps_shards"),
+                      (p.pipeline_stages, "pipeline_stages"), (p.microbatches, "microbatches"),
+                      (p.tensor_parallel, "tensor_parallel")):
+    _positive(value, flag)
+  if t.profile_steps and not 1 <= t.profile_steps[0] <= t.profile_steps[1] <= t.train_steps:
+    raise ConfigError(f"--profile_steps={t.profile_steps[0]},{t.profile_steps[1]} must satisfy "
+                      f"1 <= FIRST <= LAST <= --train_steps={t.train_steps}: e.g. "
+                      f"--profile_steps={min(5, t.train_steps)},{min(8, t.train_steps)}")
+  if t.eval_every < 0 or t.eval_steps < 0:
+    raise ConfigError("--eval_every and --eval_steps must be >= 0: use 0 to evaluate only at the end")
+  if not 0.0 < d.eval_fraction < 0.5:
+    raise ConfigError(f"--eval_fraction={d.eval_fraction} must be in (0, 0.5): e.g. 0.05")
+  if d.data is not None:
+    _check_data_path(d.data)
+  if o.learning_rate <= 0:
+    raise ConfigError(f"--learning_rate={o.learning_rate} must be positive: e.g. 1e-3")
+  if o.warmup_steps < 0 or o.warmup_steps >= t.train_steps:  # from_flags clamps a long one.
+    raise ConfigError(f"--warmup_steps={o.warmup_steps} must be in [0, train_steps="
+                      f"{t.train_steps}): shorten the warmup or train longer")
+  if not 0.0 <= o.min_lr_ratio <= 1.0:
+    raise ConfigError(f"--min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+  if o.weight_decay < 0:
+    raise ConfigError(f"--weight_decay={o.weight_decay} must be >= 0")
+  if o.clip_norm < 0:
+    raise ConfigError(f"--clip_norm={o.clip_norm} must be >= 0 (0 disables clipping)")
+  if t.on_nonfinite not in ON_NONFINITE:
+    raise ConfigError(f"--on_nonfinite={t.on_nonfinite} is unknown: use stop or skip")
+  if not 0 < s.collective_timeout <= MAX_COLLECTIVE_TIMEOUT:
+    raise ConfigError(f"--collective_timeout={s.collective_timeout} must be in (0, "
+                      f"{MAX_COLLECTIVE_TIMEOUT}] seconds: a dead peer must end the job, "
+                      "not hang it; e.g. 300")
+  if s.num_cpu_devices > MAX_CPU_DEVICES:
+    raise ConfigError(f"--num_cpu_devices={s.num_cpu_devices} is more than {MAX_CPU_DEVICES}: "
+                      "logical CPUs share the host's cores; use at most the devices a plan needs")
+  if s.strategy in ("one_device", "parameter_server", "tpu") and s.num_cpu_devices > 1 \
+      and not p.model_parallel:
+    raise ConfigError(f"--num_cpu_devices={s.num_cpu_devices} is unused by --strategy={s.strategy}: "
+                      "use --strategy=mirrored to train on the logical devices")
+  if t.precision == "mixed_float16" and s.strategy == "tpu":
+    raise ConfigError("--precision=mixed_float16 is not for TPUs: use --precision=mixed_bfloat16")
+  if s.strategy == "mirrored" and not p.model_parallel:
+    # On a CPU host the replicas are the logical CPUs (on GPUs the engine checks again).
+    check_batch(t.global_batch_size, s.num_cpu_devices)
+  _validate_parallel(cfg)
+  _validate_compression(cfg)
+
+
+def _validate_compression(cfg: Config) -> None:
+  c, s, p = cfg.compression, cfg.dist, cfg.parallel
+  if c.method not in COMPRESSIONS:
+    raise ConfigError(f"--grad_compression={c.method} is unknown: use one of "
+                      f"{', '.join(COMPRESSIONS)}")
+  if c.rank < 1:
+    raise ConfigError(f"--powersgd_rank={c.rank} must be at least 1: e.g. --powersgd_rank=4")
+  if c.warmup_steps < 0 or c.min_size < 0:
+    raise ConfigError("--powersgd_warmup_steps and --powersgd_min_size must be >= 0")
+  if s.all_reduce_pack_mb < 0:
+    raise ConfigError(f"--all_reduce_pack_mb={s.all_reduce_pack_mb} must be >= 0 "
+                      "(0: TensorFlow picks the pack size)")
+  if s.all_reduce_pack_mb and s.strategy != "multi_worker_mirrored":
+    raise ConfigError(f"--all_reduce_pack_mb is for --strategy=multi_worker_mirrored, not "
+                      f"--strategy={s.strategy}: drop the flag")
+  if c.method == "none":
+    return
+  why = UNCOMPRESSED.get(s.strategy)
+  if s.strategy == "one_device" and not p.model_parallel:
+    why = "one device is one replica: there is no gradient all-reduce to compress"
+  if p.model_parallel and s.strategy != "multi_worker_mirrored" and (
+      p.data_parallel or s.num_cpu_devices // (p.pipeline_stages * p.tensor_parallel)) <= 1:
+    raise ConfigError(f"--grad_compression={c.method} needs data-parallel replicas and this plan "
+                      "has one (--data_parallel=1): use --data_parallel=2 or more, or "
+                      "--grad_compression=none")
+  if why:
+    raise ConfigError(f"--grad_compression={c.method} does not combine with --strategy="
+                      f"{s.strategy}: {why}. Use --strategy=mirrored or multi_worker_mirrored, "
+                      "or --grad_compression=none")
+
+
+def check_batch(global_batch_size: int, replicas: int, microbatches: int = 1,
+                flag: str = "") -> None:
+  """The global batch must split evenly over the replicas, and each share over micro-batches.
+
+  Args:
+    flag: the flag that set `replicas`, named in the message (e.g. "--data_parallel=2").
+  """
+  if global_batch_size % replicas:
+    source = f" ({flag})" if flag else ""
+    raise ConfigError(f"--global_batch_size={global_batch_size} does not split evenly over "
+                      f"{replicas} replicas{source}: use a multiple of {replicas}")
+  per_replica = global_batch_size // replicas
+  if per_replica % microbatches:
+    raise ConfigError(f"--microbatches={microbatches} does not divide the per-replica batch "
+                      f"{per_replica}: use a divisor of {per_replica}")
+
+
+def check_model_split(m: ModelConfig, p: ParallelConfig, precision: str = "float32") -> None:
+  """What a pipeline x tensor split of the model needs, whatever the devices."""
+  if p.pipeline_stages > m.num_layers:
+    raise ConfigError(f"--pipeline_stages={p.pipeline_stages} is more than --num_layers="
+                      f"{m.num_layers}: use at most one stage per block")
+  if p.stage_layers is not None:
+    if len(p.stage_layers) != p.pipeline_stages:
+      raise ConfigError(f"--stage_layers has {count(len(p.stage_layers), 'entry', 'entries')} "
+                        f"but --pipeline_stages={p.pipeline_stages}: give one block count per "
+                        "stage")
+    if any(n <= 0 for n in p.stage_layers) or sum(p.stage_layers) != m.num_layers:
+      raise ConfigError(f"--stage_layers={','.join(map(str, p.stage_layers))} must be positive "
+                        f"and sum to --num_layers={m.num_layers}")
+  if m.num_heads % p.tensor_parallel:
+    raise ConfigError(f"--tensor_parallel={p.tensor_parallel} does not divide --num_heads="
+                      f"{m.num_heads}: pick a T that divides the head count")
+  if m.d_ff % p.tensor_parallel:
+    raise ConfigError(f"--tensor_parallel={p.tensor_parallel} does not divide --d_ff={m.d_ff}: "
+                      "pick a T that divides the MLP width")
+  if p.remat and m.dropout > 0:
+    # Keras dropout draws from a stateful seed: the recomputed forward would get new masks.
+    raise ConfigError(f"--remat with --dropout={m.dropout} would recompute blocks with other "
+                      "dropout masks than the forward used: use --dropout=0 with --remat")
+  if precision == "mixed_float16":
+    raise ConfigError("--precision=mixed_float16 does not combine with model parallelism "
+                      "(no loss scaling there yet): use --precision=mixed_bfloat16 or float32")
+
+
+def _validate_parallel(cfg: Config) -> None:
+  t, s, p = cfg.train, cfg.dist, cfg.parallel
+  if not p.model_parallel:
+    return
+  if s.strategy in ("parameter_server", "tpu"):
+    raise ConfigError(f"--strategy={s.strategy} does not combine with model parallelism: "
+                      "use one_device, mirrored or multi_worker_mirrored")
+  if p.data_parallel is not None and p.data_parallel <= 0:
+    raise ConfigError(f"--data_parallel={p.data_parallel} must be positive")
+  check_model_split(cfg.model, p, t.precision)
+  # Default D: as many replicas as the devices hold (across workers, one per worker:
+  # check_run counts them once TF_CONFIG is known).
+  dp = p.data_parallel or max(1, s.num_cpu_devices // (p.pipeline_stages * p.tensor_parallel))
+  if s.strategy == "multi_worker_mirrored":
+    dp = p.data_parallel or 1
+  check_batch(t.global_batch_size, dp, p.microbatches, flag=f"--data_parallel={dp}")
+  if s.strategy != "multi_worker_mirrored":
+    needed = dp * p.pipeline_stages * p.tensor_parallel
+    if s.num_cpu_devices > 1 and needed != s.num_cpu_devices:
+      raise ConfigError(f"--data_parallel x --pipeline_stages x --tensor_parallel = {dp}x"
+                        f"{p.pipeline_stages}x{p.tensor_parallel} = {needed} does not match "
+                        f"--num_cpu_devices={s.num_cpu_devices}: make them equal")
