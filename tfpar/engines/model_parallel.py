@@ -16,10 +16,11 @@ are the D anchors: `MirroredStrategy(anchors)` on one host, the job's
 holding its K x T devices), nothing at all for D=1. Each replica function
 
   1. picks its model copy (from its anchor device),
-  2. runs the GPipe forward/backward of tfpar.parallel.pipeline over its
-     K x T devices with explicit tf.device placement,
+  2. runs its pipeline (tfpar.parallel.pipeline) over its K x T devices with
+     explicit tf.device placement, in the order of the plan's schedule
+     (tfpar.parallel.schedules: GPipe),
   3. SUMs each gradient with the same gradient of the other D-1 copies
-     through the run's GradientReducer (tfpar.parallel.compression), packed
+     through the run's gradient exchange (tfpar.parallel.exchange), packed
      per device: the gradients of the weights one device holds are
      concatenated there, so a replica spanning K x T devices runs K x T
      all-reduces per round (device (d, k, t) with its peers (d', k, t)), not
@@ -34,9 +35,8 @@ optimizer called inside a replica context does a merge_call and a mirrored
 `extended.update`, which cannot work on per-replica, non-mirrored variables.)
 All copies apply the same summed gradient, so they stay identical.
 
-The engine has the DataParallelEngine's surface (train, evaluate,
-train_iterator, eval_iterator, layouts, step, learning_rate, describe,
-num_replicas), so tfpar.training.loop drives it unchanged. `layouts` holds one
+The input, the step loop and the optimizer build are the engine core's
+(tfpar.engines.base), so tfpar.training.loop drives it unchanged. `layouts` holds one
 canonical layout per model copy in this process (D on one host, one per worker
 across workers), so a checkpoint restores into every copy.
 
@@ -47,30 +47,26 @@ the send/recv, the all-reduce and the update run between those programs.
 """
 
 import collections
-import functools
 from typing import List
 
 import numpy as np
 import tensorflow as tf
 
-from tfpar import strategies, tasks
+from tfpar import strategies
 from tfpar.config import Config
-from tfpar.data import pipeline as data_pipeline
+from tfpar.engines.base import Engine, build_model
 from tfpar.parallel import plan as plan_lib
-from tfpar.parallel import tensor
-from tfpar.parallel.compression import GradientReducer
-from tfpar.parallel.data_parallel import reduce_outputs
+from tfpar.parallel import schedules, tensor
+from tfpar.parallel.compression import make_exchange
 from tfpar.parallel.pipeline import Pipeline
 from tfpar.training.checkpoint import assign_canonical, model_layout, read_canonical
-from tfpar.training.engine import Engine, build_model
-from tfpar.training.optimizer import make_optimizer
 from tfpar.training.step import apply_gradients, reduce_gradients
 
 
 class ModelCopy:
   """One data-parallel replica: the model over its plan row, its optimizer, its pipeline."""
 
-  def __init__(self, cfg: Config, plan: plan_lib.ParallelPlan, row, *, task):
+  def __init__(self, cfg: Config, plan: plan_lib.ParallelPlan, row, *, task, build_optimizer):
     self.devices = row  # row[k][t]
     first, last = row[0][0], row[-1][0]
     self.model = task.build_model(tensor_shards=plan.tensor_parallel, seed=cfg.train.seed)
@@ -85,14 +81,14 @@ class ModelCopy:
     with tf.device(last):
       self.model.build_head()
     self.model.built = True
-    with tf.device(first):
-      self.optimizer = make_optimizer(cfg.optim, cfg.train.train_steps, cfg.train.precision)
-      self.optimizer.build(self.model.trainable_variables)  # Slots colocate with their weights.
+    with tf.device(first):  # The step counter; slots colocate with their weights.
+      self.optimizer = build_optimizer(self.model.trainable_variables)
     self.pipeline = Pipeline(self.model, stage_blocks=[s.blocks for s in plan.stages],
                              stage_devices=[shards[0] for shards in row],
                              microbatches=plan.microbatches, loss_fn=task.loss,
                              eval_fn=task.eval_outputs, remat=plan.remat,
-                             jit_compile=cfg.train.jit_compile)
+                             jit_compile=cfg.train.jit_compile,
+                             schedule=schedules.make(plan.schedule))
 
   @property
   def variables(self):
@@ -119,16 +115,11 @@ class ModelParallelEngine(Engine):
     strategy: the runner's strategy; only a MultiWorkerMirroredStrategy is
       used (as the data-parallel dimension across workers). On one host the
       engine makes its own MirroredStrategy over the D anchors (none for D=1).
-    data: what this worker reads (the task's `load_data`: `.train`, `.eval`).
-    sharding: 'data' or 'file', as the runner chose for the input.
-    task: what is trained (default: the task cfg names).
+    data, sharding, task: as for tfpar.engines.base.Engine.
   """
 
   def __init__(self, cfg: Config, strategy, data, *, sharding: str = "data", task=None):
-    self.cfg = cfg
-    self.task = task or tasks.make(cfg)
-    self.data = data
-    self.sharding = sharding
+    super().__init__(cfg, data, sharding=sharding, task=task)
     local = strategies.compute_devices(cfg.dist.num_cpu_devices)
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
       resolver = strategy.cluster_resolver
@@ -145,21 +136,20 @@ class ModelParallelEngine(Engine):
       rows = list(range(d))
     self.num_replicas = self.plan.data_parallel
     self.copies: List[ModelCopy] = [
-        ModelCopy(cfg, self.plan, self.plan.devices[r], task=self.task)
+        ModelCopy(cfg, self.plan, self.plan.devices[r], task=self.task,
+                  build_optimizer=self.build_optimizer)
         for r in rows]
     self._copy_of_anchor = {plan_lib.device_key(self.plan.devices[r][0][0]): i
                             for i, r in enumerate(rows)}
     self._initialise_like_one_device()
-    self.reducer = GradientReducer(
+    self.exchange = make_exchange(
         cfg.compression, self.copies[0].model.trainable_variables, num_replicas=self.num_replicas,
         state_devices=[[v.value.device for v in c.model.trainable_variables]
                        for c in self.copies],
         pack_by_device=True, seed=cfg.train.seed)
     self.layouts = [model_layout(c.model, c.optimizer) for c in self.copies]
     # The compression state of every copy rides in the first layout (read at save).
-    self.layouts[0].update(self.reducer.checkpoint_entries(self.strategy))
-    self._train_fn = tf.function(self._train_steps)
-    self._eval_fn = tf.function(self._eval_batch)
+    self.layouts[0].update(self.exchange.checkpoint_entries(self.strategy))
     if self.worker_index == 0 and cfg.train.model_dir:
       print(f"tfpar: {self.plan.format()}", flush=True)
       self.plan.write(cfg.train.model_dir)
@@ -172,26 +162,6 @@ class ModelParallelEngine(Engine):
     for copy in self.copies:
       assign_canonical(model_layout(copy.model), values)
     del reference
-
-  # --- data -------------------------------------------------------------------
-  def _dataset(self, split, start_step: int, shuffle: bool):
-    g = self.cfg.train.global_batch_size
-    if self.strategy is None:
-      return self.task.dataset(split, data_pipeline.Shard(g), start_step=start_step,
-                               shuffle=shuffle)
-
-    def dataset_fn(ctx: tf.distribute.InputContext):
-      shard = data_pipeline.shard_for_pipeline(ctx, g,
-                                               file_level=self.sharding == "file" and shuffle)
-      return self.task.dataset(split, shard, start_step=start_step, shuffle=shuffle)
-
-    return self.strategy.distribute_datasets_from_function(dataset_fn)
-
-  def train_iterator(self, start_step: int):
-    return iter(self._dataset(self.data.train, start_step, shuffle=True))
-
-  def eval_iterator(self):
-    return iter(self._dataset(self.data.eval, 0, shuffle=False))
 
   # --- steps ------------------------------------------------------------------
   def _copy_index(self) -> int:
@@ -207,7 +177,7 @@ class ModelParallelEngine(Engine):
   def _replica_train(self, inputs, targets, compressed=False):
     index = self._copy_index()
     loss, grads = self.copies[index].pipeline.loss_and_grads(inputs, targets)
-    return loss, reduce_gradients(self.reducer, grads, replica=index, compressed=compressed)
+    return loss, reduce_gradients(self.exchange, grads, replica=index, compressed=compressed)
 
   def _replica_eval(self, inputs, targets):
     return self._copy().pipeline.eval_outputs(inputs, targets)
@@ -224,29 +194,17 @@ class ModelParallelEngine(Engine):
                 for r in range(len(self.copies))]
     return per_copy, total
 
-  def _train_steps(self, iterator, num_steps, compressed=False):
-    losses = tf.TensorArray(tf.float32, size=num_steps)
-    norms = tf.TensorArray(tf.float32, size=num_steps)
-    replica_train = functools.partial(self._replica_train, compressed=compressed)
-    for i in tf.range(num_steps):
-      inputs, targets = next(iterator)
-      per_copy, loss = self._run(replica_train, inputs, targets)
-      # Cross-replica context, default strategy: each optimizer updates its own copy.
-      # The reduced gradient is the same on every copy, and so is its norm.
-      skip = self.cfg.train.on_nonfinite == "skip"  # Every copy sees the same norm: same branch.
-      norm = [apply_gradients(copy.optimizer, list(grads), copy.model.trainable_variables,
-                              skip_nonfinite=skip)
-              for copy, (_, grads) in zip(self.copies, per_copy)][0]
-      losses = losses.write(i, loss)
-      norms = norms.write(i, norm)
-    return losses.stack(), norms.stack()
-
-  def _eval_batch(self, iterator):
-    inputs, targets = next(iterator)
-    if self.strategy is None:
-      return self._replica_eval(inputs, targets)
-    return reduce_outputs(self.strategy, self.strategy.run(self._replica_eval,
-                                                           args=(inputs, targets)))
+  def _replica_step(self, inputs, targets, compressed):
+    replica_train = lambda x, y: self._replica_train(x, y, compressed)
+    per_copy, loss = self._run(replica_train, inputs, targets)
+    # Cross-replica context, default strategy: each optimizer updates its own copy.
+    # The reduced gradient is the same on every copy, and so is its norm (and the
+    # skip branch of --on_nonfinite=skip).
+    skip = self.cfg.train.on_nonfinite == "skip"
+    norm = [apply_gradients(copy.optimizer, list(grads), copy.model.trainable_variables,
+                            skip_nonfinite=skip)
+            for copy, (_, grads) in zip(self.copies, per_copy)][0]
+    return loss, norm
 
   # --- state ------------------------------------------------------------------
   @property
