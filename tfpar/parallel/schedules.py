@@ -36,11 +36,10 @@ runs while F(0, 1) does: the dataflow overlaps the stages as the diagram does,
 the same dependencies, scheduled greedily.
 """
 
-from typing import List
-
-import tensorflow as tf
-
 from tfpar.config import ConfigError
+
+# TensorFlow is imported where a schedule builds ops, not here: the plan (and
+# `python -m tfpar.plan`, before TensorFlow starts) reads a schedule's bubble.
 
 
 class Schedule:
@@ -66,6 +65,7 @@ class GPipe(Schedule):
     return (stages - 1) / (microbatches + stages - 1)
 
   def loss_and_grads(self, pipeline, inputs, targets):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
     loss = pipeline.loss(inputs, targets, training=True)
     variables = pipeline.model.trainable_variables
     grads = tf.gradients(loss, variables)  # Each gradient op placed with its forward op.
@@ -82,12 +82,13 @@ def make(name: str) -> Schedule:
   return SCHEDULES[name]()
 
 
-def dense_on_devices(grads, variables) -> List[tf.Tensor]:
+def dense_on_devices(grads, variables) -> list:
   """Dense gradients (embedding lookups give IndexedSlices), each pinned to its variable's device.
 
   The pin also gives every gradient a device name, which the data-parallel
   all-reduce needs to place its collective.
   """
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
   out = []
   for g, v in zip(grads, variables):
     with tf.device(v.value.device):
