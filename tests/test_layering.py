@@ -17,7 +17,7 @@ PACKAGE = os.path.join(REPO, "tfpar")
 # Lowest first. A module may import its own layer and those below.
 LAYERS = [
     ("foundation", ["tfpar", "tfpar.config", "tfpar.console", "tfpar.storage", "tfpar.status",
-                    "tfpar.cluster"]),
+                    "tfpar.cluster", "tfpar.partitioning"]),
     ("data", ["tfpar.data", "tfpar.vision"]),
     ("layers", ["tfpar.layers"]),
     ("models", ["tfpar.models"]),
