@@ -130,17 +130,13 @@ class TfparSystem:
     import keras  # pylint: disable=import-outside-toplevel
     from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
     from tfpar.data import pipeline  # pylint: disable=import-outside-toplevel
-    from tfpar.training.engine import DataParallelEngine  # pylint: disable=import-outside-toplevel
+    from tfpar import engines  # pylint: disable=import-outside-toplevel
 
     keras.mixed_precision.set_global_policy(precision)
     strategy = strategies.make_strategy(cfg.dist, Cluster())
     corpus = pipeline.load_corpus(cfg.data.data, seq_len=cfg.model.seq_len,
                                   eval_fraction=cfg.data.eval_fraction)
-    if cfg.parallel.model_parallel:
-      from tfpar.parallel.hybrid import ModelParallelEngine  # pylint: disable=import-outside-toplevel
-      self.engine = ModelParallelEngine(cfg, strategy, corpus)
-    else:
-      self.engine = DataParallelEngine(cfg, strategy, corpus)
+    self.engine = engines.make(cfg, strategy, corpus)
     self.iterator = self.engine.train_iterator(0)
     self.steps_per_call = cfg.train.steps_per_call
     self.params = int(self.engine.describe()["parameters"])

@@ -8,8 +8,8 @@ d_model 256, seq 256, global batch 16) trains with the real CLI for
 `--profile_steps` (tf.profiler, op names on: host_tracer_level 3; under
 multi_worker the chief's trace). The trace's events are sorted into
   compiled  the replicas' forward and backward (XLA programs: CpuExecutable),
-  exchange  the gradient all-reduce: every op under the reducer's
-            `grad_exchange` scope (tfpar.parallel.compression: PowerSGD's
+  exchange  the gradient all-reduce: every op under the exchange's
+            `grad_exchange` scope (tfpar.parallel.exchange: PowerSGD's
             matmuls and QR, the casts, ReductionToOneDevice's AddN), the
             copies between devices, CollectiveReduceV2 across workers,
   update    clipping and AdamW (per-variable ops outside XLA once the

@@ -10,7 +10,7 @@ after 20 batches. Each case runs in its own process (the slowdown outlives
 the iterator). On 3 December 2026 (idle machine) the distributed iterator
 took the peak from about 183 to 164-168 GFLOP/s and the plain one left it
 at 183: why tfpar's one-replica CPU engine reads a plain iterator
-(tfpar/training/engine.py).
+(tfpar/engines/data_parallel.py).
 """
 
 import os

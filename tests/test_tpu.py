@@ -41,10 +41,12 @@ XLA_FLAGS = "--xla_disable_hlo_passes=constant_folding"
 
 def compile_and_run_tpu_step():
   """Runs in a fresh process (XLA_FLAGS are read once per process); prints a JSON result."""
+  import functools  # pylint: disable=import-outside-toplevel
   import json  # pylint: disable=import-outside-toplevel
   import keras  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tfpar.data import pipeline  # pylint: disable=import-outside-toplevel
+  from tfpar.tasks.task import cross_entropy  # pylint: disable=import-outside-toplevel
   from tfpar.training.engine import build_model  # pylint: disable=import-outside-toplevel
   from tfpar.training.optimizer import make_optimizer  # pylint: disable=import-outside-toplevel
   from tfpar.training.step import TrainStep  # pylint: disable=import-outside-toplevel
@@ -61,7 +63,8 @@ def compile_and_run_tpu_step():
   model = build_model(cfg)
   optimizer = make_optimizer(cfg.optim, cfg.train.train_steps, cfg.train.precision)
   optimizer.build(model.trainable_variables)
-  step = TrainStep(model, optimizer, global_tokens=g * seq_len, jit_compile=True)
+  step = TrainStep(model, optimizer, jit_compile=True,
+                   loss_fn=functools.partial(cross_entropy, global_count=g * seq_len))
   compiled = tf.function(step.__call__, jit_compile=True)  # Fails, not falls back, if an op can't.
   start = time.perf_counter()
   loss, norm = compiled(inputs, targets)

@@ -8,6 +8,7 @@ from absl import logging as absl_logging
 import tensorflow as tf
 
 from tfpar import console
+from tfpar import engines
 from tfpar import rundir
 from tfpar import storage
 from tfpar import strategies
@@ -18,7 +19,7 @@ from tfpar.data import corpus as corpus_lib
 from tfpar.training import loop, preemption
 from tfpar.training.checkpoint import (CheckpointMismatchError, CheckpointUnreadableError,
                                        NonFiniteStateError)
-from tfpar.training.engine import DataParallelEngine
+
 
 class OutOfMemoryError(RuntimeError):
   """The model, its optimizer state and activations do not fit a device under this plan."""
@@ -95,15 +96,9 @@ def _run(cfg: Config, cluster: Cluster) -> dict:
   worker_index = cluster.worker_index if num_workers > 1 else 0
   task = tasks.make(cfg)
   data, sharding = task.load_data(worker_index=worker_index, num_workers=num_workers)
-  if cfg.parallel.model_parallel:
-    from tfpar.parallel import hybrid  # pylint: disable=import-outside-toplevel
-    engine = hybrid.ModelParallelEngine(cfg, strategy, data, sharding=sharding, task=task)
-  elif cfg.dist.strategy == "parameter_server":
-    from tfpar.parallel import parameter_server  # pylint: disable=import-outside-toplevel
-    engine = parameter_server.ParameterServerEngine(cfg, strategy, data, task=task)
+  engine = engines.make(cfg, strategy, data, sharding=sharding, task=task)
+  if cfg.dist.strategy == "parameter_server":
     num_workers = engine.num_workers  # For the logs (the chief reads the data for all of them).
-  else:
-    engine = DataParallelEngine(cfg, strategy, data, sharding=sharding, task=task)
   if is_chief:
     print(f"tfpar: {console.describe_run(cfg, engine.describe())} | "
           f"data: {task.describe_data(data)}, "

@@ -1,37 +1,18 @@
-"""Pipeline parallelism: GPipe over micro-batches, in one tf.function graph.
+"""Pipeline parallelism: a model copy's stages over micro-batches, in one tf.function graph.
 
 K stages hold contiguous blocks (stage 0 also the embedding, stage K-1 the
 head and the loss; see tfpar.parallel.plan). A replica's batch of B sequences
-is cut into M micro-batches of B/M. Stage k runs the forward F(k, m) of every
-micro-batch m, then the backward B(k, m) in reverse:
-
-        time ->
-  dev 0 F00 F01 F02 F03                     B03 B02 B01 B00
-  dev 1     F10 F11 F12 F13             B13 B12 B11 B10
-  dev 2         F20 F21 F22 F23     B23 B22 B21 B20
-  dev 3             F30 F31 F32 F33 B33 B32 B31 B30      (K=4, M=4)
-
-Each stage works M forward + M backward slots out of M + K - 1 forward and
-M + K - 1 backward slots, so the idle fraction, the bubble, is
-
-  bubble = (K - 1) / (M + K - 1)        e.g. K=4, M=4: 3/7 = 43%; M=16: 3/19 = 16%
-
-and it shrinks as M grows (at the cost of M smaller matmuls).
-
-How it runs: there is no hand-written timetable. The step is ONE graph in
-which every micro-batch's stage-k ops are placed on stage k's device
-(`tf.device`); the backward comes from `tf.gradients`, which places each
-gradient op with its forward op (a GradientTape in a tf.function leaves them
-unplaced). TensorFlow's executor runs any op whose inputs are ready, so F(1, 0)
-runs while F(0, 1) does: the dataflow overlaps the stages as the diagram does,
-the same dependencies, scheduled greedily. Activations move between stages by
-send/recv.
+is cut into M micro-batches of B/M. A `Pipeline` is the forward of each
+micro-batch through the stages, every stage's ops placed on its device
+(`tf.device`; activations move between stages by send/recv); the order in
+which micro-batches run forward and backward, and so the bubble, is the
+schedule's (tfpar.parallel.schedules: GPipe today).
 
 Gradient accumulation: the step's loss is the sum of the M micro-batch losses,
 each already divided by the GLOBAL batch's count (the task's loss, tfpar.tasks.task),
 so the gradient of that sum is the sum of the micro-batch gradients (one AddN
 per variable, on its device) and equals the full-batch gradient. One optimizer
-update follows, after the data-parallel reduction (tfpar.parallel.hybrid).
+update follows, after the data-parallel reduction (tfpar.engines.model_parallel).
 
 Memory: GPipe keeps every micro-batch's activations until its backward; with
 --remat each block keeps only its input and recomputes the rest in the
@@ -44,20 +25,21 @@ tf.gradients differentiates a call of a compiled function into a call of a
 compiled forward (which also returns the intermediates the backward needs)
 and a call of a compiled backward, placed with the forward: so F(k, m) and
 B(k, m) each run compiled on stage k's device, and the send/recv between
-stages and the gradient sums over micro-batches run outside, as the diagram
-shows. A stage of tensor-parallel blocks spans T devices: there each shard's
+stages and the gradient sums over micro-batches run outside, as the
+schedule's diagram shows (tfpar.parallel.schedules). A stage of tensor-parallel blocks spans T devices: there each shard's
 attention and MLP is the compiled unit (tfpar.parallel.tensor), and the
 stage's embedding and head are compiled alone.
 """
 
-from typing import List, Sequence
+from typing import Sequence
 
 import keras
 import tensorflow as tf
 
 from tfpar.models.base import ParallelModel
 from tfpar.parallel import plan as plan_lib
-from tfpar.parallel.data_parallel import combine_outputs
+from tfpar.parallel import schedules
+from tfpar.parallel.collectives import combine_outputs
 
 
 class Pipeline:
@@ -73,11 +55,13 @@ class Pipeline:
     loss_fn: (outputs, targets) -> a share of the GLOBAL mean loss (the task's `loss`).
     eval_fn: (outputs, targets) -> dict of eval outputs (the task's `eval_outputs`).
     remat: recompute each block's activations in the backward pass.
+    schedule: the order of forwards and backwards (default: GPipe).
   """
 
   def __init__(self, model: ParallelModel, *, stage_blocks: Sequence[Sequence[int]],
                stage_devices: Sequence[str], microbatches: int, loss_fn, eval_fn=None,
-               remat: bool = False, jit_compile: bool = False):
+               remat: bool = False, jit_compile: bool = False,
+               schedule: schedules.Schedule = None):
     self.model = model
     self.stage_blocks = [list(b) for b in stage_blocks]
     self.stage_devices = list(stage_devices)
@@ -86,6 +70,7 @@ class Pipeline:
     self.eval_fn = eval_fn
     self.remat = remat
     self.jit_compile = jit_compile
+    self.schedule = schedule or schedules.GPipe()
     self._stages = {}
 
   def _block_fn(self, block, training):
@@ -151,10 +136,7 @@ class Pipeline:
 
   def loss_and_grads(self, inputs, targets):
     """(loss, gradients of model.trainable_variables), gradients on their variables' devices."""
-    loss = self.loss(inputs, targets, training=True)
-    variables = self.model.trainable_variables
-    grads = tf.gradients(loss, variables)  # Each gradient op placed with its forward op.
-    return loss, _dense(grads, variables)
+    return self.schedule.loss_and_grads(self, inputs, targets)
 
 
 def compile_on(fn, device: str, variables):
@@ -207,16 +189,3 @@ def _split(batch, m: int) -> list:
   """A batch (a tensor or a nest of them, e.g. a dict of targets) as m micro-batches."""
   parts = [tf.split(t, m) for t in tf.nest.flatten(batch)]
   return [tf.nest.pack_sequence_as(batch, [p[i] for p in parts]) for i in range(m)]
-
-
-def _dense(grads, variables) -> List[tf.Tensor]:
-  """Dense gradients (embedding lookups give IndexedSlices), each pinned to its variable's device.
-
-  The pin also gives every gradient a device name, which the data-parallel
-  all-reduce needs to place its collective.
-  """
-  out = []
-  for g, v in zip(grads, variables):
-    with tf.device(v.value.device):
-      out.append(tf.zeros(v.shape, v.dtype) if g is None else tf.identity(tf.convert_to_tensor(g)))
-  return out

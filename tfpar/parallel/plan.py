@@ -34,6 +34,7 @@ from tfpar import partitioning
 from tfpar.console import count
 from tfpar import storage
 from tfpar import tasks
+from tfpar.parallel import schedules
 from tfpar.config import Config, ConfigError, ModelConfig
 
 BYTES_PER_PARAM = 4  # Variables stay float32 under every precision policy (fp32 masters).
@@ -131,9 +132,13 @@ class ParallelPlan:
   counts: ParamCounts
 
   @property
+  def schedule(self) -> str:
+    """The pipeline schedule (tfpar.parallel.schedules) the engine runs: GPipe."""
+    return "gpipe"
+
+  @property
   def bubble(self) -> float:
-    k, m = self.pipeline_stages, self.microbatches
-    return (k - 1) / (m + k - 1)
+    return schedules.make(self.schedule).bubble(self.pipeline_stages, self.microbatches)
 
   @property
   def anchors(self) -> List[str]:

@@ -6,23 +6,24 @@ batch's count of labelled units: the task module says why, in one place. The
 tail of every engine's step (reduce the gradients over the data-parallel
 replicas, clip, apply) is `reduce_gradients` + `apply_gradients` here, and
 only here: TrainStep, the hybrid engine's replicas and the parameter-server
-step call them.
+step call them. The reduction itself is the engine's gradient exchange
+(tfpar.parallel.exchange), handed in: this module imports no loss, model or
+collective.
 """
 
-import functools
 from typing import List
 
 import tensorflow as tf
 
-from tfpar.config import CompressionConfig
-from tfpar.parallel.compression import GradientReducer
-from tfpar.tasks.task import cross_entropy
 from tfpar.training.optimizer import inner_optimizer
 
 
-def reduce_gradients(reducer: GradientReducer, grads, *, replica: int = 0,
+def reduce_gradients(exchange, grads, *, replica: int = 0,
                      compressed: bool = True, densify: bool = True) -> List[tf.Tensor]:
-  """This replica's gradients -> their sum over the replicas (compressed as the reducer says).
+  """This replica's gradients -> their sum over the replicas, through `exchange`.
+
+  `exchange` is a tfpar.parallel.exchange.GradientExchange, or None for a
+  step with one replica in sync (nothing to exchange: the identity).
 
   An embedding lookup's gradient comes as IndexedSlices. Made dense before
   the all-reduce, the reduction sums it (rather than concatenating the
@@ -32,9 +33,15 @@ def reduce_gradients(reducer: GradientReducer, grads, *, replica: int = 0,
   """
   if densify:
     grads = [tf.convert_to_tensor(g) for g in grads]
-  elif reducer.num_replicas > 1:
+  elif exchange is not None and exchange.num_replicas > 1:
     raise ValueError("sparse gradients cannot be all-reduced: pass densify=True")
-  return reducer.reduce(list(grads), replica=replica, compressed=compressed)
+  if exchange is None:
+    ctx = tf.distribute.get_replica_context()
+    if ctx is not None and ctx.num_replicas_in_sync > 1:
+      raise ValueError(f"{ctx.num_replicas_in_sync} replicas in sync and no gradient exchange: "
+                       "pass the engine's (tfpar.parallel.exchange)")
+    return list(grads)
+  return exchange.reduce(list(grads), replica=replica, compressed=compressed)
 
 
 def apply_gradients(optimizer, grads, variables, *, skip_nonfinite: bool = False) -> tf.Tensor:
@@ -104,26 +111,22 @@ class TrainStep:
     optimizer: tfpar AdamW (optionally inside a LossScaleOptimizer).
     loss_fn: (outputs, targets) -> this replica's share of the global mean
       loss (a task's `loss`).
-    global_tokens: instead of loss_fn, the cross-entropy over this many
-      labels in the global batch (the language model's loss).
     jit_compile: compile the forward and backward pass with XLA.
     fuse_update: also compile the update into the same XLA program (only
       valid when one replica is in sync; needs jit_compile).
-    reducer: the data-parallel gradient reduction (default: an uncompressed SUM).
+    exchange: the data-parallel gradient exchange (tfpar.parallel.exchange);
+      None with one replica in sync.
     skip_nonfinite: drop the update of a step whose gradient norm is NaN or
       infinite (--on_nonfinite=skip); see `apply_or_skip`.
   """
 
-  def __init__(self, model, optimizer, *, loss_fn=None, global_tokens: int = None,
-               jit_compile: bool, fuse_update: bool = False, reducer: GradientReducer = None,
-               skip_nonfinite: bool = False):
+  def __init__(self, model, optimizer, *, loss_fn, jit_compile: bool,
+               fuse_update: bool = False, exchange=None, skip_nonfinite: bool = False):
     self.model = model
     self.skip_nonfinite = skip_nonfinite
     self.optimizer = optimizer
-    self.loss_fn = loss_fn or functools.partial(cross_entropy, global_count=global_tokens)
-    self.reducer = reducer or GradientReducer(
-        CompressionConfig(), model.trainable_variables,
-        num_replicas=tf.distribute.get_strategy().num_replicas_in_sync)
+    self.loss_fn = loss_fn
+    self.exchange = exchange
     self.scaled = hasattr(optimizer, "inner_optimizer")  # mixed_float16 loss scaling
     self.fused = jit_compile and fuse_update
     if self.fused:
@@ -140,12 +143,12 @@ class TrainStep:
 
   def _step(self, inputs, targets, loss_and_grads=None, replica=0, compressed=True):
     loss, grads = (loss_and_grads or self._loss_and_grads)(inputs, targets)
-    grads = reduce_gradients(self.reducer, grads, replica=replica, compressed=compressed)
+    grads = reduce_gradients(self.exchange, grads, replica=replica, compressed=compressed)
     return loss, apply_gradients(self.optimizer, grads, self.model.trainable_variables,
                                  skip_nonfinite=self.skip_nonfinite)
 
   def __call__(self, inputs, targets, replica: int = 0, compressed: bool = True):
-    """One step on this replica; `replica` (its local index) and `compressed` go to the reducer."""
+    """One step on this replica; `replica` (its local index) and `compressed` go to the exchange."""
     if self.fused:
       return self._fused_step(inputs, targets)
     return self._step(inputs, targets, self._grads, replica, compressed)

@@ -78,9 +78,12 @@ The code, by concern:
 
   server.py         the job's strategy (chief) and the worker/ps servers' lifecycle
   keras_patches.py  what Keras 3's optimizer needs to update ps-resident variables
-  step.py           RemoteVariableTrainStep: one step with the weights on the ps
-  engine.py         ParameterServerEngine: schedules steps, evaluates, logs staleness
-  step_log.py       ps_steps.jsonl: each step's worker, versions and times
+
+and, above tfpar.training in the layering (docs/design.md), in tfpar.engines:
+
+  ps_step.py           RemoteVariableTrainStep: one step with the weights on the ps
+  parameter_server.py  ParameterServerEngine: schedules steps, evaluates, logs staleness
+  ps_step_log.py       ps_steps.jsonl: each step's worker, versions and times
 
 Launch (one machine): `python -m tfpar.launch --num_workers=2 --num_ps=1 --
 --strategy=parameter_server --model_dir=...`. On a cluster every task runs
@@ -94,10 +97,9 @@ ps that dies loses variables: the chief fails, and chief and ps restart from
 the latest checkpoint. A chief that restarts reconnects to the servers,
 rebuilds the variables and restores the checkpoint. The chief never waits
 blindly: if no scheduled step finishes for --collective_timeout seconds, it
-fails with one line naming the workers it cannot reach (engine.py).
+fails with one line naming the workers it cannot reach (tfpar.engines.parameter_server).
 """
 
-from tfpar.parallel.parameter_server.engine import ParameterServerEngine
 from tfpar.parallel.parameter_server.server import make_strategy, serve
 
-__all__ = ["ParameterServerEngine", "make_strategy", "serve"]
+__all__ = ["make_strategy", "serve"]

@@ -1,4 +1,7 @@
-"""The coordinator's engine: asynchronous steps scheduled on the workers (see the package doc)."""
+"""The coordinator's engine: asynchronous steps scheduled on the workers.
+
+What lives where, staleness and batches: tfpar.parallel.parameter_server.
+"""
 
 import time
 from typing import Dict, List
@@ -6,23 +9,24 @@ from typing import Dict, List
 import numpy as np
 import tensorflow as tf
 
-from tfpar import tasks
 from tfpar.cluster import PeerError
 from tfpar.config import Config
 from tfpar.data import pipeline
+from tfpar.engines.base import Engine, build_model
+from tfpar.engines.ps_step import RemoteVariableTrainStep
+from tfpar.engines.ps_step_log import StepLog
 from tfpar.parallel.parameter_server import keras_patches
 from tfpar.parallel.parameter_server.server import reachable
-from tfpar.parallel.parameter_server.step import RemoteVariableTrainStep
-from tfpar.parallel.parameter_server.step_log import StepLog
 from tfpar.training.checkpoint import model_layout
-from tfpar.training.engine import Engine, build_model
-from tfpar.training.optimizer import inner_optimizer, make_optimizer
+from tfpar.training.optimizer import inner_optimizer
 
 
 class ParameterServerEngine(Engine):
   """The coordinator's engine: schedules asynchronous steps on the workers.
 
-  Same surface as `DataParallelEngine` (what tfpar.training.loop drives).
+  The engine core's surface (tfpar.engines.base), with its own input (one
+  per-worker dataset), train (scheduled, not a step loop) and eval (inline,
+  on the chief).
 
   Args:
     cfg: the run's config.
@@ -31,11 +35,10 @@ class ParameterServerEngine(Engine):
     task: what is trained (default: the task cfg names).
   """
 
-  def __init__(self, cfg: Config, strategy, data, *, task=None):
-    self.cfg = cfg
-    self.task = task or tasks.make(cfg)
+  def __init__(self, cfg: Config, strategy, data, *, sharding: str = "data", task=None):
+    del sharding  # Every worker reads its own window of the one data order.
+    super().__init__(cfg, data, task=task)
     self.strategy = strategy
-    self.data = data
     self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     self.num_workers = strategy.extended._num_workers  # pylint: disable=protected-access
     self.num_ps = strategy.extended._num_ps  # pylint: disable=protected-access
@@ -43,12 +46,8 @@ class ParameterServerEngine(Engine):
     self.num_replicas = self.num_workers
     with strategy.scope():
       self.model = build_model(cfg, task=self.task)
-      self.optimizer = make_optimizer(cfg.optim, cfg.train.train_steps, cfg.train.precision)
-      keras_patches.make_step_counter_atomic(inner_optimizer(self.optimizer))
-      keras_patches.update_sharded_variables_directly(inner_optimizer(self.optimizer))
-      inner_optimizer(self.optimizer).build(self.model.trainable_variables)
-      if self.optimizer is not inner_optimizer(self.optimizer):
-        self.optimizer.build(self.model.trainable_variables)
+      self.optimizer = self.build_optimizer(self.model.trainable_variables,
+                                            prepare=_patch_for_ps)
     self.layouts = [model_layout(self.model, self.optimizer)]
     jit = cfg.train.jit_compile
     self._train_step = RemoteVariableTrainStep(
@@ -56,7 +55,6 @@ class ParameterServerEngine(Engine):
         skip_nonfinite=cfg.train.on_nonfinite == "skip")
     self._eval_outputs = tf.function(self._stateless_eval_outputs, jit_compile=jit)
     self._worker_fn = tf.function(self._worker_step)
-    self._eval_fn = tf.function(self._eval_batch)
     self.records: List[Dict] = []
     self._step_log = StepLog(cfg.train.model_dir)
 
@@ -170,3 +168,9 @@ class ParameterServerEngine(Engine):
             "sharded_variables": sum(keras_patches.is_sharded(v) for v in self.model.variables),
             "sharded_slots": sum(keras_patches.is_sharded(v) for v in inner_optimizer(self.optimizer).variables),
             "parameters": int(sum(np.prod(v.shape) for v in self.model.trainable_variables))}
+
+
+def _patch_for_ps(optimizer) -> None:
+  """What Keras 3's optimizer needs to update ps-resident variables (before it builds)."""
+  keras_patches.make_step_counter_atomic(optimizer)
+  keras_patches.update_sharded_variables_directly(optimizer)

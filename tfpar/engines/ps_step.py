@@ -2,8 +2,6 @@
 
 import tensorflow as tf
 
-from tfpar.config import CompressionConfig
-from tfpar.parallel.compression import GradientReducer
 from tfpar.training.step import apply_gradients, reduce_gradients
 
 
@@ -30,7 +28,6 @@ class RemoteVariableTrainStep:
     self.loss_fn = loss_fn
     self.skip_nonfinite = skip_nonfinite
     self.scaled = hasattr(optimizer, "inner_optimizer")  # mixed_float16 loss scaling
-    self.reducer = GradientReducer(CompressionConfig(), model.trainable_variables, num_replicas=1)
     self._grads = tf.function(self._loss_and_grads, jit_compile=jit_compile)
 
   def _loss_and_grads(self, trainable, non_trainable, inputs, targets):
@@ -45,8 +42,8 @@ class RemoteVariableTrainStep:
     trainable = [tf.convert_to_tensor(v.value) for v in self.model.trainable_variables]
     non_trainable = [tf.convert_to_tensor(v.value) for v in self.model.non_trainable_variables]
     loss, grads = self._grads(trainable, non_trainable, inputs, targets)
-    # One replica per worker: the reduction is the identity (the config refuses
-    # compression here: nothing is all-reduced), then the same clip and apply.
-    grads = reduce_gradients(self.reducer, grads, densify=False)
+    # One replica per worker: no exchange (the config refuses compression here:
+    # nothing is all-reduced), sparse gradients kept, then the same clip and apply.
+    grads = reduce_gradients(None, grads, densify=False)
     return loss, apply_gradients(self.optimizer, grads, self.model.trainable_variables,
                                  skip_nonfinite=self.skip_nonfinite)

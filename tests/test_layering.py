@@ -1,0 +1,128 @@
+"""The package's import arrows go one way (docs/design.md, "Layers").
+
+Every import statement in tfpar (module level or inside a function: a lazy
+import is an arrow too) is parsed with `ast`, its target placed in a layer,
+and no module may import from a layer above its own. Engines and the
+training machinery import no model, loss or reader: the task brings them.
+Runs no TensorFlow.
+"""
+
+import ast
+import os
+
+from conftest import REPO
+
+PACKAGE = os.path.join(REPO, "tfpar")
+
+# Lowest first. A module may import its own layer and those below.
+LAYERS = [
+    ("foundation", ["tfpar", "tfpar.config", "tfpar.console", "tfpar.storage", "tfpar.status",
+                    "tfpar.cluster", "tfpar.partitioning"]),
+    ("data", ["tfpar.data", "tfpar.vision"]),
+    ("layers", ["tfpar.layers"]),
+    ("models", ["tfpar.models"]),
+    ("training", ["tfpar.training"]),
+    ("tasks", ["tfpar.tasks"]),
+    ("parallel", ["tfpar.parallel", "tfpar.strategies"]),
+    ("engines", ["tfpar.engines", "tfpar.planner"]),
+    ("runner", ["tfpar.runner"]),
+    ("cli", ["tfpar.flags", "tfpar.train", "tfpar.generate", "tfpar.predict", "tfpar.launch",
+             "tfpar.plan", "tfpar.k8s"]),
+]
+RANK = {prefix: rank for rank, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes}
+
+# Old import paths kept for callers: each only re-exports from the layer above.
+ALIASES = {"tfpar.training.engine": "tfpar.engines", "tfpar.parallel.hybrid": "tfpar.engines"}
+
+# What the engines and the training machinery must not import: models, losses, readers.
+WHAT_A_TASK_BRINGS = ["tfpar.models", "tfpar.layers", "tfpar.tasks.", "tfpar.data.corpus",
+                      "tfpar.data.images", "tfpar.data.image_records", "tfpar.data.image_pipeline",
+                      "tfpar.data.digit_canvas", "tfpar.data.augment", "tfpar.vision"]
+# The canonical checkpoint names read the layers' tensor-parallel split.
+MAY_READ_LAYERS = {"tfpar.training.checkpoint"}
+
+
+def modules():
+  """{dotted name: path} of every module in tfpar."""
+  out = {}
+  for root, _, files in os.walk(PACKAGE):
+    for f in files:
+      if f.endswith(".py"):
+        rel = os.path.relpath(os.path.join(root, f), REPO)[:-3].split(os.sep)
+        out[".".join(rel[:-1] if rel[-1] == "__init__" else rel)] = os.path.join(root, f)
+  return out
+
+
+MODULES = modules()
+
+
+def layer_of(name: str):
+  """The rank of the longest layer prefix of `name`, or None."""
+  best = None
+  for prefix, rank in RANK.items():
+    below = name.startswith(prefix + ".") and prefix != "tfpar"  # The root: itself only.
+    if (name == prefix or below) and (
+        best is None or len(prefix) > len(best[0])):
+      best = (prefix, rank)
+  return None if best is None else best[1]
+
+
+def imports(path: str):
+  """The tfpar modules `path` imports, as dotted names (a `from` of a module: that module)."""
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read(), path)
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        if alias.name.split(".")[0] == "tfpar":
+          yield alias.name
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+        node.module.split(".")[0] == "tfpar":
+      for alias in node.names:
+        sub = f"{node.module}.{alias.name}"
+        yield sub if sub in MODULES else node.module
+
+
+def test_every_module_has_a_layer():
+  missing = sorted(m for m in MODULES if layer_of(m) is None)
+  assert not missing, f"in no layer of docs/design.md (add them to LAYERS): {missing}"
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+  upward = []
+  for name, path in MODULES.items():
+    for target in imports(path):
+      if layer_of(target) > layer_of(name) and not target.startswith(ALIASES.get(name, "-")):
+        upward.append(f"{name} -> {target}")
+  assert not upward, "imports against the layering:\n" + "\n".join(sorted(set(upward)))
+
+
+def test_the_aliases_only_re_export():
+  for name in ALIASES:
+    with open(MODULES[name], encoding="utf-8") as f:
+      body = ast.parse(f.read()).body
+    code = [n for n in body if not isinstance(n, ast.ImportFrom) and not (
+        isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    assert not code, f"{name} is an alias: it may only re-export"
+
+
+def test_engines_and_training_import_no_model_loss_or_reader():
+  found = []
+  for name, path in MODULES.items():
+    if layer_of(name) not in (RANK["tfpar.engines"], RANK["tfpar.training"]) or \
+        name.startswith("tfpar.planner"):
+      continue
+    for target in imports(path):
+      if any(target == p or target.startswith(p if p.endswith(".") else p + ".")
+             for p in WHAT_A_TASK_BRINGS):
+        if not (name in MAY_READ_LAYERS and target.startswith("tfpar.layers")):
+          found.append(f"{name} -> {target}")
+  assert not found, "engines and training reach a task's model, loss or reader:\n" + \
+      "\n".join(sorted(set(found)))
+
+
+def test_the_layering_test_sees_real_arrows():
+  """The parser finds what is there (a test that finds no import would pass anything)."""
+  assert "tfpar.training.step" in set(imports(MODULES["tfpar.engines.data_parallel"]))
+  assert "tfpar.tasks" in set(imports(MODULES["tfpar.runner"]))
+  assert layer_of("tfpar.parallel.exchange") > layer_of("tfpar.training.step")
