@@ -148,14 +148,14 @@ def test_bytes_round_trip():
 
 def test_the_start_up_line_counts_in_words(tmp_path):
   """Once "1 files" and "for 1 steps": a count agrees with its noun (tfpar.console.count)."""
-  from tfpar import console, tasks  # pylint: disable=import-outside-toplevel
+  from tfpar import console, runner, tasks  # pylint: disable=import-outside-toplevel
   (tmp_path / "one.txt").write_text("hello, world. " * 200)
   cfg = make_config(TINY + [f"--data={tmp_path / 'one.txt'}", "--model_dir=/tmp/unused",
                             "--train_steps=1", "--warmup_steps=0"])
   task = tasks.make(cfg)
   data, _ = task.load_data()
   assert task.describe_data(data).startswith("1 file, "), task.describe_data(data)
-  line = console.describe_run(cfg, {"strategy": "one_device", "replicas": 1, "parameters": 10})
+  line = runner.describe_run(cfg, {"strategy": "one_device", "replicas": 1, "parameters": 10})
   assert "for 1 step of 8 sequences x 32 tokens, on 1 replica (one_device)" in line, line
   assert console.count(1, "box", "boxes") == "1 box" and console.count(0, "box", "boxes") == \
       "0 boxes" and console.count(1200, "step") == "1,200 steps"

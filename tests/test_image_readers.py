@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
+from tfpar import tasks
 from tfpar.data import augment, image_records, images
 from tfpar.data.corpus import DataError
 
@@ -73,19 +74,19 @@ def data_dir(tmp_path_factory):
 
 
 def test_image_folder(data_dir):
-  s = images.read_images(str(data_dir / "folder"), "classify", image_size=8, channels=3,
-                         num_classes=2)
+  s = tasks.spec("classify").read_images(str(data_dir / "folder"), image_size=8, channels=3,
+                                         num_classes=2)
   assert s.images.shape == (6, 8, 8, 3) and s.images.dtype == np.uint8
   assert s.labels.tolist() == [0, 0, 0, 1, 1, 1] and s.class_names == ("cat", "dog")
   assert s.images[0].min() == s.images[0].max() == 40 and s.images[5].max() == 202
-  gray = images.read_images(str(data_dir / "folder"), "classify", image_size=4, channels=1,
-                            num_classes=2)
+  gray = tasks.spec("classify").read_images(str(data_dir / "folder"), image_size=4, channels=1,
+                                            num_classes=2)
   assert gray.images.shape == (6, 4, 4, 1)
 
 
 def test_coco_json(data_dir):
-  s = images.read_images(str(data_dir / "coco" / "instances.json"), "detect", image_size=8,
-                         channels=3, num_classes=2)
+  s = tasks.spec("detect").read_images(str(data_dir / "coco" / "instances.json"), image_size=8,
+                                       channels=3, num_classes=2)
   assert s.images.shape == (2, 8, 8, 3) and s.class_names == ("three", "seven")
   # [x, y, w, h] = [2, 4, 8, 10] on 16 x 20 -> (ymin, xmin, ymax, xmax) * (8/20, 8/16).
   np.testing.assert_allclose(s.boxes[0, 0], [4 * 0.4, 2 * 0.5, 14 * 0.4, 10 * 0.5])
@@ -94,8 +95,8 @@ def test_coco_json(data_dir):
 
 
 def test_mask_pairs_read_palette_indices(data_dir):
-  s = images.read_images(str(data_dir / "seg"), "segment", image_size=4, channels=3,
-                         num_classes=3)
+  s = tasks.spec("segment").read_images(str(data_dir / "seg"), image_size=4, channels=3,
+                                        num_classes=3)
   assert s.images.shape == (1, 4, 4, 3)
   np.testing.assert_array_equal(s.masks[0], [[0, 0, 1, 1], [0, 0, 1, 1], [2, 2, 0, 0],
                                              [2, 2, 0, 0]])
@@ -103,22 +104,22 @@ def test_mask_pairs_read_palette_indices(data_dir):
 
 def test_tfrecords_read_like_the_files(data_dir):
   kw = dict(image_size=8, channels=3)
-  c = images.read_images(str(data_dir / "classify.tfrecord"), "classify", num_classes=2, **kw)
+  c = tasks.spec("classify").read_images(str(data_dir / "classify.tfrecord"), num_classes=2, **kw)
   assert c.labels.tolist() == [0, 1] and c.images[1].max() == 200
-  d = images.read_images(str(data_dir / "detect.tfrecord"), "detect", num_classes=2, **kw)
-  coco = images.read_images(str(data_dir / "coco" / "instances.json"), "detect", num_classes=2,
-                            **kw)
+  d = tasks.spec("detect").read_images(str(data_dir / "detect.tfrecord"), num_classes=2, **kw)
+  coco = tasks.spec("detect").read_images(str(data_dir / "coco" / "instances.json"), num_classes=2,
+                                          **kw)
   np.testing.assert_allclose(d.boxes[0, 0], coco.boxes[0, 0], rtol=1e-6)
   assert d.classes.tolist() == [[1], [-1]]
-  s = images.read_images(str(data_dir / "segment.tfrecord"), "segment", num_classes=3, **kw)
-  folder = images.read_images(str(data_dir / "seg"), "segment", num_classes=3, **kw)
+  s = tasks.spec("segment").read_images(str(data_dir / "segment.tfrecord"), num_classes=3, **kw)
+  folder = tasks.spec("segment").read_images(str(data_dir / "seg"), num_classes=3, **kw)
   np.testing.assert_array_equal(s.masks, folder.masks)
   np.testing.assert_array_equal(s.images, folder.images)
 
 
 def _error(data, task, num_classes=2):
   with pytest.raises(DataError) as e:
-    images.read_images(str(data), task, image_size=8, channels=3, num_classes=num_classes)
+    tasks.spec(task).read_images(str(data), image_size=8, channels=3, num_classes=num_classes)
   return str(e.value)
 
 
@@ -145,8 +146,8 @@ def test_a_jpeg_under_four_channels_blames_the_flag_not_the_image(tmp_path):
     (tmp_path / "images" / name).mkdir(parents=True)
     Image.fromarray(_solid(90)).save(tmp_path / "images" / name / "0.jpg")
   with pytest.raises(DataError) as e:
-    images.read_images(str(tmp_path / "images"), "classify", image_size=8, channels=4,
-                       num_classes=2)
+    tasks.spec("classify").read_images(str(tmp_path / "images"), image_size=8, channels=4,
+                                       num_classes=2)
   assert "cat/0.jpg cannot be decoded to --num_channels=4" in str(e.value)
   assert "not a readable image" not in str(e.value)
 

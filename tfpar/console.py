@@ -12,7 +12,6 @@ import sys
 import tempfile
 from typing import Optional
 
-from tfpar import tasks
 
 # absl verbosity (-3 fatal .. 0 info, 1 debug) -> TF_CPP_MIN_LOG_LEVEL (3 hides
 # errors, 2 warnings, 1 info, 0 nothing).
@@ -69,16 +68,3 @@ def import_tensorflow_quietly(verbosity: Optional[int] = None) -> None:
 def count(n: int, noun: str, plural: str = "") -> str:
   """'1 replica', '2 replicas', '1,000 steps'; `plural` where adding an s is wrong ('boxes')."""
   return f"{n:,} {noun}" if n == 1 else f"{n:,} {plural or noun + 's'}"
-
-
-def describe_run(cfg, info: dict) -> str:
-  """One sentence saying what runs, from the config and an engine's describe() dict."""
-  skip = ("strategy", "replicas", "parameters", "measured_bytes_per_device")
-  extra = [f"{key.replace('_', ' ')} {value}" for key, value in info.items() if key not in skip]
-  how = info["strategy"] + (": " + ", ".join(extra) if extra else "")
-  m, t = cfg.model, cfg.train
-  spec = tasks.spec(m.task)
-  model, batch = spec.model, spec.batch(m, t.global_batch_size)
-  return (f"training a {m.num_layers}-layer {model} of {info['parameters']:,} "
-          f"parameters for {count(t.train_steps, 'step')} of {batch}, "
-          f"on {count(info['replicas'], 'replica')} ({how})")

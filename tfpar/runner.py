@@ -21,6 +21,19 @@ from tfpar.training.checkpoint import (CheckpointMismatchError, CheckpointUnread
                                        NonFiniteStateError)
 
 
+def describe_run(cfg, info: dict) -> str:
+  """One sentence saying what runs, from the config and an engine's describe() dict."""
+  skip = ("strategy", "replicas", "parameters", "measured_bytes_per_device")
+  extra = [f"{key.replace('_', ' ')} {value}" for key, value in info.items() if key not in skip]
+  how = info["strategy"] + (": " + ", ".join(extra) if extra else "")
+  m, t = cfg.model, cfg.train
+  spec = tasks.spec(m.task)
+  model, batch = spec.model, spec.batch(m, t.global_batch_size)
+  return (f"training a {m.num_layers}-layer {model} of {info['parameters']:,} "
+          f"parameters for {console.count(t.train_steps, 'step')} of {batch}, "
+          f"on {console.count(info['replicas'], 'replica')} ({how})")
+
+
 class OutOfMemoryError(RuntimeError):
   """The model, its optimizer state and activations do not fit a device under this plan."""
 
@@ -100,7 +113,7 @@ def _run(cfg: Config, cluster: Cluster) -> dict:
   if cfg.dist.strategy == "parameter_server":
     num_workers = engine.num_workers  # For the logs (the chief reads the data for all of them).
   if is_chief:
-    print(f"tfpar: {console.describe_run(cfg, engine.describe())} | "
+    print(f"tfpar: {describe_run(cfg, engine.describe())} | "
           f"data: {task.describe_data(data)}, "
           f"{sharding}-level input sharding", flush=True)
   try:

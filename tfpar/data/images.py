@@ -365,14 +365,6 @@ def pad_boxes(boxes: List[np.ndarray], classes: List[np.ndarray]) -> Tuple[np.nd
   return out_boxes, out_classes
 
 
-def read_images(data: str, task: str, *, image_size: int, channels: int,
-                num_classes: int) -> ImageSet:
-  """Reads --data for --task=task with the reader its layout needs (the task's spec picks it)."""
-  from tfpar import tasks  # pylint: disable=import-outside-toplevel
-  return tasks.spec(task).read_images(data, image_size=image_size, channels=channels,
-                                      num_classes=num_classes)
-
-
 def read_layout(data: str, spec, **kwargs) -> ImageSet:
   """Reads --data in the layout of a task's spec (tfpar.tasks.specs.VisionSpec): a directory,
   TFRecord shards, or the one file its layout has (a COCO JSON)."""

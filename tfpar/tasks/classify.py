@@ -29,6 +29,7 @@ from typing import Dict, List
 import numpy as np
 import tensorflow as tf
 
+from tfpar import tasks
 from tfpar.data import augment, digit_canvas, images, pipeline
 from tfpar.models import ViT
 from tfpar.tasks.task import Task, cross_entropy
@@ -91,8 +92,8 @@ class Classification(Task):
     if d.data is None:
       data = load_digits()  # Its spec (tfpar.tasks.specs) checked the flags against them.
     else:
-      found = images.read_images(d.data, "classify", image_size=m.image_size,
-                                 channels=m.num_channels, num_classes=m.num_classes)
+      found = tasks.spec("classify").read_images(d.data, image_size=m.image_size,
+                                                 channels=m.num_channels, num_classes=m.num_classes)
       train, held_out = images.split(found, d.eval_fraction, seed=DIGITS_SPLIT_SEED)
       data = ImageData(train, held_out, f"--data={d.data}")
     return data, "data"  # In memory: every worker reads its slice of each global batch.

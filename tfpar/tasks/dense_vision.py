@@ -23,6 +23,7 @@ from typing import Dict, List
 
 import numpy as np
 
+from tfpar import tasks
 from tfpar.data import augment, digit_canvas, image_pipeline, images
 from tfpar.models import ViT
 from tfpar.tasks.classify import Classification
@@ -101,8 +102,8 @@ class DenseVisionTask(Task):
           canvas_size=m.image_size, scale=scale, max_digits=MAX_DIGITS)
       data = VisionData(train, held_out, f"canvases of scikit-learn digits (x{scale})")
     else:
-      every = images.read_images(d.data, self.kind, image_size=m.image_size,
-                                 channels=m.num_channels, num_classes=m.num_classes)
+      every = tasks.spec(self.kind).read_images(d.data, image_size=m.image_size,
+                                                channels=m.num_channels, num_classes=m.num_classes)
       train, held_out = images.split(every, d.eval_fraction, SPLIT_SEED)
       data = VisionData(train, held_out, f"--data={d.data}")
     return data, "data"  # In memory: every worker reads its slice of each global batch.
