@@ -1,5 +1,6 @@
 """Shared test helpers: run tfpar as a real subprocess, read its metrics."""
 
+import concurrent.futures
 import json
 import os
 import queue
@@ -89,6 +90,22 @@ def run_module(module, args, *, env=None, timeout=600, check=True, preexec_fn=No
     raise AssertionError(f"{module} {' '.join(args)} exited {proc.returncode}\n"
                          f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
   return proc
+
+
+def run_modules(calls, *, at_once=2):
+  """Runs independent `run_module(module, args, **kwargs)` calls, `at_once` at a time.
+
+  `calls` is a list of (module, args) or (module, args, kwargs); check defaults
+  to False. Returns the CompletedProcesses in the order of `calls`. A CLI run
+  that ends before training spends its seconds importing TensorFlow, mostly on
+  one thread: two such runs side by side keep both cores busy instead of one.
+  """
+  def one(call):
+    module, args, kwargs = (*call, {})[:3]
+    return run_module(module, args, **{"check": False, **kwargs})
+
+  with concurrent.futures.ThreadPoolExecutor(max_workers=at_once) as pool:
+    return list(pool.map(one, calls))
 
 
 def start_module(module, args, *, env=None) -> subprocess.Popen:
