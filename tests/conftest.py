@@ -108,6 +108,35 @@ def run_modules(calls, *, at_once=2):
     return list(pool.map(one, calls))
 
 
+def run_module_in_background(module, args, **kwargs) -> concurrent.futures.Future:
+  """`run_module(module, args, **kwargs)` started now; `.result()` is its CompletedProcess.
+
+  For a module-scoped fixture that starts a CLI run before the in-process tests
+  of its file: the child's TensorFlow start (mostly one thread) and the
+  in-process tracing (mostly one thread) then share the 2 cores. `.result()`
+  raises what run_module raises (a non-zero exit under check=True).
+  """
+  return in_background(run_module, module, args, **kwargs)
+
+
+def in_background(fn, *args, **kwargs) -> concurrent.futures.Future:
+  """fn(*args, **kwargs) on a thread of its own, started now (for runs of real processes)."""
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+  future = pool.submit(fn, *args, **kwargs)
+  pool.shutdown(wait=False)
+  return future
+
+
+def selected_tests_use(request, fixture_name):
+  """Does a test of `request`'s module selected in this session request `fixture_name`?
+
+  A module's autouse fixture starts a background run only then (not under a -k that
+  leaves its test out).
+  """
+  return any(fixture_name in item.fixturenames for item in request.session.items
+             if item.module is request.module)
+
+
 def start_module(module, args, *, env=None) -> subprocess.Popen:
   """Starts `python -m module args` (stdout and stderr together, text); the caller waits."""
   full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO)
