@@ -218,6 +218,26 @@ def read_metrics(model_dir, kind="train"):
   return [r for r in records if r["kind"] == kind]
 
 
+# Runs of real processes that start with the session's first test, long before the test
+# that reads them: {fixture name: how to start it (module, function name)}.
+EARLY = {"bench_run": ("test_bench", "run_bench")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def early_runs(request, tmp_path_factory):
+  """{fixture name: Future} of the EARLY runs some selected test uses, started now.
+
+  scripts/bench.py's smoke run trains two systems in processes of its own; it
+  runs beside the tests before its file instead of after them.
+  """
+  started = {}
+  for name, (module, function) in EARLY.items():
+    if any(name in item.fixturenames for item in request.session.items):
+      fn = getattr(__import__(module), function)
+      started[name] = in_background(fn, tmp_path_factory.mktemp(name))
+  return started
+
+
 @pytest.fixture(autouse=True)
 def float32_policy():
   """Every test starts under Keras' float32 policy, whatever an in-process run before it set."""
