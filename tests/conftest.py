@@ -1,5 +1,6 @@
 """Shared test helpers: run tfpar as a real subprocess, read its metrics."""
 
+import concurrent.futures
 import json
 import os
 import queue
@@ -91,6 +92,51 @@ def run_module(module, args, *, env=None, timeout=600, check=True, preexec_fn=No
   return proc
 
 
+def run_modules(calls, *, at_once=2):
+  """Runs independent `run_module(module, args, **kwargs)` calls, `at_once` at a time.
+
+  `calls` is a list of (module, args) or (module, args, kwargs); check defaults
+  to False. Returns the CompletedProcesses in the order of `calls`. A CLI run
+  that ends before training spends its seconds importing TensorFlow, mostly on
+  one thread: two such runs side by side keep both cores busy instead of one.
+  """
+  def one(call):
+    module, args, kwargs = (*call, {})[:3]
+    return run_module(module, args, **{"check": False, **kwargs})
+
+  with concurrent.futures.ThreadPoolExecutor(max_workers=at_once) as pool:
+    return list(pool.map(one, calls))
+
+
+def run_module_in_background(module, args, **kwargs) -> concurrent.futures.Future:
+  """`run_module(module, args, **kwargs)` started now; `.result()` is its CompletedProcess.
+
+  For a module-scoped fixture that starts a CLI run before the in-process tests
+  of its file: the child's TensorFlow start (mostly one thread) and the
+  in-process tracing (mostly one thread) then share the 2 cores. `.result()`
+  raises what run_module raises (a non-zero exit under check=True).
+  """
+  return in_background(run_module, module, args, **kwargs)
+
+
+def in_background(fn, *args, **kwargs) -> concurrent.futures.Future:
+  """fn(*args, **kwargs) on a thread of its own, started now (for runs of real processes)."""
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+  future = pool.submit(fn, *args, **kwargs)
+  pool.shutdown(wait=False)
+  return future
+
+
+def selected_tests_use(request, fixture_name):
+  """Does a test of `request`'s module selected in this session request `fixture_name`?
+
+  A module's autouse fixture starts a background run only then (not under a -k that
+  leaves its test out).
+  """
+  return any(fixture_name in item.fixturenames for item in request.session.items
+             if item.module is request.module)
+
+
 def start_module(module, args, *, env=None) -> subprocess.Popen:
   """Starts `python -m module args` (stdout and stderr together, text); the caller waits."""
   full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO)
@@ -170,6 +216,26 @@ def read_metrics(model_dir, kind="train"):
   with open(os.path.join(model_dir, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f if line.strip()]
   return [r for r in records if r["kind"] == kind]
+
+
+# Runs of real processes that start with the session's first test, long before the test
+# that reads them: {fixture name: how to start it (module, function name)}.
+EARLY = {"bench_run": ("test_bench", "run_bench")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def early_runs(request, tmp_path_factory):
+  """{fixture name: Future} of the EARLY runs some selected test uses, started now.
+
+  scripts/bench.py's smoke run trains two systems in processes of its own; it
+  runs beside the tests before its file instead of after them.
+  """
+  started = {}
+  for name, (module, function) in EARLY.items():
+    if any(name in item.fixturenames for item in request.session.items):
+      fn = getattr(__import__(module), function)
+      started[name] = in_background(fn, tmp_path_factory.mktemp(name))
+  return started
 
 
 @pytest.fixture(autouse=True)

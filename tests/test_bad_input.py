@@ -18,7 +18,7 @@ import pytest
 from absl import flags as absl_flags
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import TINY, make_config, run_module, train_in_process
+from conftest import TINY, make_config, run_module, run_modules, train_in_process
 from tfpar import config as config_lib
 from tfpar.cluster import Cluster
 from tfpar.config import ConfigError
@@ -137,58 +137,108 @@ def assert_one_line(proc, *words):
     assert word in proc.stderr, proc.stderr
 
 
-def test_cli_seed_out_of_range(tmp_path):
-  proc = run_module("tfpar.train", TINY + [f"--model_dir={tmp_path / 'run'}", "--seed=-1"],
-                    check=False)
-  assert_one_line(proc, "--seed=-1")
-  assert not (tmp_path / "run").exists()
+OFFLINE = {"https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9",
+           "GOOGLE_AUTH_TOKEN_FOR_TESTING": "none", "GCS_RETRY_CONFIG_MAX_RETRIES": "1"}
 
 
-def test_cli_model_dir_is_a_file(tmp_path):
-  path = tmp_path / "a_file"
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+  """The CLI cases below, each its own `python -m tfpar.train`, started side by side once.
+
+  {case: (CompletedProcess, its directory, what the test compares after: a snapshot or a path)}.
+  """
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  d = {case: tmp_path_factory.mktemp(case) for case in (
+      "seed", "file", "tf_config", "batch", "tfrecord", "proc", "gs", "coco", "channels")}
+  calls, kept = {}, {}
+  calls["seed"] = ("tfpar.train", TINY + [f"--model_dir={d['seed'] / 'run'}", "--seed=-1"])
+
+  path = d["file"] / "a_file"
   path.write_text("keep me")
-  proc = run_module("tfpar.train", TINY + [f"--model_dir={path}"], check=False)
-  assert_one_line(proc, "--model_dir", "is a file")
-  assert path.read_text() == "keep me"
+  calls["file"] = ("tfpar.train", TINY + [f"--model_dir={path}"])
+  kept["file"] = path
 
-
-def test_cli_tf_config_of_a_cluster_with_one_device_is_refused(tmp_path):
-  """A TF_CONFIG naming worker 1 of two used to train as a non-chief: no output, exit 0, no files."""
+  # A TF_CONFIG naming worker 1 of two used to train as a non-chief: no output, exit 0, no files.
   tf_config = json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
                           "task": {"type": "worker", "index": 1}})
-  model_dir = tmp_path / "run"
-  proc = run_module("tfpar.train", ["--flagfile=configs/gpt_tiny.flags", "--strategy=one_device",
-                                    f"--model_dir={model_dir}", "--train_steps=2"],
-                    env={"TF_CONFIG": tf_config}, check=False)
-  assert_one_line(proc, "TF_CONFIG", "--strategy=one_device", "unset TF_CONFIG",
-                  "--strategy=multi_worker_mirrored")
-  assert not model_dir.exists()
+  calls["tf_config"] = ("tfpar.train", ["--flagfile=configs/gpt_tiny.flags",
+                                        "--strategy=one_device",
+                                        f"--model_dir={d['tf_config'] / 'run'}",
+                                        "--train_steps=2"], {"env": {"TF_CONFIG": tf_config}})
 
-
-def test_cli_resume_with_another_batch_leaves_the_run_untouched(tmp_path):
-  model_dir = tmp_path / "run"
+  model_dir = d["batch"] / "run"
   args = TINY + ["--train_steps=2", "--jit_compile=false", f"--model_dir={model_dir}"]
   train_in_process(args)
-  before = snapshot(model_dir)
-  proc = run_module("tfpar.train", args + ["--train_steps=4", "--global_batch_size=16"],
-                    check=False)
-  assert_one_line(proc, "--global_batch_size=16", "started with 8")
-  assert snapshot(model_dir) == before
+  kept["batch"] = snapshot(model_dir)
+  calls["batch"] = ("tfpar.train", args + ["--train_steps=4", "--global_batch_size=16"])
 
-
-def test_cli_tfrecord_of_other_records_is_one_line(tmp_path):
-  """Found only when read (after TF starts): still one line and exit 2, and no run directory."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  data = tmp_path / "notes.tfrecord"
+  # Found only when read (after TF starts): still one line and exit 2, and no run directory.
+  data = d["tfrecord"] / "notes.tfrecord"
   with tf.io.TFRecordWriter(str(data)) as writer:
     for i in range(20):  # serialized tf.train.Features, not tf.train.Example
       feature = tf.train.Feature(float_list=tf.train.FloatList(value=[float(i)] * 50))
       writer.write(tf.train.Features(feature={"x": feature}).SerializeToString())
-  model_dir = tmp_path / "run"
-  proc = run_module("tfpar.train", TINY + [f"--model_dir={model_dir}", f"--data={data}",
-                                           "--jit_compile=false"], check=False)
+  kept["tfrecord"] = data
+  calls["tfrecord"] = ("tfpar.train", TINY + [f"--model_dir={d['tfrecord'] / 'run'}",
+                                              f"--data={data}", "--jit_compile=false"])
+
+  # Under /proc even root's access() says writable; the directory cannot be made there.
+  calls["proc"] = ("tfpar.train", TINY + ["--model_dir=/proc/tfpar_run"])
+
+  # gs:// without network: the proxy points at a closed local port, so the case fails alike
+  # with or without a network; the token variable skips the metadata server's retries.
+  calls["gs"] = ("tfpar.train", TINY + ["--model_dir=gs://tfpar-no-such-bucket/run"],
+                 {"env": OFFLINE})
+
+  data = d["coco"] / "instances.json"
+  data.write_text(json.dumps(COCO))
+  args, model_dir = DETECT + [f"--data={data}"], d["coco"] / "run"
+  kept["coco"] = (data, a_started_run(model_dir, args))
+  calls["coco"] = ("tfpar.train", args + [f"--model_dir={model_dir}"])
+
+  for name in ("cat", "dog"):
+    (d["channels"] / "images" / name).mkdir(parents=True)
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(d["channels"] / "images" / name / "0.png")
+  calls["channels"] = ("tfpar.train", TINY + ["--task=classify", "--num_classes=2",
+                                              f"--data={d['channels'] / 'images'}",
+                                              "--num_channels=2",
+                                              f"--model_dir={d['channels'] / 'run'}"])
+  procs = dict(zip(calls, run_modules(list(calls.values()))))
+  return {case: (procs[case], d.get(case), kept.get(case)) for case in calls}
+
+
+def test_cli_seed_out_of_range(cli):
+  proc, tmp_path, _ = cli["seed"]
+  assert_one_line(proc, "--seed=-1")
+  assert not (tmp_path / "run").exists()
+
+
+def test_cli_model_dir_is_a_file(cli):
+  proc, _, path = cli["file"]
+  assert_one_line(proc, "--model_dir", "is a file")
+  assert path.read_text() == "keep me"
+
+
+def test_cli_tf_config_of_a_cluster_with_one_device_is_refused(cli):
+  """A TF_CONFIG naming worker 1 of two used to train as a non-chief: no output, exit 0, no files."""
+  proc, tmp_path, _ = cli["tf_config"]
+  assert_one_line(proc, "TF_CONFIG", "--strategy=one_device", "unset TF_CONFIG",
+                  "--strategy=multi_worker_mirrored")
+  assert not (tmp_path / "run").exists()
+
+
+def test_cli_resume_with_another_batch_leaves_the_run_untouched(cli):
+  proc, tmp_path, before = cli["batch"]
+  assert_one_line(proc, "--global_batch_size=16", "started with 8")
+  assert snapshot(tmp_path / "run") == before
+
+
+def test_cli_tfrecord_of_other_records_is_one_line(cli):
+  """Found only when read (after TF starts): still one line and exit 2, and no run directory."""
+  proc, tmp_path, data = cli["tfrecord"]
   assert_one_line(proc, str(data))
-  assert not model_dir.exists()
+  assert not (tmp_path / "run").exists()
 
 
 def test_cli_out_of_memory_at_build_is_one_line_with_the_bytes_and_the_planner():
@@ -210,28 +260,23 @@ def test_cli_out_of_memory_at_build_is_one_line_with_the_bytes_and_the_planner()
   assert not os.path.exists(model_dir)
 
 
-def test_cli_model_dir_that_cannot_be_created_is_refused_before_the_data():
+def test_cli_model_dir_that_cannot_be_created_is_refused_before_the_data(cli):
   """Under /proc even root's access() says writable; the directory cannot be made there."""
-  proc = run_module("tfpar.train", TINY + ["--model_dir=/proc/tfpar_run"], check=False)
+  proc, _, _ = cli["proc"]
   assert_one_line(proc, "--model_dir=/proc/tfpar_run")
   assert "data:" not in proc.stdout  # Refused before the data was read.
 
 
-def test_cli_unreachable_gs_model_dir_is_one_line_and_exit_1(tmp_path):
-  """gs:// without network: exit 1 (the same command may work later), one line, no traceback.
-
-  The proxy points at a closed local port, so the test fails alike with or
-  without a network; the token variable skips the metadata server's retries.
-  """
-  offline = {"https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9",
-             "GOOGLE_AUTH_TOKEN_FOR_TESTING": "none", "GCS_RETRY_CONFIG_MAX_RETRIES": "1"}
-  proc = run_module("tfpar.train", TINY + ["--model_dir=gs://tfpar-no-such-bucket/run"],
-                    env=offline, check=False)
+def test_cli_unreachable_gs_model_dir_is_one_line_and_exit_1(cli):
+  """gs:// without network: exit 1 (the same command may work later), one line, no traceback."""
+  proc, _, _ = cli["gs"]
   assert proc.returncode == 1, proc.stderr[-3000:]
   assert "Traceback" not in proc.stderr + proc.stdout
   assert proc.stderr.count("\n") == 1, proc.stderr
   assert "gs://tfpar-no-such-bucket/run cannot be reached" in proc.stderr
   assert "network" in proc.stderr
+
+
 def a_started_run(model_dir, args):
   """A run directory as the chief leaves it once it has read the data: its config.json."""
   from tfpar import runner  # pylint: disable=import-outside-toplevel
@@ -246,31 +291,20 @@ COCO = {"images": [{"id": 1, "file_name": "a.png", "width": 16, "height": 16}],
         "categories": [{"id": 1, "name": "one"}]}
 
 
-def test_cli_bad_coco_file_is_one_line_and_the_run_is_untouched(tmp_path):
+def test_cli_bad_coco_file_is_one_line_and_the_run_is_untouched(cli):
   """Found only when read: once a KeyError traceback, exit 1 (test_image_readers has the rest)."""
-  data = tmp_path / "instances.json"
-  data.write_text(json.dumps(COCO))
-  args, model_dir = DETECT + [f"--data={data}"], tmp_path / "run"
-  before = a_started_run(model_dir, args)
-  proc = run_module("tfpar.train", args + [f"--model_dir={model_dir}"], check=False)
+  proc, tmp_path, (data, before) = cli["coco"]
   assert_one_line(proc, str(data), "annotation 0 (id 5) has no 'bbox'",
                   "add [x, y, width, height]")
-  assert snapshot(model_dir) == before
+  assert snapshot(tmp_path / "run") == before
 
 
-def test_cli_num_channels_no_image_decodes_to_blames_the_flag(tmp_path):
+def test_cli_num_channels_no_image_decodes_to_blames_the_flag(cli):
   """Once "0.png is not a readable image", of a good image, after TensorFlow had started."""
-  from PIL import Image  # pylint: disable=import-outside-toplevel
-  for name in ("cat", "dog"):
-    (tmp_path / "images" / name).mkdir(parents=True)
-    Image.new("RGB", (8, 8), (200, 10, 10)).save(tmp_path / "images" / name / "0.png")
-  model_dir = tmp_path / "run"
-  proc = run_module("tfpar.train", TINY + ["--task=classify", "--num_classes=2",
-                                           f"--data={tmp_path / 'images'}", "--num_channels=2",
-                                           f"--model_dir={model_dir}"], check=False)
+  proc, tmp_path, _ = cli["channels"]
   assert_one_line(proc, "--num_channels=2", "use 1 (greyscale), 3 (RGB) or 4")
   assert "0.png" not in proc.stderr
-  assert not model_dir.exists()
+  assert not (tmp_path / "run").exists()
 
 
 # --- properties over the numeric flags ---------------------------------------------------------

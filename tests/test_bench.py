@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 
@@ -19,13 +21,28 @@ def _number(cell: str) -> float:
   return float(cell.replace(",", "").rstrip("%x"))
 
 
-def test_bench_runs_each_system_in_its_own_process(tmp_path):
+def run_bench(tmp_path):
+  """scripts/bench.py --quick in its own process: (CompletedProcess, the JSON report's path).
+
+  conftest starts it with the session's first test (early_runs), beside the tests before
+  this file; it runs its systems in children of its own as before.
+  """
   out = tmp_path / "bench.json"
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO)
   proc = subprocess.run(
       [sys.executable, os.path.join(REPO, "scripts", "bench.py"), "--quick", "--rounds=1",
        "--steps=2", "--warmup=1", "--sections=peer", f"--out={out}"],
       capture_output=True, text=True, env=env, cwd=REPO, timeout=1200)
+  return proc, out
+
+
+@pytest.fixture(scope="module")
+def bench_run(early_runs):
+  return early_runs["bench_run"].result()
+
+
+def test_bench_runs_each_system_in_its_own_process(bench_run):
+  proc, out = bench_run
   assert proc.returncode == 0, proc.stderr[-4000:]
   rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
   assert rows[0].startswith("| system | precision | tokens/s median | best | spread | step ms "

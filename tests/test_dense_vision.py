@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from conftest import make_config, read_metrics, run_module, train_in_process
+from conftest import make_config, read_metrics, run_module, run_modules, train_in_process
 from tfpar import tasks
 from tfpar.data import pipeline
 
@@ -146,8 +146,7 @@ def test_predict_writes_a_mask_png(segment_run, tmp_path):
   assert np.asarray(mask).max() < 11
 
 
-def _fails(module, args):
-  proc = run_module(module, args, check=False)
+def _one_line(proc):
   assert proc.returncode == 2, proc.stderr[-2000:]
   lines = proc.stderr.strip().splitlines()
   assert "Traceback" not in proc.stderr
@@ -162,22 +161,24 @@ def test_bad_input_ends_with_one_line_and_status_2(detect_runs, tmp_path):
   (tmp_path / "coco.json").write_text(json.dumps(coco))
   (tmp_path / "empty" / "images").mkdir(parents=True)
   (tmp_path / "empty" / "masks").mkdir()
-  common = ["--num_channels=3", "--train_steps=2"]
-  line = _fails("tfpar.train", [*DETECT, *common, f"--data={tmp_path / 'coco.json'}",
-                                f"--model_dir={tmp_path / 'run0'}"])
-  assert "outside its 16x16 image" in line and "fix the box" in line
-  line = _fails("tfpar.train", [*SEGMENT, *common, f"--data={tmp_path / 'empty'}",
-                                f"--model_dir={tmp_path / 'run1'}"])
-  assert "holds no images" in line
-  line = _fails("tfpar.train", ["--task=segment", "--num_classes=5", *VISION,
-                                f"--model_dir={tmp_path / 'run2'}", "--train_steps=2"])
-  assert line.endswith("use --num_classes=11")
   (tmp_path / "bad.png").write_bytes(b"not an image")
-  line = _fails("tfpar.predict", [f"--model_dir={detect_runs[0]}",
-                                  f"--image={tmp_path / 'bad.png'}"])
-  assert "bad.png is not a readable image" in line
-  line = _fails("tfpar.predict", [f"--model_dir={detect_runs[0]}", f"--image={tmp_path / 'a.png'}",
-                                  "--overlay", "--output_dir=/proc/tfpar_predictions"])
-  assert "--output_dir=/proc/tfpar_predictions cannot be created" in line
-  line = _fails("tfpar.predict", [f"--model_dir={tmp_path / 'nothing'}", f"--image={tmp_path}"])
-  assert "has no config.json" in line
+  common = ["--num_channels=3", "--train_steps=2"]
+  # Six independent processes, two at a time (conftest.run_modules).
+  lines = [_one_line(proc) for proc in run_modules([
+      ("tfpar.train", [*DETECT, *common, f"--data={tmp_path / 'coco.json'}",
+                       f"--model_dir={tmp_path / 'run0'}"]),
+      ("tfpar.train", [*SEGMENT, *common, f"--data={tmp_path / 'empty'}",
+                       f"--model_dir={tmp_path / 'run1'}"]),
+      ("tfpar.train", ["--task=segment", "--num_classes=5", *VISION,
+                       f"--model_dir={tmp_path / 'run2'}", "--train_steps=2"]),
+      ("tfpar.predict", [f"--model_dir={detect_runs[0]}", f"--image={tmp_path / 'bad.png'}"]),
+      ("tfpar.predict", [f"--model_dir={detect_runs[0]}", f"--image={tmp_path / 'a.png'}",
+                         "--overlay", "--output_dir=/proc/tfpar_predictions"]),
+      ("tfpar.predict", [f"--model_dir={tmp_path / 'nothing'}", f"--image={tmp_path}"]),
+  ])]
+  assert "outside its 16x16 image" in lines[0] and "fix the box" in lines[0]
+  assert "holds no images" in lines[1]
+  assert lines[2].endswith("use --num_classes=11")
+  assert "bad.png is not a readable image" in lines[3]
+  assert "--output_dir=/proc/tfpar_predictions cannot be created" in lines[4]
+  assert "has no config.json" in lines[5]

@@ -8,6 +8,7 @@ large') as they would on a full disk. Either way the first checkpoint is
 written with room to spare, and the next one finds none.
 """
 
+import concurrent.futures
 import errno
 import os
 import re
@@ -17,7 +18,8 @@ import subprocess
 
 import pytest
 
-from conftest import TINY, read_metrics, run_module, train_in_process
+from conftest import (TINY, in_background, read_metrics, run_module, selected_tests_use,
+                      train_in_process)
 from tfpar import status
 
 ARGS = TINY + ["--jit_compile=false", "--eval_steps=0", "--seed=11"]
@@ -132,13 +134,40 @@ def test_the_next_start_resumes_from_the_newest_checkpoint_left(failed_save, cap
   assert "ckpt-6.index" in files(os.path.join(model_dir, "checkpoints"))
 
 
-def test_a_new_run_on_a_full_disk_is_one_line_and_leaves_no_config_behind(disk):
-  """The first write of a new run (its config.json) finds no room: the same one line."""
+def new_run_on_a_full_disk(disk):
+  """A new run on a disk filled to the last page: (its model_dir, its CompletedProcess)."""
   model_dir = os.path.join(disk.root, "new_run")
   disk.fill(0)
   try:
-    proc = disk.train(ARGS + ["--train_steps=2", f"--model_dir={model_dir}"])
+    return model_dir, disk.train(ARGS + ["--train_steps=2", f"--model_dir={model_dir}"])
   finally:
     disk.free()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started(request, tmp_path_factory):
+  """The new run's process, on a small disk of its own, started with this module's first
+  test: it runs beside failed_save's in-process run (as its own python -m, as before)."""
+  if not selected_tests_use(request, "full_new_run"):
+    yield None
+    return
+  small = SmallDisk(tmp_path_factory.mktemp("small_disk_new_run"))
+  future = in_background(new_run_on_a_full_disk, small)
+  try:
+    yield future
+  finally:
+    concurrent.futures.wait([future])  # Unmounted only once its process has ended.
+    small.free()
+    small.close()
+
+
+@pytest.fixture(scope="module")
+def full_new_run(started):
+  return started.result()
+
+
+def test_a_new_run_on_a_full_disk_is_one_line_and_leaves_no_config_behind(full_new_run):
+  """The first write of a new run (its config.json) finds no room: the same one line."""
+  model_dir, proc = full_new_run
   assert_one_line(proc, re.escape(f"write {model_dir}/config.json ") + WHY)
   assert not os.path.exists(model_dir) or files(model_dir) == []

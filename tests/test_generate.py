@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import TINY, make_config, run_module
+from conftest import TINY, make_config, run_modules
 from tfpar import generate
 from tfpar.data import corpus
 
@@ -79,10 +79,35 @@ def test_top_k_keeps_only_the_k_likeliest():
   assert generate.pick(logits, 0.0, 0, rng) == 255
 
 
-def test_cli_prints_the_prompt_and_its_continuation(model_dir, next_logits):
-  proc = run_module("tfpar.generate", [f"--model_dir={model_dir}", "--prompt=def f(",
-                                       "--max_new_tokens=24", "--temperature=0.9",
-                                       "--top_k=40", "--seed=5"])
+CLI_BAD_INPUT = [
+    ("no-checkpoint", "model_dir"),  # Found by check.
+    ("--temperature=nan", "temperature"),  # Found by check, a float flag absl parses.
+    ("--top_k=many", "top_k"),  # Found by absl's parser.
+]
+
+
+@pytest.fixture(scope="module")
+def cli(model_dir, tmp_path_factory):
+  """Every CLI process of this file, started side by side once: {name: CompletedProcess}.
+
+  Each is its own `python -m` process (its own TensorFlow start), as a user runs it.
+  """
+  scratch = {case: tmp_path_factory.mktemp("cli_bad") for case, _ in CLI_BAD_INPUT}
+  missing = tmp_path_factory.mktemp("cli_predict") / "missing.png"
+  calls = {
+      "prompt": ("tfpar.generate", [f"--model_dir={model_dir}", "--prompt=def f(",
+                                    "--max_new_tokens=24", "--temperature=0.9", "--top_k=40",
+                                    "--seed=5"]),
+      "predict": ("tfpar.predict", [f"--model_dir={model_dir}", f"--image={missing}"]),
+      **{case: ("tfpar.generate", bad_args(case, scratch[case], model_dir))
+         for case, _ in CLI_BAD_INPUT},
+  }
+  return dict(zip(calls, run_modules(list(calls.values()))))
+
+
+def test_cli_prints_the_prompt_and_its_continuation(cli, next_logits):
+  proc = cli["prompt"]
+  assert proc.returncode == 0, proc.stderr[-3000:]
   expected = generate.sample(next_logits, corpus.encode("def f("), 24, seq_len=SEQ_LEN,
                              temperature=0.9, top_k=40, seed=5)
   assert proc.stdout == "def f(" + corpus.decode(expected) + "\n"
@@ -122,13 +147,9 @@ def test_bad_input_is_refused_by_the_check_in_one_line(tmp_path, model_dir, case
   assert f"--{flag}" in str(info.value) and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("case,flag", [
-    ("no-checkpoint", "model_dir"),  # Found by check.
-    ("--temperature=nan", "temperature"),  # Found by check, a float flag absl parses.
-    ("--top_k=many", "top_k"),  # Found by absl's parser.
-])
-def test_cli_bad_input_is_one_line(tmp_path, model_dir, case, flag):
-  proc = run_module("tfpar.generate", bad_args(case, tmp_path, model_dir), check=False)
+@pytest.mark.parametrize("case,flag", CLI_BAD_INPUT)
+def test_cli_bad_input_is_one_line(cli, case, flag):
+  proc = cli[case]
   assert proc.returncode == 2, proc.stderr
   assert "Traceback" not in proc.stderr + proc.stdout
   assert proc.stdout == ""
@@ -149,10 +170,9 @@ def test_a_config_field_this_version_does_not_know_is_ignored(model_dir, tmp_pat
   assert model.config == make_config(TINY + [f"--model_dir={copy}"]).model
 
 
-def test_cli_predict_on_a_language_model_says_what_each_tool_needs(model_dir, tmp_path):
+def test_cli_predict_on_a_language_model_says_what_each_tool_needs(cli):
   """Whatever --image says (here: nothing there), the run is the wrong kind: say so first."""
-  proc = run_module("tfpar.predict", [f"--model_dir={model_dir}",
-                                      f"--image={tmp_path / 'missing.png'}"], check=False)
+  proc = cli["predict"]
   assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("tfpar.predict: error:"), proc.stderr

@@ -26,7 +26,8 @@ import jsonschema
 import pytest
 import yaml
 
-from conftest import OPTIONAL_K8S_SCHEMAS, REPO, TINY, read_metrics
+from conftest import (OPTIONAL_K8S_SCHEMAS, REPO, TINY, in_background, read_metrics,
+                      selected_tests_use)
 from tfpar import cluster as cluster_lib
 from tfpar.k8s import __main__ as k8s_cli
 from tfpar.k8s import manifests
@@ -354,8 +355,11 @@ def free_ports(count):
   return ports
 
 
-def test_two_pods_of_a_rendered_indexed_job_train_together(tmp_path):
-  """The pods' environment and command line as rendered; only their hostnames become 127.0.0.1."""
+def two_pods(tmp_path):
+  """The pods of the test below, as real processes: (their exit statuses, their outputs).
+
+  Started by `started` with this module's first test, they run beside the tests before it.
+  """
   train_flags = [*TINY, "--strategy=multi_worker_mirrored", "--jit_compile=false",
                  "--eval_steps=0", "--train_steps=2", "--checkpoint_every=2",
                  "--input_sharding=data", f"--model_dir={tmp_path}/runs/gpt"]
@@ -383,7 +387,27 @@ def test_two_pods_of_a_rendered_indexed_job_train_together(tmp_path):
       if p.poll() is None:
         p.kill()
         p.wait()
-  assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+  return [p.returncode for p in procs], outputs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started(request, tmp_path_factory):
+  if not selected_tests_use(request, "pods_run"):
+    return None
+  directory = tmp_path_factory.mktemp("pods")
+  return directory, in_background(two_pods, directory)
+
+
+@pytest.fixture(scope="module")
+def pods_run(started):
+  directory, future = started
+  return directory, *future.result()
+
+
+def test_two_pods_of_a_rendered_indexed_job_train_together(pods_run):
+  """The pods' environment and command line as rendered; only their hostnames become 127.0.0.1."""
+  tmp_path, codes, outputs = pods_run
+  assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
   assert "2 workers" in outputs[0], outputs[0][-2000:]
   assert [r["step"] for r in read_metrics(f"{tmp_path}/runs/gpt")] == [1, 2]
   assert os.path.exists(f"{tmp_path}/runs/gpt/checkpoints/checkpoint")

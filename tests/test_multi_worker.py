@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import TINY, make_config, read_metrics, run_module, train_in_process
+from conftest import (TINY, make_config, read_metrics, run_module_in_background,
+                      selected_tests_use, train_in_process)
 from tfpar import strategies
 from tfpar.cluster import Cluster
 from tfpar.config import ConfigError
@@ -53,15 +54,29 @@ def one_device_dir(tmp_path_factory):
   return model_dir
 
 
-@pytest.fixture(scope="module")
-def two_workers(tmp_path_factory):
-  """(model_dir, launcher output) of a 2-worker run that saves at steps 3 and 6."""
+@pytest.fixture(scope="module", autouse=True)
+def started(request, tmp_path_factory):
+  """The 2-worker job of `two_workers`, started before this module's in-process runs."""
+  if not selected_tests_use(request, "two_workers"):
+    return None
   model_dir = tmp_path_factory.mktemp("two_workers")
   # TF_CPP_MIN_LOG_LEVEL=0: TensorFlow's C++ warnings (tf.data's auto-shard one among them)
   # are shown, not hidden as tfpar.train does by default, since the logs are checked.
-  proc = run_module("tfpar.launch", TWO_WORKERS + [f"--model_dir={model_dir}", "--collective=ring",
-                                                   "--checkpoint_every=3"],
-                    env={"TF_CPP_MIN_LOG_LEVEL": "0"}, timeout=300)
+  return model_dir, run_module_in_background(
+      "tfpar.launch", TWO_WORKERS + [f"--model_dir={model_dir}", "--collective=ring",
+                                     "--checkpoint_every=3"],
+      env={"TF_CPP_MIN_LOG_LEVEL": "0"}, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def two_workers(started, one_device_dir):
+  """(model_dir, launcher output) of a 2-worker run that saves at steps 3 and 6.
+
+  (one_device_dir first: it trains in this process while the two workers run.)
+  """
+  del one_device_dir
+  model_dir, future = started
+  proc = future.result()
   return model_dir, proc.stdout + proc.stderr
 
 
@@ -174,10 +189,11 @@ def test_a_mirrored_checkpoint_resumes_under_two_workers_as_under_one_device(one
     np.testing.assert_array_equal(saved_by_mirrored[name], value, err_msg=name)
 
   resumed = ["--train_steps=8", "--eval_steps=0"]  # eval under 2 workers is tested above
-  proc = run_module("tfpar.launch", TWO_WORKERS + resumed + [f"--model_dir={two_dir}"],
-                    timeout=300)
-  assert re.search(rf"\[worker 0\] resumed from .*ckpt-{STEPS} at step {STEPS}", proc.stdout)
+  job = run_module_in_background("tfpar.launch", TWO_WORKERS + resumed + [f"--model_dir={two_dir}"],
+                                 timeout=600)
   train_in_process(ARGS + resumed + ["--strategy=one_device", f"--model_dir={one_dir}"])
+  proc = job.result()  # The two workers ran beside the one-device run of this process.
+  assert re.search(rf"\[worker 0\] resumed from .*ckpt-{STEPS} at step {STEPS}", proc.stdout)
   two = read_metrics(str(two_dir))
   one = [r for r in read_metrics(str(one_dir)) if r["step"] > STEPS]
   assert [r["step"] for r in two] == [r["step"] for r in one] == [7, 8]

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import TINY, make_config, read_metrics, run_module
+from conftest import TINY, make_config, read_metrics, run_module, run_modules
 from tfpar.config import ModelConfig
 from tfpar.parallel import plan as plan_lib
 from tfpar.planner import calibrate, clusters, cost, megatron, search
@@ -245,7 +245,7 @@ def test_yaml_cluster_is_read_and_checked(tmp_path):
     clusters.parse(write_yaml(tmp_path / "neg.yaml", devices=-1))
 
 
-@pytest.mark.parametrize("args, words", [
+BAD_INPUT = [
     (["--cluster=v100:8"], ["unknown cluster type 'v100'", "a100-80gb:N"]),
     (["--cluster=MISSING_YAML"], ["is missing field(s) peak_flops"]),
     (["--num_layers=96", "--d_model=12288", "--num_heads=96", "--seq_len=2048",
@@ -253,14 +253,28 @@ def test_yaml_cluster_is_read_and_checked(tmp_path):
      ["do not fit on a100-80gb:8", "GiB per device", "fits on 64 such devices"]),
     (["--cluster=cpu:2", "--emit_flags=MISSING_DIR/best.flags"],
      ["the directory", "MISSING_DIR does not exist: create it"]),
-])
-def test_bad_input_is_one_line_and_exit_2(args, words, tmp_path):
-  yaml_path = write_yaml(tmp_path / "c.yaml", peak_flops=None)
-  args = [a.replace("MISSING_YAML", yaml_path) for a in args]
-  words = [w.replace("MISSING_DIR", str(tmp_path / "nowhere")) for w in words]
-  args = [a.replace("MISSING_DIR", str(tmp_path / "nowhere")) for a in args]
-  proc = run_module("tfpar.plan", args + ["--system=megatron"] * ("--num_layers=96" in args),
-                    check=False)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory):
+  """{case index: (CompletedProcess, its directory)}: each case its own `python -m tfpar.plan`,
+  all started side by side once (conftest.run_modules)."""
+  calls, dirs = [], []
+  for args, _ in BAD_INPUT:
+    directory = tmp_path_factory.mktemp("plan_bad")
+    yaml_path = write_yaml(directory / "c.yaml", peak_flops=None)
+    args = [a.replace("MISSING_YAML", yaml_path).replace("MISSING_DIR", str(directory / "nowhere"))
+            for a in args]
+    calls.append(("tfpar.plan", args + ["--system=megatron"] * ("--num_layers=96" in args)))
+    dirs.append(directory)
+  return dict(enumerate(zip(run_modules(calls), dirs)))
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)))
+def test_bad_input_is_one_line_and_exit_2(case, bad_input_runs):
+  proc, tmp_path = bad_input_runs[case]
+  words = [w.replace("MISSING_DIR", str(tmp_path / "nowhere")) for w in BAD_INPUT[case][1]]
   assert proc.returncode == 2, proc.stderr
   lines = [l for l in proc.stderr.splitlines() if l.startswith("tfpar.plan: error:")]
   assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr

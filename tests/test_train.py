@@ -16,7 +16,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, TINY, read_metrics, run_module, train_in_process
+from conftest import (REPO, TINY, read_metrics, run_module, run_module_in_background,
+                      selected_tests_use, train_in_process)
 from tfpar.training.checkpoint import read_checkpoint
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -42,6 +43,31 @@ def assert_same_weights(a, b, rtol, atol=0.0):
   assert sorted(a) == sorted(b)
   for name in a:
     np.testing.assert_allclose(a[name], b[name], rtol=rtol, atol=atol, err_msg=name)
+
+
+# XLA is left off for time (a compile costs more than this whole run); the in-process
+# XLA test covers that path.
+CLI_ARGS = FAST + ["--train_steps=10", "--eval_every=5", "--checkpoint_every=5",
+                   "--profile_steps=3,4"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started(request, tmp_path_factory):
+  """test_cli_end_to_end's process, started before this module's in-process runs.
+
+  Its own `python -m tfpar.train`, as before; it only runs beside them.
+  """
+  if not selected_tests_use(request, "cli_run"):
+    return None
+  model_dir = str(tmp_path_factory.mktemp("cli") / "run")
+  return model_dir, run_module_in_background("tfpar.train", CLI_ARGS + [f"--model_dir={model_dir}"])
+
+
+@pytest.fixture(scope="module")
+def cli_run(started):
+  """(model_dir, CompletedProcess) of the CLI run end to end."""
+  model_dir, future = started
+  return model_dir, future.result()
 
 
 @pytest.fixture(scope="module")
@@ -118,13 +144,8 @@ def test_mixed_precision_trains(tmp_path, precision):
   assert checkpoint(model_dir, 8)["wte/embeddings"].dtype == np.float32
 
 
-def test_cli_end_to_end(tmp_path):
-  model_dir = str(tmp_path / "run")
-  # XLA is left off for time (a compile costs more than this whole run); the in-process
-  # XLA test above covers that path.
-  proc = run_module("tfpar.train", FAST + ["--train_steps=10", "--eval_every=5",
-                                           "--checkpoint_every=5", "--profile_steps=3,4",
-                                           f"--model_dir={model_dir}"])
+def test_cli_end_to_end(cli_run):
+  model_dir, proc = cli_run
   assert "step     10/10" in proc.stdout  # the progress line a person watches
   # The ETA leaves out the first (tracing) call: none after step 1, one from step 2 on.
   progress = [line for line in proc.stdout.splitlines() if line.startswith("step ")]

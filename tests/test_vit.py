@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import make_config, read_metrics, run_module, train_in_process
+from conftest import make_config, read_metrics, run_modules, train_in_process
 
 STEPS = 3
 # A tiny ViT on the digits: 8x8 images in 2x2 patches (16 + a class token), 2 blocks.
@@ -35,11 +35,10 @@ def one_device(tmp_path_factory):
   return model_dir
 
 
-def test_cli_generate_on_a_vision_run_names_the_task_it_needs(one_device):
+def test_cli_generate_on_a_vision_run_names_the_task_it_needs(one_device, cli):
   """Once "the checkpoint ... was written by another version of the model; retrain"."""
   from test_bad_input import snapshot  # pylint: disable=import-outside-toplevel
-  before = snapshot(one_device)
-  proc = run_module("tfpar.generate", [f"--model_dir={one_device}", "--prompt=hi"], check=False)
+  proc, before = cli["generate"], cli["one_device_before"]
   assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("tfpar.generate: error:"), proc.stderr
@@ -67,14 +66,40 @@ def folder_run(tmp_path_factory):
   return model_dir, root / "images"
 
 
-def test_cli_predict_prints_the_class_folder_names(folder_run):
+@pytest.fixture(scope="module")
+def cli(one_device, folder_run, tmp_path_factory):
+  """Every CLI process of this file, each its own `python -m`, started side by side once.
+
+  {name: CompletedProcess}, and one_device's files as they were before ("one_device_before").
+  """
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  from test_bad_input import snapshot  # pylint: disable=import-outside-toplevel
+  model_dir, folder = folder_run
+  bad = tmp_path_factory.mktemp("vit_bad")
+  for name in ("cat", "dog", "eel"):  # A user's image folder with 3 classes.
+    (bad / "images" / name).mkdir(parents=True)
+    Image.new("L", (8, 8), 200).save(bad / "images" / name / "0.png")
+  calls = {
+      "generate": ("tfpar.generate", [f"--model_dir={one_device}", "--prompt=hi"]),
+      "predict": ("tfpar.predict", [f"--model_dir={model_dir}", f"--image={folder / 'eel'}"]),
+      "image_size": ("tfpar.train", VIT + ["--image_size=9", f"--model_dir={bad / 'run'}"]),
+      "num_classes": ("tfpar.train", VIT + ["--num_classes=5", f"--model_dir={bad / 'run'}"]),
+      "user": ("tfpar.train", VIT + ["--num_classes=2", f"--data={bad / 'images'}",
+                                     f"--model_dir={bad / 'user'}"]),
+  }
+  before = snapshot(one_device)
+  return {**dict(zip(calls, run_modules(list(calls.values())))), "one_device_before": before,
+          "bad": bad}
+
+
+def test_cli_predict_prints_the_class_folder_names(folder_run, cli):
   """Once "class 2 (0.4)": an index the user had to map back to the sorted folder names."""
   import json  # pylint: disable=import-outside-toplevel
-  model_dir, folder = folder_run
+  model_dir, _ = folder_run
   with open(os.path.join(model_dir, "config.json")) as f:
     assert json.load(f)["class_names"] == list(CLASSES)  # recorded when the data was read
-  out = run_module("tfpar.predict", [f"--model_dir={model_dir}",
-                                     f"--image={folder / 'eel'}"]).stdout.splitlines()
+  assert cli["predict"].returncode == 0, cli["predict"].stderr[-3000:]
+  out = cli["predict"].stdout.splitlines()
   assert len(out) == 4
   for line in out:
     assert line.split(": class ")[1].split(" (")[0] in CLASSES, line
@@ -175,24 +200,16 @@ def test_accuracy_counts_each_held_out_image_once():
   assert task.eval_metrics(batches) == {"loss": 2.0, "accuracy": pytest.approx(2 / 3)}
 
 
-def test_bad_image_size_and_class_ids_are_one_line_errors(tmp_path):
-  from PIL import Image  # pylint: disable=import-outside-toplevel
+def test_bad_image_size_and_class_ids_are_one_line_errors(cli):
   from test_config import assert_one_line_error  # pylint: disable=import-outside-toplevel
   from tfpar.config import ConfigError  # pylint: disable=import-outside-toplevel
   with pytest.raises(ConfigError, match="--image_size=10 is not divisible by --patch_size=4"):
     make_config(VIT + ["--model_dir=/tmp/unused", "--image_size=10", "--patch_size=4",
                        "--data=/tmp"])
   # Before TensorFlow starts: one line, exit 2, nothing created.
-  for flags, flag in ((["--image_size=9"], "image_size"), (["--num_classes=5"], "num_classes")):
-    proc = run_module("tfpar.train", VIT + flags + [f"--model_dir={tmp_path / 'run'}"],
-                      check=False)
-    assert_one_line_error(proc, flag)
-    assert not (tmp_path / "run").exists()
+  for name, flag in (("image_size", "image_size"), ("num_classes", "num_classes")):
+    assert_one_line_error(cli[name], flag)
+  assert not (cli["bad"] / "run").exists()
   # A user's image folder with 3 classes, trained with --num_classes=2.
-  for name in ("cat", "dog", "eel"):
-    (tmp_path / "images" / name).mkdir(parents=True)
-    Image.new("L", (8, 8), 200).save(tmp_path / "images" / name / "0.png")
-  proc = run_module("tfpar.train", VIT + ["--num_classes=2", f"--data={tmp_path / 'images'}",
-                                          f"--model_dir={tmp_path / 'user'}"], check=False)
-  line = assert_one_line_error(proc, "num_classes")
+  line = assert_one_line_error(cli["user"], "num_classes")
   assert "class id 2" in line
