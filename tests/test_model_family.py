@@ -114,7 +114,7 @@ TOY = partitioning.register(partitioning.Rules("toy", (
     Rule(r"block_\d+/layer_scale", REPLICATED),
     Rule(r"ln_f/(gamma|beta)"),
     Rule(r"dropout_rng/\d+"),
-), toy_block_shapes))
+), toy_block_shapes, partitioning.gpt_embed_shapes, partitioning.final_norm_shapes))
 
 
 class ToyLM(GPT):
@@ -221,13 +221,28 @@ def test_its_bytes_per_device_come_from_its_rules(runs):
   engine = runs["split"]["engine"]
   m = engine.cfg.model
   unsplit, shard = TOY.block_counts(m, 2)
-  embedding, head = ToyTask.embed_head_params(m)
+  embedding, head = TOY.embed_head_counts(m)
   measured = engine.measured_bytes()
   row = engine.plan.devices[0]
   from tfpar.parallel.plan import device_key  # pylint: disable=import-outside-toplevel
   want = {device_key(row[0][0]): embedding + unsplit + shard, device_key(row[0][1]): shard,
           device_key(row[1][0]): head + unsplit + shard, device_key(row[1][1]): shard}
   assert {d: b["parameters"] for d, b in measured.items()} == {d: 4 * n for d, n in want.items()}
+
+
+def test_its_plan_counts_its_own_parameters(runs):
+  """The plan the engine prints and writes (plan.json) is the toy's, not --task's (GPT's)."""
+  engine = runs["split"]["engine"]
+  predicted = engine.plan.bytes_per_device()
+  measured = engine.measured_bytes()  # The built variables' bytes on each device.
+  assert {d: b["parameters"] for d, b in predicted.items()} == \
+      {d: b["parameters"] for d, b in measured.items()}
+  m = engine.cfg.model
+  from tfpar.parallel import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  assert engine.plan.counts == plan_lib.count_params(m, 2, family="toy")
+  assert engine.plan.counts != plan_lib.count_params(m, 2)  # GPT's block differs.
+  total = sum(int(np.prod(v.shape)) for v in engine.copies[0].model.trainable_variables)
+  assert sum(s.parameters for s in engine.plan.stages) == total
 
 
 def test_its_no_decay_set_comes_from_its_rules(runs):

@@ -54,6 +54,10 @@ def test_each_shard_has_its_rules_slice_and_the_counts_are_the_variables(task_mo
   block = {name.split("/", 1)[1]: shape for name, shape in full.items()
            if name.startswith("block_0/")}
   assert whole.rules.block_shapes(m) == block
+  # So are its embedding's and head's (the plan's and the planner's counts of them).
+  outside = {name: shape for name, shape in full.items()
+             if not name.startswith(("block_", "dropout_rng/"))}
+  assert {**whole.rules.embed_shapes(m), **whole.rules.head_shapes(m)} == outside
   # count_params (the plan's bytes, the planner's stages) equals the built variables.
   for t, (_, model) in task_models.items():
     c = plan_lib.count_params(m, t)

@@ -18,15 +18,18 @@ inside the model, e.g. `block_3/attn/query/kernel`) to
   decay   whether AdamW's decoupled weight decay applies (matrices and embeddings
           yes; biases and LayerNorm scales no: GPT-2 / nanoGPT practice).
 
-and declares the shapes of one block from the ModelConfig, from which the plan
-counts parameters per shard and the planner counts FLOPs (2 s per weight of a
-matrix per sequence, plus attention's 4 s^2 h).
+and declares, from the ModelConfig, the shapes of one block and of the
+embedding and head parts, from which `shard_counts` counts parameters per
+shard (the plan's bytes per device, the planner's stages, with the Megatron
+layout's vocabulary-parallel table) and the planner counts FLOPs (2 s per
+weight of a matrix per sequence, plus attention's 4 s^2 h).
 
 Everything reads these tables: checkpoint canonical names and the gather /
 split axis (tfpar.training.checkpoint), parameter and optimizer bytes per
 device (tfpar.parallel.plan), the no-decay set (tfpar.training.optimizer),
 FLOPs (tfpar.planner.cost). A new family (tests/test_model_family.py adds one)
-registers its table with `register`; nothing else changes. Patterns are full
+registers its table and three shapes functions with `register`; nothing else
+changes. Patterns are full
 matches and a family's patterns are disjoint, so each variable has exactly one
 rule (the unit tests check it against every model's real variables).
 
@@ -72,10 +75,16 @@ class Rules:
     family: its name (what a task's `family` and a model's `rules` refer to).
     rules: the ordered, disjoint rules.
     block_shapes: ModelConfig -> {name inside a block: full shape} of one block.
+    embed_shapes: ModelConfig -> {canonical name: full shape} of the embedding part
+      (the variables before the first block: stage 0, the first device).
+    head_shapes: ModelConfig -> {canonical name: full shape} of the head part (after
+      the last block: stage K-1, the first device).
   """
   family: str
   rules: Tuple[Rule, ...]
   block_shapes: Callable[[object], Dict[str, Shape]]
+  embed_shapes: Callable[[object], Dict[str, Shape]]
+  head_shapes: Callable[[object], Dict[str, Shape]]
 
   def matching(self, name: str) -> Tuple[Rule, ...]:
     return tuple(r for r in self.rules if r.matches(name))
@@ -101,14 +110,24 @@ class Rules:
 
   def block_counts(self, m, tensor_parallel: int = 1) -> Tuple[int, int]:
     """(unsplit parameters of one block, parameters of one of its T shards)."""
-    unsplit = shard = 0
-    for name, shape in self.block_shapes(m).items():
-      size = math.prod(shape)
-      if shard_axis(self.rule(f"block_0/{name}").split, len(shape)) is None:
-        unsplit += size
-      else:
-        shard += size // tensor_parallel
-    return unsplit, shard
+    return shard_counts(self, {f"block_0/{n}": s for n, s in self.block_shapes(m).items()},
+                        tensor_parallel)
+
+  def embed_head_counts(self, m) -> Tuple[int, int]:
+    """(parameters of the embedding part, of the head part): both whole on one device.
+
+    Raises:
+      ValueError: a COLUMN or ROW rule names one of their variables (tfpar splits
+        only blocks over tensor shards).
+    """
+    out = []
+    for part, shapes in (("embedding", self.embed_shapes(m)), ("head", self.head_shapes(m))):
+      split = [n for n, shape in shapes.items() if self.axis(n, len(shape)) is not None]
+      if split:
+        raise ValueError(f"model family {self.family!r}: its {part}'s {', '.join(split)} split "
+                         f"over tensor shards (COLUMN/ROW rules); tfpar keeps the {part} whole")
+      out.append(sum(math.prod(shape) for shape in shapes.values()))
+    return out[0], out[1]
 
   def block_matmul_params(self, m) -> int:
     """Weights of one block's matrices (rank-2 kernels): 2 FLOPs per weight per position."""
@@ -119,7 +138,13 @@ _FAMILIES: Dict[str, Rules] = {}
 
 
 def register(rules: Rules) -> Rules:
-  """Adds (or replaces) a model family's table; returns it."""
+  """Adds (or replaces) a model family's table; returns it.
+
+  `rules` (a `Rules`) names the family, its ordered rules and three functions
+  of the ModelConfig giving full shapes: one block's variables (names inside
+  the block), the embedding's and the head's (canonical names). Every count
+  of the family's parameters (plan, planner) comes from them and the rules.
+  """
   _FAMILIES[rules.family] = rules
   return rules
 
@@ -190,13 +215,51 @@ def block_shapes(m) -> Dict[str, Shape]:
   return shapes
 
 
+def gpt_embed_shapes(m) -> Dict[str, Shape]:
+  """tfpar.models.GPT's token table (tied: also the output projection) and learned positions."""
+  shapes = {"wte/embeddings": (m.vocab_size, m.d_model)}
+  if m.positions == "learned":
+    shapes["wpe/embeddings"] = (m.seq_len, m.d_model)
+  return shapes
+
+
+def final_norm_shapes(m) -> Dict[str, Shape]:
+  """The final LayerNorm: GPT's whole head (its output projection is the tied table)."""
+  return {"ln_f/gamma": (m.d_model,), "ln_f/beta": (m.d_model,)}
+
+
+def vit_embed_shapes(m) -> Dict[str, Shape]:
+  """tfpar.models.ViT's patch projection (a P x P convolution), positions, class token."""
+  d, p, cls = m.d_model, m.patch_size, m.pooling == "cls"
+  shapes = {"patch_embed/kernel": (p, p, m.num_channels, d), "patch_embed/bias": (d,),
+            "position_embedding": (m.num_patches + int(cls), d)}
+  if cls:
+    shapes["class_token"] = (d,)
+  return shapes
+
+
+def vit_head_shapes(m) -> Dict[str, Shape]:
+  """The ViT's head: the classifier, or the dense head (tfpar.layers.dense_heads) of the
+  task detect or segment (which build no final LayerNorm of the ViT's)."""
+  d, c = m.d_model, m.num_classes
+  if m.task == "detect":
+    return {"detection_head/ln/gamma": (d,), "detection_head/ln/beta": (d,),
+            "detection_head/hidden/kernel": (d, d), "detection_head/hidden/bias": (d,),
+            "detection_head/out/kernel": (d, c + 4), "detection_head/out/bias": (c + 4,)}
+  if m.task == "segment":
+    out = m.patch_size * m.patch_size * c
+    return {"segmentation_head/ln/gamma": (d,), "segmentation_head/ln/beta": (d,),
+            "segmentation_head/out/kernel": (d, out), "segmentation_head/out/bias": (out,)}
+  return {**final_norm_shapes(m), "classifier/kernel": (d, c), "classifier/bias": (c,)}
+
+
 GPT = register(Rules("gpt", (
     Rule(r"wte/embeddings", VOCAB, decay=True),  # Tied: also the output projection.
     Rule(r"wpe/embeddings", decay=True),
     *BLOCK_RULES,
     *_norm("ln_f"),
     *DROPOUT_RULES,
-), block_shapes))
+), block_shapes, gpt_embed_shapes, final_norm_shapes))
 
 VIT = register(Rules("vit", (
     *_dense("patch_embed"),
@@ -208,7 +271,28 @@ VIT = register(Rules("vit", (
     *_norm("(detection_head|segmentation_head)/ln"),
     *_dense("(detection_head/(hidden|out)|segmentation_head/out)"),
     *DROPOUT_RULES,
-), block_shapes))
+), block_shapes, vit_embed_shapes, vit_head_shapes))
+
+
+def shard_counts(rules: Rules, shapes: Dict[str, Shape], tensor_parallel: int, *,
+                 vocab_parallel: bool = False) -> Tuple[int, int]:
+  """(parameters kept whole, parameters of one of the T shards) of the variables `shapes`.
+
+  Args:
+    rules: the family's table, which says how each canonical name splits.
+    shapes: {canonical name: full shape}.
+    tensor_parallel: T.
+    vocab_parallel: VOCAB tables split too, by rows (the planner's Megatron
+      layout); in tfpar's they are whole.
+  """
+  whole = shard = 0
+  for name, shape in shapes.items():
+    size, split = math.prod(shape), rules.rule(name).split
+    if vocab_parallel and split == VOCAB or shard_axis(split, len(shape)) is not None:
+      shard += size // tensor_parallel
+    else:
+      whole += size
+  return whole, shard
 
 
 def shard_shapes(rules: Rules, shapes: Dict[str, Shape], tensor_parallel: int

@@ -123,12 +123,13 @@ class ModelParallelEngine(Engine):
     local = strategies.compute_devices(cfg.dist.num_cpu_devices)
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
       resolver = strategy.cluster_resolver
-      self.plan = plan_lib.make_plan(cfg, [], worker_devices=_worker_devices(resolver, local))
+      self.plan = plan_lib.make_plan(cfg, [], worker_devices=_worker_devices(resolver, local),
+                                     family=self.task.family)
       self.worker_index = _worker_index(resolver)
       self.strategy = strategy
       rows = [self.worker_index]
     else:
-      self.plan = plan_lib.make_plan(cfg, local)
+      self.plan = plan_lib.make_plan(cfg, local, family=self.task.family)
       self.worker_index = 0
       d = self.plan.data_parallel
       self.strategy = None if d == 1 else tf.distribute.MirroredStrategy(

@@ -48,10 +48,6 @@ class DetectionHead(keras.layers.Layer):
     self.hidden.build(input_shape)
     self.out.build((*input_shape[:-1], self.d_model))
 
-  @staticmethod
-  def num_params(*, num_classes, d_model):
-    return 2 * d_model + d_model * d_model + d_model + (d_model + 1) * (num_classes + 4)
-
   def call(self, tokens):
     y = ops.cast(self.out(self.hidden(self.ln(tokens))), "float32")  # [B, G*G, C + 4]
     return ops.reshape(y, (-1, self.grid, self.grid, self.num_classes + 4))
@@ -81,10 +77,6 @@ class SegmentationHead(keras.layers.Layer):
   def build(self, input_shape):
     self.ln.build(input_shape)
     self.out.build(input_shape)
-
-  @staticmethod
-  def num_params(*, num_classes, d_model, patch_size):
-    return 2 * d_model + (d_model + 1) * patch_size * patch_size * num_classes
 
   def call(self, tokens):
     g, p, c = self.grid, self.patch_size, self.num_classes

@@ -56,17 +56,26 @@ class ParamCounts:
     return self.block_unsplit + self.shards * self.block_shard
 
 
-def rules_of(m: ModelConfig) -> partitioning.Rules:
-  """The partitioning rules of the model family m's task builds."""
-  return partitioning.get(tasks.get(m.task).family)
+def rules_of(m: ModelConfig, family: Optional[str] = None) -> partitioning.Rules:
+  """The partitioning rules of `family`, by default the family m's task builds."""
+  return partitioning.get(family or tasks.get(m.task).family)
 
 
-def count_params(m: ModelConfig, tensor_parallel: int = 1) -> ParamCounts:
-  """Parameter counts from the shapes alone: a block's from its family's
-  partitioning rules (which of its variables split over the T shards), the
-  embedding and head by the task."""
-  unsplit, shard = rules_of(m).block_counts(m, tensor_parallel)
-  embedding, head = tasks.get(m.task).embed_head_params(m)
+def count_params(m: ModelConfig, tensor_parallel: int = 1, *,
+                 family: Optional[str] = None) -> ParamCounts:
+  """Parameter counts from the shapes alone: the model family's partitioning
+  rules and shapes (tfpar.partitioning) give a block's variables and which of
+  them split over the T shards, and the embedding's and head's.
+
+  Args:
+    m: the model's config.
+    tensor_parallel: T.
+    family: the family of the model trained (a task passed to an engine may
+      build another than m.task's); default m.task's.
+  """
+  rules = rules_of(m, family)
+  unsplit, shard = rules.block_counts(m, tensor_parallel)
+  embedding, head = rules.embed_head_counts(m)
   return ParamCounts(embedding=embedding, head=head, block_unsplit=unsplit, block_shard=shard,
                      shards=tensor_parallel)
 
@@ -230,7 +239,8 @@ def state_bytes_per_device(cfg: Config) -> int:
 
 
 def make_plan(cfg: Config, devices: Sequence[str], *,
-              worker_devices: Optional[Sequence[Sequence[str]]] = None) -> ParallelPlan:
+              worker_devices: Optional[Sequence[Sequence[str]]] = None,
+              family: Optional[str] = None) -> ParallelPlan:
   """Builds and checks the plan.
 
   Args:
@@ -238,6 +248,8 @@ def make_plan(cfg: Config, devices: Sequence[str], *,
     devices: the devices of this host the run may use (one host).
     worker_devices: across workers, each worker's devices (D = number of
       workers, each worker holding K x T devices); `devices` is then unused.
+    family: the model family trained (the engine's task's), whose partitioning
+      rules count the parameters; default the family of --task's.
 
   Raises:
     ConfigError: one line naming the flag, when the plan cannot work.
@@ -267,7 +279,7 @@ def make_plan(cfg: Config, devices: Sequence[str], *,
     flat = list(devices)
   g = cfg.train.global_batch_size
   config_lib.check_batch(g, d, p.microbatches, flag=f"--data_parallel={d}")
-  counts = count_params(m, t)
+  counts = count_params(m, t, family=family)
   if p.stage_layers is not None:
     per_stage = tuple(p.stage_layers)
   else:

@@ -38,6 +38,7 @@ from typing import Dict
 
 import numpy as np
 
+from tfpar import partitioning
 from tfpar.config import ModelConfig
 from tfpar.parallel import plan as plan_lib
 from tfpar.planner.clusters import Cluster
@@ -172,8 +173,11 @@ def _stages(m: ModelConfig, k: int, t: int, system_name: str) -> Stages:
     blocks = np.array(plan_lib.balance_stages(m.num_layers, k, c.block, c.embedding, c.head))
   params = blocks * (c.block_shard + c.block_unsplit)
   if system.vocab_parallel:
-    vocab_table = m.vocab_size * m.d_model // t
-    params[0] += vocab_table + (c.embedding - m.vocab_size * m.d_model)  # + positions, unsplit
+    # The embedding with its VOCAB tables split by rows (the rest, positions, whole).
+    rules = plan_lib.rules_of(m)
+    whole, vocab_table = partitioning.shard_counts(rules, rules.embed_shapes(m), t,
+                                                   vocab_parallel=True)
+    params[0] += whole + vocab_table
     params[-1] += c.head + (vocab_table if k > 1 else 0)  # Megatron's copy of the tied table.
   else:
     params[0] += c.embedding

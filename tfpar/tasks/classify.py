@@ -77,15 +77,6 @@ class Classification(Task):
   def build_model(self, *, tensor_shards: int = 1, seed: int = 0) -> ViT:
     return ViT(self.cfg.model, tensor_shards=tensor_shards, seed=seed)
 
-  @staticmethod
-  def embed_head_params(model_config):
-    m = model_config
-    d, tokens = m.d_model, m.num_patches + (1 if m.pooling == "cls" else 0)
-    patches = m.patch_size * m.patch_size * m.num_channels * d + d  # Conv kernel + bias.
-    embedding = patches + tokens * d + (d if m.pooling == "cls" else 0)  # + positions, class token
-    head = 2 * d + d * m.num_classes + m.num_classes  # LayerNorm + classifier
-    return embedding, head
-
   # --- data ---------------------------------------------------------------------
   def load_data(self, *, worker_index: int = 0, num_workers: int = 1):
     m, d = self.cfg.model, self.cfg.data

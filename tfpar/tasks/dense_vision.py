@@ -26,7 +26,6 @@ import numpy as np
 from tfpar import tasks
 from tfpar.data import augment, digit_canvas, image_pipeline, images
 from tfpar.models import ViT
-from tfpar.tasks.classify import Classification
 from tfpar.tasks.task import Task
 
 SPLIT_SEED = 0  # As --task=classify's digits split: the same held-out scans.
@@ -64,11 +63,6 @@ class DenseViT(ViT):
     if self.config.pooling == "cls":
       h = h[:, 1:]  # The class token: a dense head reads the patches only.
     return self.dense_head(h)
-
-
-def embedding_params(model_config) -> int:
-  """Parameters of the ViT's embedding (patch projection, positions, class token)."""
-  return Classification.embed_head_params(model_config)[0]
 
 
 class DenseVisionTask(Task):

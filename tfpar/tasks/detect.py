@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from tfpar.console import count
 from tfpar.layers.dense_heads import DetectionHead
-from tfpar.tasks.dense_vision import DenseVisionTask, embedding_params
+from tfpar.tasks.dense_vision import DenseVisionTask
 from tfpar.tasks.prediction import PALETTE
 from tfpar.vision import boxes as box_lib
 from tfpar.vision import metrics
@@ -53,12 +53,6 @@ class Detection(DenseVisionTask):
     m = self.cfg.model
     return DetectionHead(num_classes=m.num_classes, grid=self.grid, d_model=m.d_model,
                          name="detection_head")
-
-  @staticmethod
-  def embed_head_params(model_config):
-    m = model_config
-    return (embedding_params(m),
-            DetectionHead.num_params(num_classes=m.num_classes, d_model=m.d_model))
 
   def targets(self, example) -> Dict:
     m = self.cfg.model

@@ -34,13 +34,6 @@ class LanguageModeling(Task):
   def build_model(self, *, tensor_shards: int = 1, seed: int = 0) -> GPT:
     return GPT(self.cfg.model, tensor_shards=tensor_shards, seed=seed)
 
-  @staticmethod
-  def embed_head_params(model_config):
-    m = model_config
-    embedding = m.vocab_size * m.d_model + (m.seq_len * m.d_model if m.positions == "learned"
-                                            else 0)
-    return embedding, 2 * m.d_model  # The head: the final LayerNorm (the output is tied).
-
   def load_data(self, *, worker_index: int = 0, num_workers: int = 1):
     d = self.cfg.data
     files = corpus_lib.list_files(d.data)

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from tfpar.layers.dense_heads import SegmentationHead
 from tfpar.tasks import prediction
-from tfpar.tasks.dense_vision import DenseVisionTask, embedding_params
+from tfpar.tasks.dense_vision import DenseVisionTask
 from tfpar.tasks.task import cross_entropy
 from tfpar.vision import metrics
 
@@ -39,13 +39,6 @@ class Segmentation(DenseVisionTask):
     m = self.cfg.model
     return SegmentationHead(num_classes=m.num_classes, grid=self.grid, patch_size=m.patch_size,
                             name="segmentation_head")
-
-  @staticmethod
-  def embed_head_params(model_config):
-    m = model_config
-    return (embedding_params(m),
-            SegmentationHead.num_params(num_classes=m.num_classes, d_model=m.d_model,
-                                        patch_size=m.patch_size))
 
   def targets(self, example) -> Dict:
     return {"mask": example["mask"], "index": example["index"]}

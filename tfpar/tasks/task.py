@@ -26,6 +26,8 @@ from typing import Dict, List, Tuple
 import numpy as np
 import tensorflow as tf
 
+from tfpar import partitioning
+
 
 def cross_entropy(logits, labels, global_count: int):
   """Softmax cross-entropy summed over every label here / labels in the GLOBAL batch.
@@ -71,13 +73,10 @@ class Task:
     """The Keras model (weights not created yet; see the module docstring for its parts)."""
     raise NotImplementedError
 
-  @staticmethod
-  def embed_head_params(model_config) -> Tuple[int, int]:
-    """(parameters of the embedding part, of the head part), from the config alone.
-
-    tfpar.parallel.plan adds the blocks (the shared tfpar.layers.Block) itself.
-    """
-    raise NotImplementedError
+  def embed_head_params(self, model_config) -> Tuple[int, int]:
+    """(parameters of the embedding part, of the head part), from the config alone:
+    the shapes and rules of the task's family (tfpar.partitioning), as the plan counts."""
+    return partitioning.get(self.family).embed_head_counts(model_config)
 
   # --- data ---------------------------------------------------------------------
   def load_data(self, *, worker_index: int = 0, num_workers: int = 1):
