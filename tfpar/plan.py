@@ -163,7 +163,7 @@ def answer(fv):
 def main(argv):
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}: flags are written --name=value")
-  # The tasks' parameter counts import TensorFlow (through Keras): quietly, before they do.
+  # Looking up the task's model family imports its module, and so TensorFlow: quietly, first.
   console.import_tensorflow_quietly(FLAGS.verbosity if FLAGS["verbosity"].present else None)
   try:
     m, cluster, system, ranked = answer(FLAGS)
