@@ -238,19 +238,25 @@ def vit_embed_shapes(m) -> Dict[str, Shape]:
   return shapes
 
 
-def vit_head_shapes(m) -> Dict[str, Shape]:
-  """The ViT's head: the classifier, or the dense head (tfpar.layers.dense_heads) of the
-  task detect or segment (which build no final LayerNorm of the ViT's)."""
+def classifier_head_shapes(m) -> Dict[str, Shape]:
+  """The ViT classifier's head (--task=classify): final LayerNorm, then the classes."""
   d, c = m.d_model, m.num_classes
-  if m.task == "detect":
-    return {"detection_head/ln/gamma": (d,), "detection_head/ln/beta": (d,),
-            "detection_head/hidden/kernel": (d, d), "detection_head/hidden/bias": (d,),
-            "detection_head/out/kernel": (d, c + 4), "detection_head/out/bias": (c + 4,)}
-  if m.task == "segment":
-    out = m.patch_size * m.patch_size * c
-    return {"segmentation_head/ln/gamma": (d,), "segmentation_head/ln/beta": (d,),
-            "segmentation_head/out/kernel": (d, out), "segmentation_head/out/bias": (out,)}
   return {**final_norm_shapes(m), "classifier/kernel": (d, c), "classifier/bias": (c,)}
+
+
+def detection_head_shapes(m) -> Dict[str, Shape]:
+  """tfpar.layers.dense_heads' detection head (--task=detect): classes + 4 box offsets per patch."""
+  d, c = m.d_model, m.num_classes
+  return {"detection_head/ln/gamma": (d,), "detection_head/ln/beta": (d,),
+          "detection_head/hidden/kernel": (d, d), "detection_head/hidden/bias": (d,),
+          "detection_head/out/kernel": (d, c + 4), "detection_head/out/bias": (c + 4,)}
+
+
+def segmentation_head_shapes(m) -> Dict[str, Shape]:
+  """tfpar.layers.dense_heads' segmentation head (--task=segment): P x P x classes per patch."""
+  d, out = m.d_model, m.patch_size * m.patch_size * m.num_classes
+  return {"segmentation_head/ln/gamma": (d,), "segmentation_head/ln/beta": (d,),
+          "segmentation_head/out/kernel": (d, out), "segmentation_head/out/bias": (out,)}
 
 
 GPT = register(Rules("gpt", (
@@ -261,7 +267,9 @@ GPT = register(Rules("gpt", (
     *DROPOUT_RULES,
 ), block_shapes, gpt_embed_shapes, final_norm_shapes))
 
-VIT = register(Rules("vit", (
+# One table for every ViT (the checkpoint names of any of its heads); three
+# families, one per head, for the counts (the variables a task's model has).
+VIT_RULES = (
     *_dense("patch_embed"),
     Rule(r"(position_embedding|class_token)", decay=True),
     *BLOCK_RULES,
@@ -271,7 +279,12 @@ VIT = register(Rules("vit", (
     *_norm("(detection_head|segmentation_head)/ln"),
     *_dense("(detection_head/(hidden|out)|segmentation_head/out)"),
     *DROPOUT_RULES,
-), block_shapes, vit_embed_shapes, vit_head_shapes))
+)
+VIT = register(Rules("vit", VIT_RULES, block_shapes, vit_embed_shapes, classifier_head_shapes))
+VIT_DETECT = register(Rules("vit_detect", VIT_RULES, block_shapes, vit_embed_shapes,
+                            detection_head_shapes))
+VIT_SEGMENT = register(Rules("vit_segment", VIT_RULES, block_shapes, vit_embed_shapes,
+                             segmentation_head_shapes))
 
 
 def shard_counts(rules: Rules, shapes: Dict[str, Shape], tensor_parallel: int, *,

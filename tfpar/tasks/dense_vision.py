@@ -23,7 +23,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from tfpar import tasks
+from tfpar import partitioning, tasks
 from tfpar.data import augment, digit_canvas, image_pipeline, images
 from tfpar.models import ViT
 from tfpar.tasks.task import Task
@@ -48,12 +48,14 @@ class DenseViT(ViT):
   Args:
     config: the ModelConfig.
     head: a Keras layer, patch tokens [B, G*G, d] -> outputs.
+    rules: the ViT family with this head's shapes (tfpar.partitioning).
     tensor_shards, seed: as for ViT.
   """
 
-  def __init__(self, config, *, head, tensor_shards: int = 1, seed: int = 0, **kwargs):
+  def __init__(self, config, *, head, rules, tensor_shards: int = 1, seed: int = 0, **kwargs):
     super().__init__(config, tensor_shards=tensor_shards, seed=seed, **kwargs)
     self.dense_head = head
+    self.rules = rules
 
   def build_head(self):
     self.dense_head.build((None, self.num_patches, self.config.d_model))
@@ -69,8 +71,8 @@ class DenseVisionTask(Task):
   """Base of the detection and segmentation tasks; subclasses set `kind` and the head's parts."""
 
   unit = "images"
-  family = "vit"  # Its model's partitioning rules (tfpar.partitioning).
   kind = ""  # "detect" or "segment": which labels the data carries.
+  family = ""  # Its ViT family in tfpar.partitioning (the head's shapes differ).
 
   @property
   def units_per_step(self) -> int:
@@ -84,7 +86,8 @@ class DenseVisionTask(Task):
     raise NotImplementedError
 
   def build_model(self, *, tensor_shards: int = 1, seed: int = 0) -> DenseViT:
-    return DenseViT(self.cfg.model, head=self.make_head(), tensor_shards=tensor_shards, seed=seed)
+    return DenseViT(self.cfg.model, head=self.make_head(), rules=partitioning.get(self.family),
+                    tensor_shards=tensor_shards, seed=seed)
 
   # --- data ---------------------------------------------------------------------
   def load_data(self, *, worker_index: int = 0, num_workers: int = 1):

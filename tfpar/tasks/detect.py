@@ -44,6 +44,7 @@ class Detection(DenseVisionTask):
   """Object detection: inputs [B, S, S, C]; targets the per-patch encoding and the true boxes."""
 
   kind = "detect"
+  family = "vit_detect"  # The ViT's rules, with this head's shapes (tfpar.partitioning).
 
   @property
   def global_count(self) -> int:

@@ -28,6 +28,7 @@ class Segmentation(DenseVisionTask):
   """Semantic segmentation: inputs [B, S, S, C]; targets {"mask" [B, S, S], "index" [B]}."""
 
   kind = "segment"
+  family = "vit_segment"  # The ViT's rules, with this head's shapes (tfpar.partitioning).
   writes_predictions = True  # The masks.
 
   @property
