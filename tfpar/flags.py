@@ -18,6 +18,43 @@ def _define(define, flag_values, *args, **kwargs):
   define(*args, flag_values=flag_values, **kwargs)
 
 
+class _BooleanEnumParser(flags.EnumParser):
+  """An enum whose flag was once a boolean: `--flag` alone is `on`, `--noflag` is `off`.
+
+  absl hands a boolean flag's bare and --no forms to the parser as 'true' and
+  'false' (also what an old flagfile's --flag=true or --flag=false says).
+  """
+
+  def __init__(self, choices, off: str, on: str):
+    super().__init__(choices)
+    self.words = {"true": on, "1": on, "false": off, "0": off}
+
+  def parse(self, argument):
+    if isinstance(argument, bool):
+      argument = str(argument)
+    return super().parse(self.words.get(str(argument).lower(), argument))
+
+  def flag_type(self):
+    return f"[no]flag or one of {', '.join(self.enum_values)}"
+
+
+class _BooleanEnumFlag(flags.Flag):
+  """`--[no]flag` or `--flag=choice` (absl's boolean parsing; an enum's values)."""
+
+  def __init__(self, name, default, help_text, choices, off, on):
+    self.off = off
+    super().__init__(_BooleanEnumParser(list(choices), off, on), flags.ArgumentSerializer(),
+                     name, default, help_text, boolean=True)
+
+  def _serialize(self, value):
+    if value is None:
+      return ""
+    return f"--no{self.name}" if value == self.off else f"--{self.name}={value}"
+
+  def _get_parsed_value_as_string(self, value):
+    return None if value is None else repr(str(value))
+
+
 _DEFINE = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, float: flags.DEFINE_float,
            str: flags.DEFINE_string, tuple: flags.DEFINE_list}
 
@@ -27,7 +64,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagValue
   if "train_steps" in flag_values:
     return flag_values
   for s in schema.settings():
-    if s.choices:
+    if s.boolean:
+      flags.DEFINE_flag(_BooleanEnumFlag(s.flag, s.default, s.help, s.choices, *s.boolean),
+                        flag_values)
+    elif s.choices:
       _define(flags.DEFINE_enum, flag_values, s.flag, s.default, list(s.choices), s.help)
     else:
       _define(_DEFINE[s.kind], flag_values, s.flag, s.default, s.help)

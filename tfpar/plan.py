@@ -45,13 +45,19 @@ def fail(message: str) -> None:
 
 
 def fixed_degrees(fv) -> dict:
-  """The degrees the user gave explicitly: the planner evaluates only plans with them."""
+  """The degrees the user gave explicitly: the planner evaluates only plans with them.
+
+  The cost model knows --remat as full or none (a bool); --remat=selective is refused.
+  """
   given = lambda name: fv[name].present
+  if given("remat") and fv.remat == "selective":
+    raise PlanError("--remat=selective is not in the planner's cost model yet (it models "
+                    "--remat and --noremat): plan with --remat or --noremat, or leave it out")
   return dict(data_parallel=fv.data_parallel if given("data_parallel") else None,
               pipeline_stages=fv.pipeline_stages if given("pipeline_stages") else None,
               tensor_parallel=fv.tensor_parallel if given("tensor_parallel") else None,
               microbatches=fv.microbatches if given("microbatches") else None,
-              remat=fv.remat if given("remat") else None)
+              remat=fv.remat == "full" if given("remat") else None)
 
 
 def plan(m, cluster, *, global_batch, precision, system, fixed) -> search.Ranked:

@@ -218,10 +218,12 @@ def check_model_split(m: ModelConfig, p: ParallelConfig, precision: str = "float
   if m.d_ff % p.tensor_parallel:
     raise ConfigError(f"--tensor_parallel={p.tensor_parallel} does not divide --d_ff={m.d_ff}: "
                       "pick a T that divides the MLP width")
-  if p.remat and m.dropout > 0:
+  if p.remat == "full" and m.dropout > 0:
     # Keras dropout draws from a stateful seed: the recomputed forward would get new masks.
+    # (--remat=selective recomputes only the attention core, which has no dropout.)
     raise ConfigError(f"--remat with --dropout={m.dropout} would recompute blocks with other "
-                      "dropout masks than the forward used: use --dropout=0 with --remat")
+                      "dropout masks than the forward used: use --dropout=0 with --remat, or "
+                      "--remat=selective")
   if precision == "mixed_float16":
     raise ConfigError("--precision=mixed_float16 does not combine with model parallelism "
                       "(no loss scaling there yet): use --precision=mixed_bfloat16 or float32")

@@ -16,7 +16,7 @@ import tempfile
 from typing import Sequence, Tuple
 
 from tfpar import storage
-from tfpar.schema import Config, ConfigError, ModelConfig
+from tfpar.schema import Config, ConfigError, ModelConfig, remat_mode
 
 RUN_CONFIG = "config.json"  # In --model_dir: the run's flags (write_config).
 CLASS_NAMES = "class_names"  # Beside the sections in config.json, where the data names classes.
@@ -100,6 +100,8 @@ def from_saved(saved: dict) -> Config:
     known = {f.name for f in dataclasses.fields(kind)}
     values = {k: tuple(v) if isinstance(v, list) else v
               for k, v in saved.get(section.name, {}).items() if k in known}
+    if "remat" in values:  # A boolean before --remat=none|full|selective.
+      values["remat"] = remat_mode(values["remat"])
     sections[section.name] = kind(**values)
   return Config(**sections)
 

@@ -21,7 +21,13 @@ STRATEGIES = ("one_device", "mirrored", "multi_worker_mirrored", "parameter_serv
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 ON_NONFINITE = ("stop", "skip")
+REMAT = ("none", "full", "selective")  # What blocks recompute in the backward pass.
 UNSET = object()  # A flag's default where it is the field's own.
+
+
+def remat_mode(value) -> str:
+  """--remat's mode from what a flag or an older config.json holds (True: full, False: none)."""
+  return {True: "full", False: "none"}.get(value, value) if isinstance(value, bool) else value
 
 
 class ConfigError(ValueError):
@@ -29,7 +35,7 @@ class ConfigError(ValueError):
 
 
 def setting(default, text: str, *, flag: str = "", flag_default=UNSET,
-            choices: Tuple[str, ...] = ()):
+            choices: Tuple[str, ...] = (), boolean: Tuple[str, ...] = ()):
   """A dataclass field that is also the absl flag `--flag` (default: the field's name), with
   help `text`.
 
@@ -37,9 +43,12 @@ def setting(default, text: str, *, flag: str = "", flag_default=UNSET,
     flag_default: what the flag holds when not passed, where from_flags resolves
       it to `default` (None: "4 * d_model", "5% of train_steps", "required").
     choices: the values of an enum flag.
+    boolean: (off, on): two of `choices` that `--noflag` and `--flag` alone stand for,
+      so that an enum which was once a boolean flag keeps its old spellings.
   """
   return dataclasses.field(default=default, metadata={
-      "help": text, "flag": flag, "flag_default": flag_default, "choices": tuple(choices)})
+      "help": text, "flag": flag, "flag_default": flag_default, "choices": tuple(choices),
+      "boolean": tuple(boolean)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,12 +190,16 @@ class ParallelConfig:
   tensor_parallel: int = setting(1, "Devices each attention and MLP block is split over.")
   data_parallel: Optional[int] = setting(
       None, "Model replicas for model-parallel runs (default: what the devices allow).")
-  remat: bool = setting(False, "Recompute each block's activations in the backward pass.")
+  remat: str = setting(
+      "none", "What each block recomputes in the backward pass: none keeps every activation, "
+      "full keeps only the block's input (about 33% more compute), selective only the "
+      "attention core softmax(QK^T/sqrt(d))V, its O(seq_len^2) scores and probabilities (a few % "
+      "more). --remat alone means full, --noremat none.", choices=REMAT, boolean=("none", "full"))
 
   @property
   def model_parallel(self) -> bool:
     """True when the model itself is split (pipeline, tensor, or an explicit plan)."""
-    return (self.pipeline_stages > 1 or self.tensor_parallel > 1 or self.remat
+    return (self.pipeline_stages > 1 or self.tensor_parallel > 1 or self.remat != "none"
             or self.data_parallel is not None or self.microbatches > 1)
 
 
@@ -220,6 +233,7 @@ class Setting:
   default: object  # The flag's default.
   help: str
   choices: Tuple[str, ...]
+  boolean: Tuple[str, ...] = ()  # (off, on) where --noflag / --flag alone stand for choices.
 
 
 def _kind(annotation) -> type:
@@ -240,5 +254,5 @@ def settings(kind=Config):
       flag_default = meta["flag_default"]
       out.append(Setting(section, f, meta["flag"] or f.name, _kind(f.type),
                          f.default if flag_default is UNSET else flag_default,
-                         meta["help"], meta["choices"]))
+                         meta["help"], meta["choices"], meta["boolean"]))
   return out

@@ -1,6 +1,7 @@
 """Multi-head self-attention, causal (GPT) or not (ViT), its heads split over tensor shards."""
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 from tfpar.layers.parallel import ColumnParallelDense, RowParallelDense, TensorParallel
@@ -81,6 +82,13 @@ class SelfAttention(TensorParallel, keras.layers.Layer):
       False lets every position see every other (image patches).
     tensor_shards: T, how many shards the heads are split into.
 
+  Attributes:
+    recompute_core: wrap the attention core (scores, softmax, mixing of each
+      shard's heads) in `tf.recompute_grad`: the backward keeps only q, k, v
+      and recomputes the O(T^2) scores and probabilities (--remat=selective;
+      set by tfpar.parallel.pipeline). Without a gradient tape it is the
+      plain forward.
+
   Call args:
     x: [B, T, d_model]. Returns [B, T, d_model].
 
@@ -98,6 +106,7 @@ class SelfAttention(TensorParallel, keras.layers.Layer):
     self.rotary = rotary
     self.causal = causal
     self.tensor_shards = tensor_shards
+    self.recompute_core = False
     width = num_heads * head_dim
     init = keras.initializers.RandomNormal(stddev=0.02)
     column = lambda name: ColumnParallelDense(width, shards=tensor_shards,
@@ -118,9 +127,11 @@ class SelfAttention(TensorParallel, keras.layers.Layer):
     if self.rotary:
       q, k = rotary(q), rotary(k)
     if self.causal:
-      y = causal_attention(q, k, v, query_blocks(x.shape[1]))  # [B, T, H/T, D]
+      blocks = query_blocks(x.shape[1])
+      core = lambda q, k, v: causal_attention(q, k, v, blocks)  # [B, T, H/T, D]
     else:
-      y = full_attention(q, k, v)
+      core = full_attention
+    y = (tf.recompute_grad(core) if self.recompute_core else core)(q, k, v)
     return self.output_dense(ops.reshape(y, (b, n, heads * self.head_dim)), shard=t)
 
   def call(self, x):

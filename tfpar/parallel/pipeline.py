@@ -15,8 +15,11 @@ per variable, on its device) and equals the full-batch gradient. One optimizer
 update follows, after the data-parallel reduction (tfpar.engines.model_parallel).
 
 Memory: GPipe keeps every micro-batch's activations until its backward; with
---remat each block keeps only its input and recomputes the rest in the
-backward pass (tf.recompute_grad), about one extra forward of compute.
+--remat (full) each block keeps only its input and recomputes the rest in the
+backward pass (tf.recompute_grad), about one extra forward of compute; with
+--remat=selective only each attention's core softmax(QK^T/sqrt(d))V is
+recomputed (tfpar.layers.attention), dropping its O(S^2) scores and
+probabilities for a few % more compute.
 
 XLA: a compiled cluster lives on one device and this step spans K x T, so
 under --jit_compile each stage's forward of one micro-batch is ONE XLA
@@ -54,13 +57,14 @@ class Pipeline:
     microbatches: M.
     loss_fn: (outputs, targets) -> a share of the GLOBAL mean loss (the task's `loss`).
     eval_fn: (outputs, targets) -> dict of eval outputs (the task's `eval_outputs`).
-    remat: recompute each block's activations in the backward pass.
+    remat: what blocks recompute in the backward pass: "none", "full" (each
+      block's activations) or "selective" (each attention's core).
     schedule: the order of forwards and backwards (default: GPipe).
   """
 
   def __init__(self, model: ParallelModel, *, stage_blocks: Sequence[Sequence[int]],
                stage_devices: Sequence[str], microbatches: int, loss_fn, eval_fn=None,
-               remat: bool = False, jit_compile: bool = False,
+               remat: str = "none", jit_compile: bool = False,
                schedule: schedules.Schedule = None):
     self.model = model
     self.stage_blocks = [list(b) for b in stage_blocks]
@@ -69,13 +73,15 @@ class Pipeline:
     self.loss_fn = loss_fn
     self.eval_fn = eval_fn
     self.remat = remat
+    for block in model.blocks:  # Only under a gradient tape does the wrapper change anything.
+      block.attn.recompute_core = remat == "selective"
     self.jit_compile = jit_compile
     self.schedule = schedule or schedules.GPipe()
     self._stages = {}
 
   def _block_fn(self, block, training):
     fn = lambda h: block(h, training=training)
-    return tf.recompute_grad(fn) if self.remat and training else fn
+    return tf.recompute_grad(fn) if self.remat == "full" and training else fn
 
   def _stage(self, k: int, training: bool, per_microbatch):
     """Stage k's forward of one micro-batch, (x or h, y) -> h (the last stage: its result).

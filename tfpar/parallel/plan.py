@@ -127,7 +127,8 @@ class ParallelPlan:
     per_replica_batch: sequences each replica sees per step (G / D).
     stages: the K stages, blocks and parameters.
     devices: devices[d][k][t], device names.
-    remat: blocks recompute their activations in the backward pass.
+    remat: what blocks recompute in the backward pass: "none", "full" (all but the
+      block's input) or "selective" (the attention core).
     counts: parameter counts per part.
   """
   data_parallel: int
@@ -137,7 +138,7 @@ class ParallelPlan:
   per_replica_batch: int
   stages: Tuple[Stage, ...]
   devices: Tuple[Tuple[Tuple[str, ...], ...], ...]
-  remat: bool
+  remat: str
   counts: ParamCounts
 
   @property
@@ -189,7 +190,7 @@ class ParallelPlan:
     d, k, t, m = self.data_parallel, self.pipeline_stages, self.tensor_parallel, self.microbatches
     lines = [f"plan: D={d} data x K={k} pipeline x T={t} tensor = {count(d * k * t, 'device')}; "
              f"M={m} micro-batches of {self.per_replica_batch // m}; bubble (K-1)/(M+K-1) = "
-             f"{k - 1}/{m + k - 1} = {self.bubble:.1%}; remat {'on' if self.remat else 'off'}"]
+             f"{k - 1}/{m + k - 1} = {self.bubble:.1%}; remat {self.remat}"]
     for s in self.stages:
       extra = (" + embedding" if s.embedding else "") + (" + head" if s.head else "")
       devs = " | ".join(" ".join(device_key(dev) for dev in row[s.index]) for row in self.devices)
