@@ -106,9 +106,35 @@ def test_missing_model_dir_is_named():
      "--all_reduce_pack_mb=4"],
     ["--strategy=mirrored", "--num_cpu_devices=4", "--pipeline_stages=2", "--data_parallel=2",
      "--grad_compression=bf16"],
+    ["--remat=selective", "--dropout=0.1"],  # The attention core has no dropout to redraw.
 ], ids=lambda e: " ".join(e) or "tiny")
 def test_valid_configs_pass(extra):
   make_config(TINY + [MODEL_DIR] + extra)  # raises ConfigError if a rule over-reaches
+
+
+@pytest.mark.parametrize("extra,mode", [
+    ([], "none"), (["--remat"], "full"), (["--noremat"], "none"), (["--remat=full"], "full"),
+    (["--remat=selective"], "selective"), (["--remat=none"], "none"),
+    (["--remat=true"], "full"), (["--remat=false"], "none"),  # What an old flagfile may say.
+    (["--remat=selective", "--noremat"], "none"),  # The last one wins, as for any flag.
+])
+def test_remat_takes_its_old_boolean_spellings_and_three_modes(extra, mode):
+  cfg = make_config(TINY + [MODEL_DIR] + extra)
+  assert cfg.parallel.remat == mode
+  assert cfg.parallel.model_parallel == (mode != "none")  # Remat runs on the pipeline engine.
+
+
+def test_remat_in_a_flagfile_and_a_config_json_of_the_boolean_days(tmp_path):
+  from tfpar import rundir  # pylint: disable=import-outside-toplevel
+  flagfile = tmp_path / "old.flags"
+  flagfile.write_text("--remat\n")
+  assert make_config(TINY + [MODEL_DIR, f"--flagfile={flagfile}"]).parallel.remat == "full"
+  flagfile.write_text("--noremat\n")
+  assert make_config(TINY + [MODEL_DIR, f"--flagfile={flagfile}"]).parallel.remat == "none"
+  saved = make_config(TINY + [MODEL_DIR]).to_dict()
+  for old, mode in ((True, "full"), (False, "none")):
+    saved["parallel"]["remat"] = old
+    assert rundir.from_saved(saved).parallel.remat == mode
 
 
 def test_defaults_are_derived():
@@ -153,8 +179,9 @@ def assert_one_line_error(proc, flag):
     (["--num_heads=four"], "num_heads"),
     (["--strategy=mirrored", "--grad_compression=gzip"], "grad_compression"),
     (["--strategy=parameter_server", "--grad_compression=powersgd"], "grad_compression"),
+    (["--remat=partial"], "remat"),
 ], ids=["heads", "negative-batch", "missing-data", "unknown-strategy", "not-an-int",
-        "unknown-compression", "compression-with-ps"])
+        "unknown-compression", "compression-with-ps", "unknown-remat"])
 def test_cli_bad_flag_is_one_line(tmp_path, extra, flag):
   proc = run_module("tfpar.train", TINY + [f"--model_dir={tmp_path / 'run'}"] + extra,
                     check=False)

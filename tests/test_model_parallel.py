@@ -94,6 +94,18 @@ def test_remat_matches_one_device(one_device, tmp_path):
   assert_same_losses(model_dir, one_device)
 
 
+@pytest.mark.parametrize("plan", [[], ["--num_cpu_devices=4", "--pipeline_stages=2",
+                                       "--tensor_parallel=2", "--microbatches=2"]],
+                         ids=["one_device", "pipeline_of_tensor_shards"])
+def test_selective_remat_matches_one_device(one_device, tmp_path, plan):
+  """--remat=selective (each shard's attention core recomputed, under XLA) vs no remat."""
+  model_dir = str(tmp_path)
+  train_in_process(BASE + plan + ["--remat=selective", f"--model_dir={model_dir}"])
+  assert_same_losses(model_dir, one_device)
+  with open(os.path.join(model_dir, "plan.json")) as f:
+    assert json.load(f)["remat"] == "selective"
+
+
 def test_hybrid_across_two_worker_processes(one_device, tmp_path):
   """D=2 over two local workers (the all-reduce crosses processes), K=2 stages in each."""
   model_dir = str(tmp_path)
@@ -167,16 +179,32 @@ def test_checkpoint_from_any_plan_restores_under_any_other(tmp_path):
           np.testing.assert_array_equal(restored[name], want, err_msg=f"{source}->{target} {name}")
 
 
-def test_remat_recomputes_each_block_in_the_backward(tmp_path):
+def gradient_graph_ops(args, model_dir):
+  """{op type: count} in the pipeline's loss-and-gradients graph (without XLA: ops in it)."""
+  import collections  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  engine = build_engine(PLANS["pipeline"] + NO_XLA + args, model_dir)
+  tokens = tf.zeros([8, 32], tf.int32)
+  graph = tf.function(engine.copies[0].pipeline.loss_and_grads).get_concrete_function(
+      tokens, tokens).graph
+  return collections.Counter(op.type for op in graph.get_operations())
 
-  def matmuls(args):
-    engine = build_engine(PLANS["pipeline"] + NO_XLA + args,  # Without XLA: ops in the graph.
-                          tmp_path / "_".join(args or ["plain"]))
-    tokens = tf.zeros([8, 32], tf.int32)
-    graph = tf.function(engine.copies[0].pipeline.loss_and_grads).get_concrete_function(
-        tokens, tokens).graph
-    return sum(op.type in ("MatMul", "BatchMatMulV2", "Einsum") for op in graph.get_operations())
 
+def test_remat_recomputes_each_block_in_the_backward(tmp_path):
+  matmuls = lambda args: sum(gradient_graph_ops(args, tmp_path / "_".join(args or ["plain"]))[t]
+                             for t in ("MatMul", "BatchMatMulV2", "Einsum"))
   # Each of the 2 blocks runs its forward matmuls (8) once more in the backward pass.
   assert matmuls(["--remat"]) >= matmuls([]) + 2 * 8
+
+
+def test_selective_remat_recomputes_only_the_attention_core(tmp_path):
+  none, selective = (gradient_graph_ops(args, tmp_path / name) for name, args in
+                     (("none", ["--noremat"]), ("selective", ["--remat=selective"])))
+  cores = none["Softmax"]  # One per block and micro-batch: 2 blocks x 4 micro-batches.
+  assert cores == 2 * 4
+  # Each core's forward runs once more: its softmax and its two batched matmuls (QK^T, PV) ...
+  assert selective["Softmax"] == 2 * cores
+  assert selective["BatchMatMulV2"] == none["BatchMatMulV2"] + 2 * cores
+  # ... and nothing else: no projection or MLP matmul, no LayerNorm, is recomputed.
+  for op in ("MatMul", "Mean", "Rsqrt", "Einsum"):
+    assert selective[op] == none[op], op
