@@ -253,6 +253,8 @@ BAD_INPUT = [
      ["do not fit on a100-80gb:8", "GiB per device", "fits on 64 such devices"]),
     (["--cluster=cpu:2", "--emit_flags=MISSING_DIR/best.flags"],
      ["the directory", "MISSING_DIR does not exist: create it"]),
+    (["--cluster=cpu:2", "--remat=selective"],  # The cost model knows remat as a bool.
+     ["--remat=selective is not in the planner's cost model", "--noremat"]),
 ]
 
 
