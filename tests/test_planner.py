@@ -52,9 +52,10 @@ def matmul_flops(graph) -> int:
   return total
 
 
-@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("remat", [False, True, "selective"])
 def test_step_flops_are_a_count_of_the_models_matmuls(remat):
-  """Forward, backward and (with --remat) the recomputed forward, as traced by TensorFlow."""
+  """Forward, backward and (with --remat) the recomputed forward, as traced by TensorFlow;
+  --remat=selective recomputes the attention core's 4 s^2 h per block and sequence."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tfpar.models.gpt import GPT  # pylint: disable=import-outside-toplevel
   from tfpar.parallel.pipeline import Pipeline  # pylint: disable=import-outside-toplevel
@@ -70,7 +71,11 @@ def test_step_flops_are_a_count_of_the_models_matmuls(remat):
                   microbatches=1, remat=remat,
                   loss_fn=lambda logits, y: cross_entropy(logits, y, batch * m.seq_len))
   step = tf.function(pipe.loss_and_grads).get_concrete_function(tokens, tokens).graph
-  assert matmul_flops(step) == cost.step_flops(m, batch, remat)
+  if remat == "selective":  # Not in the cost model yet: the count its formula would add.
+    core = 4 * m.seq_len ** 2 * m.d_model
+    assert matmul_flops(step) == cost.step_flops(m, batch, False) + batch * m.num_layers * core
+  else:
+    assert matmul_flops(step) == cost.step_flops(m, batch, remat)
 
 
 def test_narayanan_formula_is_the_step_flops_with_recompute():

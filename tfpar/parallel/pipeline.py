@@ -43,6 +43,7 @@ from tfpar.models.base import ParallelModel
 from tfpar.parallel import plan as plan_lib
 from tfpar.parallel import schedules
 from tfpar.parallel.collectives import combine_outputs
+from tfpar.schema import REMAT, remat_mode
 
 
 class Pipeline:
@@ -58,13 +59,14 @@ class Pipeline:
     loss_fn: (outputs, targets) -> a share of the GLOBAL mean loss (the task's `loss`).
     eval_fn: (outputs, targets) -> dict of eval outputs (the task's `eval_outputs`).
     remat: what blocks recompute in the backward pass: "none", "full" (each
-      block's activations) or "selective" (each attention's core).
+      block's activations) or "selective" (each attention's core); True and
+      False (as before the three modes) mean full and none.
     schedule: the order of forwards and backwards (default: GPipe).
   """
 
   def __init__(self, model: ParallelModel, *, stage_blocks: Sequence[Sequence[int]],
                stage_devices: Sequence[str], microbatches: int, loss_fn, eval_fn=None,
-               remat: str = "none", jit_compile: bool = False,
+               remat="none", jit_compile: bool = False,
                schedule: schedules.Schedule = None):
     self.model = model
     self.stage_blocks = [list(b) for b in stage_blocks]
@@ -72,9 +74,11 @@ class Pipeline:
     self.microbatches = microbatches
     self.loss_fn = loss_fn
     self.eval_fn = eval_fn
-    self.remat = remat
+    self.remat = remat_mode(remat)
+    if self.remat not in REMAT:
+      raise ValueError(f"remat={remat!r}: one of {', '.join(REMAT)}")
     for block in model.blocks:  # Only under a gradient tape does the wrapper change anything.
-      block.attn.recompute_core = remat == "selective"
+      block.attn.recompute_core = self.remat == "selective"
     self.jit_compile = jit_compile
     self.schedule = schedule or schedules.GPipe()
     self._stages = {}
