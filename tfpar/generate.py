@@ -75,7 +75,10 @@ def pick(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Gene
     kth = np.sort(logits)[-top_k]
     logits = np.where(logits < kth, -np.inf, logits)
   # Shifted before the division: a tiny temperature (1e-310) would make logits/T infinite.
-  p = np.exp((logits - logits.max()) / temperature)
+  # Then the others' (shifted, negative) logits / T may still overflow to -inf: their
+  # exp is 0, which is the right answer (the maximum is all but certain), so no warning.
+  with np.errstate(over="ignore"):
+    p = np.exp((logits - logits.max()) / temperature)
   return int(rng.choice(len(p), p=p / p.sum()))
 
 
