@@ -62,8 +62,9 @@ def find_run(model_dir: str, error=ConfigError, warn=None) -> Config:
     raise error(f"--model_dir={model_dir} has no config.json{where}: pass the --model_dir of a "
                 "tfpar.train run (train into it first)")
   saved = read_saved(model_dir)
-  if warn is not None and other_version(saved):
-    warn(f"--model_dir={model_dir}: {other_version(saved)}")
+  differs = other_version(saved) if warn is not None else ""
+  if differs:
+    warn(f"--model_dir={model_dir}: {differs}")
   return from_saved(saved)
 
 
