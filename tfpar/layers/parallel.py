@@ -79,17 +79,15 @@ class ColumnParallelDense(_ShardedDense):
 
   Call args:
     x: [..., d_in].
-    shard: t, to compute shard t's columns [..., units/T]; None for all [..., units].
+    shard: t, whose columns [..., units/T] to compute (a TensorParallel layer's
+      `partial(x, t)` calls each shard where its placement says).
   """
 
   def build(self, input_shape):
     width = self.units // self.shards
     self._add_shards((input_shape[-1], width), (width,) if self.use_bias else None)
 
-  def call(self, x, shard=None):
-    if shard is None:
-      return ops.concatenate([self.call(x, t) for t in range(self.shards)], axis=-1) \
-          if self.shards > 1 else self.call(x, 0)
+  def call(self, x, shard):
     y = ops.matmul(x, self.kernels[shard])
     if self.use_bias:
       y = y + self.biases[shard]
@@ -101,8 +99,8 @@ class RowParallelDense(_ShardedDense):
   owner adds it once, after the sum of the partials).
 
   Call args:
-    x: shard t's input slice [..., d_in/T] when `shard` is t; the whole [..., d_in] when None
-      (then the sum of every shard's partial).
+    x: shard t's input slice [..., d_in/T].
+    shard: t.
   """
 
   def __init__(self, units, **kwargs):
@@ -113,11 +111,8 @@ class RowParallelDense(_ShardedDense):
       raise ValueError(f"{self.name}: {input_shape[-1]} inputs do not split over {self.shards}")
     self._add_shards((input_shape[-1] // self.shards, self.units), None)
 
-  def call(self, x, shard=None):
-    if shard is not None:
-      return ops.matmul(x, self.kernels[shard])
-    parts = ops.split(x, self.shards, axis=-1) if self.shards > 1 else [x]
-    return sum(ops.matmul(p, k) for p, k in zip(parts, self.kernels))
+  def call(self, x, shard):
+    return ops.matmul(x, self.kernels[shard])
 
   def get_config(self):
     config = super().get_config()
