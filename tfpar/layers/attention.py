@@ -141,3 +141,17 @@ class SelfAttention(TensorParallel, keras.layers.Layer):
     return {**super().get_config(), "num_heads": self.num_heads, "head_dim": self.head_dim,
             "d_model": self.d_model, "rotary": self.rotary, "causal": self.causal,
             "tensor_shards": self.tensor_shards}
+
+
+def recompute_cores(model, on: bool) -> int:
+  """Sets `recompute_core` (--remat=selective) on every SelfAttention inside `model`.
+
+  Found by walking the model's layers, so any block that holds a SelfAttention,
+  whatever it names it, gets it. Returns how many there are.
+  """
+  cores = [layer for layer in model._flatten_layers()  # pylint: disable=protected-access
+           if isinstance(layer, SelfAttention)]
+  for core in cores:
+    core.recompute_core = on
+  return len(cores)
+

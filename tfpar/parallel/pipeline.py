@@ -39,6 +39,7 @@ from typing import Sequence
 import keras
 import tensorflow as tf
 
+from tfpar.layers.attention import recompute_cores
 from tfpar.models.base import ParallelModel
 from tfpar.parallel import plan as plan_lib
 from tfpar.parallel import schedules
@@ -77,8 +78,10 @@ class Pipeline:
     self.remat = remat_mode(remat)
     if self.remat not in REMAT:
       raise ValueError(f"remat={remat!r}: one of {', '.join(REMAT)}")
-    for block in model.blocks:  # Only under a gradient tape does the wrapper change anything.
-      block.attn.recompute_core = self.remat == "selective"
+    selective = self.remat == "selective"  # Only under a gradient tape does it change anything.
+    if not recompute_cores(model, selective) and selective:
+      raise ValueError("remat='selective': the model has no SelfAttention whose core to "
+                       "recompute; use remat='full'")
     self.jit_compile = jit_compile
     self.schedule = schedule or schedules.GPipe()
     self._stages = {}
