@@ -18,6 +18,7 @@ setup(
         "pycocotools",  # COCO mAP of detections, by the reference implementation.
         "pillow",  # PNG masks (palette indices) and predict's overlays.
         "pyyaml",  # python -m tfpar.k8s render prints YAML.
+        "sentencepiece>=0.2",  # --tokenizer=sentencepiece:PATH and python -m tfpar.tokenizer train.
     ],
     extras_require={
         # The tests run scripts/bench.py's smoke test, which trains keras-hub's GPT2Backbone;

@@ -18,7 +18,7 @@ PACKAGE = os.path.join(REPO, "tfpar")
 LAYERS = [
     ("foundation", ["tfpar", "tfpar.storage", "tfpar.status", "tfpar.console",
                     "tfpar.partitioning"]),
-    ("data", ["tfpar.data", "tfpar.vision"]),
+    ("data", ["tfpar.data", "tfpar.vision", "tfpar.tokenizer"]),
     ("settings", ["tfpar.config", "tfpar.schema", "tfpar.rules", "tfpar.rundir", "tfpar.cluster",
                   "tfpar.tasks.specs"]),
     ("layers", ["tfpar.layers"]),

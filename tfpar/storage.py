@@ -140,8 +140,14 @@ def read_text(path: str) -> str:
     return f.read()
 
 
-def write_atomically(path: str, text: str) -> None:
-  """Writes `path` whole, then renames it into place: readers never see half a file.
+def read_bytes(path: str) -> bytes:
+  with _gfile().GFile(path, "rb") as f:
+    return f.read()
+
+
+def write_atomically(path: str, text) -> None:
+  """Writes `path` whole (`text`: str or bytes), then renames it into place: readers never
+  see half a file.
 
   A failed write (a full disk) removes the temporary file and raises.
   """
@@ -149,7 +155,7 @@ def write_atomically(path: str, text: str) -> None:
   tmp = path + ".tmp"
   with _writing(path):
     try:
-      with gfile.GFile(tmp, "w") as f:
+      with gfile.GFile(tmp, "wb") as f:
         f.write(text)
       gfile.rename(tmp, path, overwrite=True)
     except Exception:

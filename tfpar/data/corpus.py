@@ -46,7 +46,8 @@ def list_files(data: Optional[str]) -> List[str]:
   return files
 
 
-def _read_documents(path: str, tfrecord_key: str) -> List[bytes]:
+def read_documents(path: str, tfrecord_key: str = "text") -> List[bytes]:
+  """The documents of one file: the whole text file, or each TFRecord example's text."""
   import tensorflow as tf
   from google.protobuf.message import DecodeError  # pylint: disable=import-outside-toplevel
   if path.endswith(TFRECORD_SUFFIXES):
@@ -79,7 +80,7 @@ def read_tokens(files: Sequence[str], tfrecord_key: str = "text") -> np.ndarray:
   """Reads files into one uint8 token array, documents separated by DOC_SEPARATOR."""
   pieces = []
   for path in files:
-    for doc in _read_documents(path, tfrecord_key):
+    for doc in read_documents(path, tfrecord_key):
       if doc:
         pieces.append(doc.replace(DOC_SEPARATOR, b""))
         pieces.append(DOC_SEPARATOR)

@@ -1,0 +1,229 @@
+"""Tokenizers: text <-> int32 ids, named by one spec string (what config.json records).
+
+    python -m tfpar.tokenizer train --vocab_size=2000 --out=/tmp/stdlib.model   # embedded corpus
+    python -m tfpar.tokenizer train --data='docs/*.txt' --vocab_size=8000 --out=gs://b/t.model
+
+Specs `load` accepts:
+  'bytes'                    byte-level, 256 ids, no file (tfpar's default and every
+                             run before tokenizers were recorded).
+  'sentencepiece:PATH'       a SentencePiece .model file, read through tf.io.gfile (gs://
+                             works) and handed to sentencepiece as serialized bytes.
+  'keras_hub:PRESET_DIR'     the tokenizer saved in a keras-hub preset directory
+                             (keras_hub.tokenizers.Tokenizer.from_preset).
+
+Documents are packed into one stream (tfpar.data.pipeline) with a separator
+between them: NUL for bytes, the end-of-sequence id for the others.
+
+`train` fits a SentencePiece BPE model (the `sentencepiece` package) on the
+corpus tfpar.train would read (--data, default: the embedded standard library
+source), with the normalisation that keeps code as it is (no whitespace
+folding, no dummy prefix) and byte fallback (any text encodes, nothing is
+<unk>). It prints bytes per token on the corpus, the number that turns a loss
+per token into one per byte.
+"""
+
+import io
+import os
+import sys
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+from tfpar import storage
+from tfpar.data import corpus
+
+BYTES = "bytes"
+KINDS = ("bytes", "sentencepiece:PATH", "keras_hub:PRESET_DIR")
+
+
+class TokenizerError(ValueError):
+  """A tokenizer spec or file that cannot be used; the message names it and the fix."""
+
+
+class Tokenizer:
+  """Text <-> ids. Attributes: spec (as config.json records it), vocab_size, separator_id."""
+
+  spec: str
+  vocab_size: int
+  separator_id: int
+
+  def encode(self, text: str) -> np.ndarray:
+    """Text -> int32 ids [n]."""
+    raise NotImplementedError
+
+  def decode(self, ids: Sequence[int]) -> str:
+    """Ids -> text; the separator and ids no text maps to are dropped."""
+    raise NotImplementedError
+
+  def bytes_per_token(self, texts: Iterable[str]) -> float:
+    """UTF-8 bytes per id over `texts`: loss per token / this = loss per byte."""
+    n_bytes = n_ids = 0
+    for text in texts:
+      n_bytes += len(text.encode("utf-8"))
+      n_ids += len(self.encode(text))
+    return n_bytes / max(n_ids, 1)
+
+
+class ByteTokenizer(Tokenizer):
+  """UTF-8 bytes as ids 0..255 (tfpar.data.corpus's encoding)."""
+
+  spec, vocab_size, separator_id = BYTES, 256, corpus.DOC_SEPARATOR[0]
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return corpus.decode(ids)
+
+
+class SentencePieceTokenizer(Tokenizer):
+  """A SentencePiece model from its serialized bytes."""
+
+  def __init__(self, spec: str, model_proto: bytes):
+    import sentencepiece  # pylint: disable=import-outside-toplevel
+    self.spec = spec
+    self._sp = sentencepiece.SentencePieceProcessor()
+    try:
+      self._sp.LoadFromSerializedProto(model_proto)
+    except RuntimeError:
+      raise TokenizerError(f"--tokenizer={spec}: the file is not a SentencePiece model: pass a "
+                           ".model file (python -m tfpar.tokenizer train writes one)") from None
+    self.vocab_size = self._sp.get_piece_size()
+    eos = self._sp.eos_id()
+    self.separator_id = eos if eos >= 0 else self._sp.unk_id()
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.asarray(self._sp.encode(text), np.int32)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._sp.decode([int(i) for i in ids])
+
+
+class KerasHubTokenizer(Tokenizer):
+  """The tokenizer of a keras-hub preset directory (its tokenizer.json and assets)."""
+
+  def __init__(self, spec: str, preset_dir: str):
+    import keras_hub  # pylint: disable=import-outside-toplevel
+    self.spec = spec
+    try:
+      self._tok = keras_hub.tokenizers.Tokenizer.from_preset(preset_dir)
+    except (ValueError, OSError, FileNotFoundError) as e:
+      raise TokenizerError(f"--tokenizer={spec}: no keras-hub tokenizer there "
+                           f"({str(e).splitlines()[0][:160]}): pass a preset directory written "
+                           "by save_to_preset") from None
+    self.vocab_size = int(self._tok.vocabulary_size())
+    end = getattr(self._tok, "end_token_id", None)
+    self.separator_id = int(end) if end is not None else 0
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.asarray(self._tok.tokenize(text), np.int32).reshape(-1)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    ids = [int(i) for i in ids if int(i) != self.separator_id]
+    out = self._tok.detokenize(np.asarray(ids, np.int32))
+    out = out.numpy() if hasattr(out, "numpy") else out
+    return out.decode("utf-8", "replace") if isinstance(out, bytes) else str(out)
+
+
+def parse(spec: Optional[str]):
+  """(kind, path) of a spec, without reading anything; raises TokenizerError naming the fix."""
+  if spec in (None, "", BYTES):
+    return BYTES, ""
+  kind, _, path = spec.partition(":")
+  if kind not in ("sentencepiece", "keras_hub") or not path:
+    raise TokenizerError(f"--tokenizer={spec} is not a tokenizer: pass one of {', '.join(KINDS)}")
+  return kind, path
+
+
+def load(spec: Optional[str]) -> Tokenizer:
+  """The tokenizer a spec names (None or '' mean 'bytes', as in an older config.json)."""
+  kind, path = parse(spec)
+  if kind == BYTES:
+    return ByteTokenizer()
+  if not storage.exists(path):
+    raise TokenizerError(f"--tokenizer={spec}: {path} does not exist: train one with python -m "
+                         "tfpar.tokenizer train --out=PATH, or pass the path of yours")
+  if kind == "sentencepiece":
+    return SentencePieceTokenizer(spec, storage.read_bytes(path))
+  return KerasHubTokenizer(spec, path)
+
+
+def corpus_lines(files: Sequence[str], tfrecord_key: str = "text") -> Iterable[str]:
+  """The corpus's documents, line by line (SentencePiece trains on sentences), with a
+  progress bar over the files."""
+  import keras  # pylint: disable=import-outside-toplevel
+  bar = keras.utils.Progbar(len(files), unit_name="file")
+  for i, path in enumerate(files):
+    for doc in corpus.read_documents(path, tfrecord_key):
+      for line in doc.decode("utf-8", "replace").splitlines():
+        if line.strip():
+          yield line
+    bar.update(i + 1)
+
+
+def train(files: Sequence[str], *, vocab_size: int, out: str,
+          tfrecord_key: str = "text") -> SentencePieceTokenizer:
+  """Trains a SentencePiece BPE model on `files` and writes it to `out` (through gfile).
+
+  One trainer thread: the same corpus gives the same model.
+  """
+  import sentencepiece  # pylint: disable=import-outside-toplevel
+  if os.path.dirname(out):
+    storage.makedirs(os.path.dirname(out))
+  model = io.BytesIO()
+  try:
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus_lines(files, tfrecord_key)), model_writer=model,
+        vocab_size=vocab_size, model_type="bpe", byte_fallback=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False,
+        add_dummy_prefix=False, split_digits=True, allow_whitespace_only_pieces=True,
+        max_sentence_length=1 << 14, character_coverage=1.0, num_threads=1, minloglevel=2)
+  except RuntimeError as e:
+    raise TokenizerError(f"cannot train a vocabulary of {vocab_size}: "
+                         f"{str(e).splitlines()[0][:200]}: pass a smaller --vocab_size or more "
+                         "text") from None
+  storage.write_atomically(out, model.getvalue())
+  return SentencePieceTokenizer(f"sentencepiece:{out}", model.getvalue())
+
+
+def main(argv: Sequence[str]) -> None:
+  """python -m tfpar.tokenizer train --data=... --vocab_size=N --out=PATH."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  fv = flags.FlagValues()
+  flags.DEFINE_string("data", None, "Text to train on, as tfpar.train's --data (default: the "
+                      "embedded standard library source).", flag_values=fv)
+  flags.DEFINE_string("tfrecord_key", "text", "The bytes feature of TFRecord examples.",
+                      flag_values=fv)
+  flags.DEFINE_integer("vocab_size", 2000, "Pieces in the vocabulary (>= 260: the 256 byte "
+                       "fallbacks and the control ids).", flag_values=fv)
+  flags.DEFINE_string("out", None, "Where the .model file goes (gs:// works).", flag_values=fv)
+
+  def fail(message):
+    print(f"tfpar.tokenizer: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+  try:
+    rest = fv(list(argv))
+  except flags.Error as e:
+    fail(str(e))
+  if rest[1:] != ["train"]:
+    fail("usage: python -m tfpar.tokenizer train --data=... --vocab_size=N --out=PATH")
+  if not fv.out:
+    fail("--out=PATH is required: where the trained .model file goes")
+  if fv.vocab_size < 260:
+    fail(f"--vocab_size={fv.vocab_size} is below 260, the 256 byte pieces and 4 control ids: "
+         "pass a larger --vocab_size")
+  from tfpar import console  # pylint: disable=import-outside-toplevel
+  console.import_tensorflow_quietly()
+  try:
+    files = corpus.list_files(fv.data)
+    tok = train(files, vocab_size=fv.vocab_size, out=fv.out, tfrecord_key=fv.tfrecord_key)
+  except (TokenizerError, corpus.DataError) as e:
+    fail(str(e))
+  sample = [d.decode("utf-8", "replace") for d in corpus.read_documents(files[-1], fv.tfrecord_key)]
+  print(f"wrote {fv.out}: {tok.vocab_size} pieces, {tok.bytes_per_token(sample):.2f} bytes per "
+        f"token on {files[-1]}", flush=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv)
