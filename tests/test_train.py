@@ -169,8 +169,9 @@ def test_cli_end_to_end(cli_run):
   evals = read_metrics(model_dir, "eval")
   assert [r["step"] for r in evals] == [5, 10]
   for r in evals:
-    assert set(r) == {"kind", "step", "loss", "perplexity"}
+    assert set(r) == {"kind", "step", "loss", "perplexity", "loss_per_byte"}
     assert r["perplexity"] == pytest.approx(math.exp(r["loss"]))
+    assert r["loss_per_byte"] == pytest.approx(r["loss"])  # Bytes: one byte per token.
   values = losses(model_dir)
   assert values[-3:].mean() < values[:3].mean() - 0.1, values  # visibly falling
   assert evals[1]["loss"] < evals[0]["loss"]

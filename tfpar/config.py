@@ -21,6 +21,7 @@ one line and exit status 2.
 import dataclasses
 from typing import Tuple
 
+from tfpar import console, tokenizer
 # pylint: disable=unused-import  # The names other modules import from here.
 from tfpar.cluster import check_cluster
 from tfpar.rules import (MAX_COLLECTIVE_TIMEOUT, MAX_CPU_DEVICES, MAX_INT, MAX_SEED, check_batch,
@@ -64,9 +65,32 @@ def _section(kind, f, **resolved):
                  for s in settings(kind)})
 
 
+def _vocab_size(f) -> int:
+  """--vocab_size, or the tokenizer's vocabulary; one smaller than that vocabulary is refused.
+
+  Reads a tokenizer file (through tf.io.gfile) only when one is named: the
+  embedding's rows must be known before the model is built.
+  """
+  spec = getattr(f, "tokenizer", tokenizer.BYTES)
+  try:
+    kind, _ = tokenizer.parse(spec)
+    if kind == tokenizer.BYTES:
+      return f.vocab_size if f.vocab_size is not None else VOCAB_SIZE
+    console.import_tensorflow_quietly()
+    size = tokenizer.load(spec).vocab_size
+  except tokenizer.TokenizerError as e:
+    raise ConfigError(str(e)) from None
+  if f.vocab_size is not None and f.vocab_size < size:
+    raise ConfigError(f"--tokenizer={spec} has {size} pieces, more than --vocab_size="
+                      f"{f.vocab_size}: drop --vocab_size (it defaults to the tokenizer's) or "
+                      f"pass --vocab_size >= {size}")
+  return f.vocab_size if f.vocab_size is not None else size
+
+
 def model_from_flags(f) -> ModelConfig:
   """The validated model shape alone (tfpar.plan needs no model_dir or data)."""
-  m = _section(ModelConfig, f, d_ff=f.d_ff if f.d_ff is not None else 4 * f.d_model)
+  m = _section(ModelConfig, f, d_ff=f.d_ff if f.d_ff is not None else 4 * f.d_model,
+               vocab_size=_vocab_size(f))
   validate_model(m)
   return m
 

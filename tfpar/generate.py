@@ -21,6 +21,7 @@ from absl import flags
 
 from tfpar import rundir
 from tfpar import tasks
+from tfpar import tokenizer
 from tfpar.schema import VOCAB_SIZE, ConfigError
 
 
@@ -29,10 +30,10 @@ def define_flags() -> flags.FlagValues:
   flags.DEFINE_string("model_dir", None, "A run directory written by tfpar.train.", flag_values=fv)
   flags.DEFINE_string("prompt", "", "Text to continue (empty: start a new document).",
                       flag_values=fv)
-  flags.DEFINE_integer("max_new_tokens", 200, "Bytes to sample.", flag_values=fv)
-  flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 always takes the likeliest byte.",
+  flags.DEFINE_integer("max_new_tokens", 200, "Tokens (bytes, under the default tokenizer) to sample.", flag_values=fv)
+  flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 always takes the likeliest token.",
                      flag_values=fv)
-  flags.DEFINE_integer("top_k", 0, "Sample among the k likeliest bytes (0: all 256).",
+  flags.DEFINE_integer("top_k", 0, "Sample among the k likeliest tokens (0: all).",
                        flag_values=fv)
   flags.DEFINE_integer("seed", 0, "Seeds sampling: the same seed gives the same text.",
                        flag_values=fv)
@@ -84,16 +85,17 @@ def pick(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Gene
 
 def sample(next_logits: Callable[[List[int]], np.ndarray], prompt: Sequence[int],
            max_new_tokens: int, *, seq_len: int, temperature: float = 0.8, top_k: int = 0,
-           seed: int = 0) -> List[int]:
-  """Samples `max_new_tokens` bytes after `prompt`, the context cropped to the last `seq_len`.
+           seed: int = 0, start: int = 0) -> List[int]:
+  """Samples `max_new_tokens` tokens after `prompt`, the context cropped to the last `seq_len`.
 
   Args:
-    next_logits: context tokens -> logits [V] of the byte that follows them.
+    next_logits: context tokens -> logits [V] of the token that follows them.
     prompt: the tokens to continue (empty: a document start).
+    start: the document separator's id (the bytes tokenizer's NUL by default), the
+      context of an empty prompt.
   """
-  from tfpar.data.corpus import DOC_SEPARATOR  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(seed)
-  tokens = list(prompt) or [DOC_SEPARATOR[0]]
+  tokens = list(prompt) or [start]
   new = []
   for _ in range(max_new_tokens):
     token = pick(next_logits(tokens[-seq_len:]), temperature, top_k, rng)
@@ -164,16 +166,16 @@ def main(argv: Sequence[str]) -> None:
     check(fv)
   except (GenerateError, ConfigError) as e:
     fail(str(e))
-  from tfpar.data import corpus  # pylint: disable=import-outside-toplevel
   from tfpar.training.checkpoint import CheckpointMismatchError  # pylint: disable=import-outside-toplevel
   try:
     model, next_logits = load_model(fv.model_dir)
-  except (GenerateError, ConfigError, CheckpointMismatchError) as e:
+    tok = tokenizer.for_run(model.config.tokenizer, fv.model_dir)  # 'bytes' for older runs.
+  except (GenerateError, ConfigError, CheckpointMismatchError, tokenizer.TokenizerError) as e:
     fail(str(e))
-  new = sample(next_logits, corpus.encode(fv.prompt), fv.max_new_tokens,
+  new = sample(next_logits, tok.encode(fv.prompt), fv.max_new_tokens,
                seq_len=model.config.seq_len, temperature=fv.temperature, top_k=fv.top_k,
-               seed=fv.seed)
-  print(fv.prompt + corpus.decode(new), flush=True)
+               seed=fv.seed, start=tok.separator_id)
+  print(fv.prompt + tok.decode(new), flush=True)
 
 
 if __name__ == "__main__":

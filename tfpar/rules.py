@@ -15,7 +15,7 @@ import glob
 import math
 import os
 
-from tfpar import tasks
+from tfpar import tasks, tokenizer
 from tfpar.console import count
 from tfpar.schema import VOCAB_SIZE, COMPRESSIONS, ON_NONFINITE, Config, ConfigError, ModelConfig
 from tfpar.schema import ParallelConfig
@@ -78,7 +78,11 @@ def validate_model(m: ModelConfig) -> None:
   for value, flag in ((m.seq_len, "seq_len"), (m.num_layers, "num_layers"),
                       (m.d_model, "d_model"), (m.num_heads, "num_heads"), (m.d_ff, "d_ff")):
     _positive(value, flag)
-  if m.vocab_size < VOCAB_SIZE:
+  try:
+    kind, _ = tokenizer.parse(m.tokenizer)
+  except tokenizer.TokenizerError as e:
+    raise ConfigError(str(e)) from None
+  if kind == tokenizer.BYTES and m.vocab_size < VOCAB_SIZE:
     raise ConfigError(f"--vocab_size={m.vocab_size} is smaller than the {VOCAB_SIZE} byte values "
                       f"the data pipeline feeds: use --vocab_size >= {VOCAB_SIZE}")
   if m.d_model % m.num_heads:

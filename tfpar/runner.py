@@ -13,6 +13,7 @@ from tfpar import rundir
 from tfpar import storage
 from tfpar import strategies
 from tfpar import tasks
+from tfpar import tokenizer
 from tfpar.cluster import Cluster, ClusterError, PeerError
 from tfpar.config import Config, ConfigError
 from tfpar.data import corpus as corpus_lib
@@ -40,14 +41,17 @@ class OutOfMemoryError(RuntimeError):
 
 # Errors that come from the user's input: one line, exit 2, no traceback.
 USER_ERRORS = (ConfigError, ClusterError, corpus_lib.DataError, CheckpointMismatchError,
-               CheckpointUnreadableError, OutOfMemoryError)
+               CheckpointUnreadableError, OutOfMemoryError, tokenizer.TokenizerError)
 # A NaN or infinite step under --on_nonfinite=stop: one line, exit 3, nothing saved.
 NONFINITE_ERRORS = (loop.NonFiniteError, NonFiniteStateError)
 # What a write that found no room raises (tfpar.storage.disk_full tells it from the rest).
 WRITE_ERRORS = (storage.DiskFullError, OSError, tf.errors.OpError)
 
 
-write_run_config = rundir.write_config  # The one config.json writer.
+def write_run_files(cfg: Config, class_names) -> None:
+  """config.json, and the run's copy of its tokenizer (tfpar.generate decodes with it)."""
+  rundir.write_config(cfg, class_names)  # The one config.json writer.
+  tokenizer.copy_into(cfg.model.tokenizer, cfg.train.model_dir)
 
 
 def run(cfg: Config, cluster: Cluster) -> dict:
@@ -121,7 +125,7 @@ def _run(cfg: Config, cluster: Cluster) -> dict:
     # model, found before, leaves --model_dir as it was.
     return loop.run(cfg, engine, is_chief=is_chief, worker_index=worker_index,
                     num_workers=num_workers,
-                    on_restored=(lambda: write_run_config(cfg, task.class_names(data)))
+                    on_restored=(lambda: write_run_files(cfg, task.class_names(data)))
                     if is_chief else None)
   except PEER_ERRORS as e:
     if len(cluster.spec.get("worker", [])) + len(cluster.spec.get("chief", [])) < 2:

@@ -58,9 +58,16 @@ class ModelConfig:
       "lm", "What to train: 'lm' a byte-level GPT on text; with a ViT on images, 'classify' "
       "(a class per image), 'detect' (boxes and classes) or 'segment' (a class per pixel) "
       "(the model, data, loss and metrics come from tfpar.tasks).", choices=tasks.NAMES)
+  # Tokens: the tokenizer (tfpar.tokenizer) fixes the ids the model embeds and predicts.
+  tokenizer: str = setting(
+      "bytes", "--task=lm: how text becomes ids: 'bytes' (256 byte values, no file), "
+      "'sentencepiece:PATH' (a .model file; python -m tfpar.tokenizer train writes one) or "
+      "'keras_hub:PRESET_DIR' (the tokenizer of a keras-hub preset). config.json records it "
+      "and tfpar.generate decodes with it.")
   vocab_size: int = setting(
-      VOCAB_SIZE, "Embedding rows (256: byte-level, what the data pipeline feeds; larger sizes "
-      "model a tokenizer's vocabulary, e.g. for tfpar.plan).")
+      VOCAB_SIZE, "Embedding rows (default: the tokenizer's vocabulary, 256 for bytes; larger "
+      "sizes pad it, or model another tokenizer's vocabulary for tfpar.plan).",
+      flag_default=None)
   seq_len: int = setting(128, "Tokens (bytes) per training sequence.")
   num_layers: int = setting(4, "Transformer blocks.")
   d_model: int = setting(128, "Width of the residual stream.")

@@ -55,6 +55,12 @@ class Tokenizer:
     """Ids -> text; the separator and ids no text maps to are dropped."""
     raise NotImplementedError
 
+  def stream_bytes_per_token(self, ids: np.ndarray) -> float:
+    """UTF-8 bytes per id of a packed stream (a separator counts as the NUL byte it stands for)."""
+    ids = np.asarray(ids)
+    n_bytes = len(self.decode(ids).encode("utf-8")) + int(np.sum(ids == self.separator_id))
+    return n_bytes / max(len(ids), 1)
+
   def bytes_per_token(self, texts: Iterable[str]) -> float:
     """UTF-8 bytes per id over `texts`: loss per token / this = loss per byte."""
     n_bytes = n_ids = 0
@@ -146,6 +152,26 @@ def load(spec: Optional[str]) -> Tokenizer:
   if kind == "sentencepiece":
     return SentencePieceTokenizer(spec, storage.read_bytes(path))
   return KerasHubTokenizer(spec, path)
+
+
+RUN_COPY = "tokenizer.model"  # A run's own copy of its SentencePiece model, in --model_dir.
+
+
+def copy_into(spec: str, model_dir: str) -> None:
+  """Copies a SentencePiece model into the run's directory, so that the run (moved, or its
+  tokenizer's original deleted) still decodes. A keras-hub preset stays referenced by path."""
+  kind, path = parse(spec)
+  if kind == "sentencepiece":
+    storage.write_atomically(os.path.join(model_dir, RUN_COPY), storage.read_bytes(path))
+
+
+def for_run(spec: Optional[str], model_dir: str) -> Tokenizer:
+  """The tokenizer of the run in `model_dir` that recorded `spec`: its own copy where there."""
+  kind, _ = parse(spec)
+  copy = os.path.join(model_dir, RUN_COPY)
+  if kind == "sentencepiece" and storage.exists(copy):
+    return SentencePieceTokenizer(spec, storage.read_bytes(copy))
+  return load(spec)
 
 
 def corpus_lines(files: Sequence[str], tfrecord_key: str = "text") -> Iterable[str]:

@@ -76,8 +76,20 @@ def read_documents(path: str, tfrecord_key: str = "text") -> List[bytes]:
                     "its permissions, or pass another --data") from None
 
 
-def read_tokens(files: Sequence[str], tfrecord_key: str = "text") -> np.ndarray:
-  """Reads files into one uint8 token array, documents separated by DOC_SEPARATOR."""
+def read_tokens(files: Sequence[str], tfrecord_key: str = "text", tokenizer=None) -> np.ndarray:
+  """Reads files into one token array, documents separated by the tokenizer's separator.
+
+  Without a tokenizer (or with tfpar.tokenizer's 'bytes'): uint8 bytes, DOC_SEPARATOR
+  between documents; else the tokenizer's int32 ids, its separator_id between them.
+  """
+  if tokenizer is not None and tokenizer.spec != "bytes":
+    ids = []
+    for path in files:
+      for doc in read_documents(path, tfrecord_key):
+        if doc:
+          ids.append(tokenizer.encode(doc.replace(DOC_SEPARATOR, b"").decode("utf-8", "replace")))
+          ids.append(np.array([tokenizer.separator_id], np.int32))
+    return np.concatenate(ids) if ids else np.zeros([0], np.int32)
   pieces = []
   for path in files:
     for doc in read_documents(path, tfrecord_key):

@@ -68,7 +68,7 @@ def split_tokens(tokens: np.ndarray, seq_len: int, eval_fraction: float
   n_eval = max(int(len(tokens) * eval_fraction), seq_len + 1)
   if len(tokens) - n_eval < 2 * (seq_len + 1):
     raise corpus.DataError(
-        f"the data has {count(len(tokens), 'byte')}, too few for --seq_len={seq_len} with a "
+        f"the data has {count(len(tokens), 'token')}, too few for --seq_len={seq_len} with a "
         "held-out split: give more text or a shorter --seq_len")
   return tokens[:-n_eval], tokens[-n_eval:]
 
@@ -151,8 +151,9 @@ def choose_sharding(policy: str, num_files: int, num_workers: int) -> str:
 
 def load_corpus(data: Optional[str], *, seq_len: int, eval_fraction: float,
                 tfrecord_key: str = "text", worker_index: int = 0, num_workers: int = 1,
-                sharding: str = "data") -> Corpus:
-  """Reads the text this worker needs: everything ('data') or its own files ('file')."""
+                sharding: str = "data", tokenizer=None) -> Corpus:
+  """Reads the text this worker needs: everything ('data') or its own files ('file'), as
+  `tokenizer`'s ids (default: bytes). The held-out split is the tail of the id stream."""
   files = corpus.list_files(data)
   if sharding == "file":
     if len(files) < num_workers:
@@ -160,6 +161,6 @@ def load_corpus(data: Optional[str], *, seq_len: int, eval_fraction: float,
                              f"({count(len(files), 'file')}, {num_workers} workers): use "
                              "--input_sharding=data")
     files = files[worker_index::num_workers]
-  tokens = corpus.read_tokens(files, tfrecord_key)
+  tokens = corpus.read_tokens(files, tfrecord_key, tokenizer)
   train, held_out = split_tokens(tokens, seq_len, eval_fraction)
   return Corpus(train=train, eval=held_out, files=tuple(files))

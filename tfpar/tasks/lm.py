@@ -1,10 +1,16 @@
-"""--task=lm (the default): next-byte prediction with the GPT on packed text windows."""
+"""--task=lm (the default): next-token prediction with the GPT on packed text windows.
+
+Tokens are --tokenizer's (tfpar.tokenizer; bytes by default). The held-out
+loss is also reported per byte of text (loss per token / bytes per token of the
+held-out stream), the number that compares runs with different tokenizers.
+"""
 
 from typing import Dict, List
 
 import numpy as np
 
 from tfpar import console
+from tfpar import tokenizer as tokenizer_lib
 from tfpar.data import corpus as corpus_lib
 from tfpar.data import pipeline
 from tfpar.models import GPT
@@ -13,12 +19,14 @@ from tfpar.training.metrics import perplexity
 
 
 class LanguageModeling(Task):
-  """Byte-level language modelling: inputs and targets are [B, seq_len] token windows.
+  """Language modelling: inputs and targets are [B, seq_len] token windows.
 
   The loss is the next-token cross-entropy averaged over the tokens of the
-  global batch; the held-out metrics are that loss and its perplexity;
-  throughput counts tokens.
+  global batch; the held-out metrics are that loss, its perplexity and the
+  loss per byte; throughput counts tokens.
   """
+
+  eval_bytes_per_token = 1.0  # Of the held-out stream; load_data measures it.
 
   unit = "tokens"
   family = "gpt"  # Its model's partitioning rules (tfpar.partitioning).
@@ -38,17 +46,20 @@ class LanguageModeling(Task):
     d = self.cfg.data
     files = corpus_lib.list_files(d.data)
     sharding = pipeline.choose_sharding(d.input_sharding, len(files), num_workers)
+    tokenizer = tokenizer_lib.load(self.cfg.model.tokenizer)
     corpus = pipeline.load_corpus(d.data, seq_len=self.cfg.model.seq_len,
                                   eval_fraction=d.eval_fraction, tfrecord_key=d.tfrecord_key,
                                   worker_index=worker_index, num_workers=num_workers,
-                                  sharding=sharding)
+                                  sharding=sharding, tokenizer=tokenizer)
+    self.eval_bytes_per_token = tokenizer.stream_bytes_per_token(corpus.eval)
     return corpus, sharding
 
   def describe_data(self, data) -> str:
     total = len(corpus_lib.list_files(self.cfg.data.data))
     share = "" if len(data.files) == total else f" of {total} (this worker's share)"
     return (f"{console.count(len(data.files), 'file')}{share}, {len(data.train):,} train / "
-            f"{len(data.eval):,} held-out bytes")
+            f"{len(data.eval):,} held-out tokens ({self.cfg.model.tokenizer}, "
+            f"{self.eval_bytes_per_token:.2f} bytes per token)")
 
   def dataset(self, split, shard, *, start_step: int = 0, shuffle: bool = True):
     return pipeline.window_dataset(split, self.cfg.model.seq_len, shard, seed=self.cfg.train.seed,
@@ -59,7 +70,8 @@ class LanguageModeling(Task):
 
   def eval_metrics(self, batches: List[Dict[str, np.ndarray]]) -> Dict[str, float]:
     loss = float(np.mean([b["loss"] for b in batches]))
-    return {"loss": loss, "perplexity": perplexity(loss)}
+    return {"loss": loss, "perplexity": perplexity(loss),
+            "loss_per_byte": loss / self.eval_bytes_per_token}
 
 
 TASK = LanguageModeling
