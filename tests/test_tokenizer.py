@@ -1,13 +1,16 @@
 """tfpar.tokenizer: one SentencePiece model trained by the real CLI on stdlib source, used
-every way (round trips, a keras-hub preset holding it, bad specs, the CLI's refusals)."""
+every way (round trips, a keras-hub preset holding it, bad specs, the CLI's refusals), and one
+tiny tfpar.train run on its ids, sampled from with tfpar.generate after its directory moved."""
 
+import json
 import os
+import shutil
 import sysconfig
 
 import numpy as np
 import pytest
 
-from conftest import run_module, run_modules
+from conftest import TINY, read_metrics, run_module, run_modules
 from tfpar import tokenizer
 
 STDLIB = sysconfig.get_paths()["stdlib"]
@@ -82,14 +85,48 @@ def test_a_file_that_is_not_a_model(tmp_path):
     tokenizer.load(f"sentencepiece:{path}")
 
 
-def test_cli_refusals_are_one_line_exit_2(tmp_path):
-  out = str(tmp_path / "t.model")
+@pytest.fixture(scope="module")
+def sp_run(trained, tmp_path_factory):
+  """4 steps on the tokenizer's ids (vocab_size from the tokenizer), then the dir moved."""
+  root = tmp_path_factory.mktemp("run")
+  run_module("tfpar.train", [*TINY, f"--data={STDLIB}/[a-c]*.py", f"--model_dir={root}/a",
+                             f"--tokenizer=sentencepiece:{trained[0]}", "--train_steps=4",
+                             "--eval_every=4", "--checkpoint_every=4", "--nojit_compile"])
+  shutil.move(f"{root}/a", f"{root}/b")
+  return str(root / "b")
+
+
+def test_a_run_records_its_tokenizer_and_reports_loss_per_byte(trained, sp_run):
+  with open(os.path.join(sp_run, "config.json")) as f:
+    model = json.load(f)["model"]
+  assert (model["tokenizer"], model["vocab_size"]) == (f"sentencepiece:{trained[0]}", 500)
+  with open(os.path.join(sp_run, "tokenizer.model"), "rb") as f, open(trained[0], "rb") as g:
+    assert f.read() == g.read()
+  (ev,) = read_metrics(sp_run, "eval")
+  assert 1.5 < ev["loss"] / ev["loss_per_byte"] < 6  # Bytes per held-out token.
+
+
+def test_generate_decodes_with_the_run_s_copy(trained, sp_run):
+  os.rename(trained[0], trained[0] + ".gone")  # Only the run's own copy is left.
+  try:
+    proc = run_module("tfpar.generate", [f"--model_dir={sp_run}", "--prompt=def ",
+                                         "--max_new_tokens=5", "--temperature=0"])
+  finally:
+    os.rename(trained[0] + ".gone", trained[0])
+  assert proc.stdout.startswith("def ") and len(proc.stdout) > len("def \n")
+
+
+def test_bad_input_is_one_line_exit_2_and_leaves_no_file(trained, tmp_path):
+  model_dir, out = str(tmp_path / "run"), str(tmp_path / "t.model")
   runs = run_modules([
+      ("tfpar.train", [*TINY, f"--model_dir={model_dir}", f"--tokenizer=sentencepiece:{trained[0]}",
+                       "--vocab_size=300"]),
+      ("tfpar.train", [*TINY, f"--model_dir={model_dir}", "--tokenizer=sentencepiece:/no/t.model"]),
       ("tfpar.tokenizer", ["train", "--vocab_size=100", f"--out={out}"]),
-      ("tfpar.tokenizer", ["train", f"--data={tmp_path}/none*.txt", f"--out={out}"]),
-  ])
-  for proc, words in zip(runs, ["--vocab_size=100 is below 260", "matches no file"]):
+  ], at_once=3)
+  for proc, words in zip(runs, ["has 500 pieces, more than --vocab_size=300", "does not exist",
+                                "--vocab_size=100 is below 260"]):
     assert proc.returncode == 2, proc.stderr
     assert words in proc.stderr and "Traceback" not in proc.stderr
-    assert len([l for l in proc.stderr.splitlines() if l.startswith("tfpar.")]) == 1
-  assert not os.path.exists(out)
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+  assert not os.path.exists(model_dir) and not os.path.exists(out)
