@@ -130,3 +130,18 @@ def test_bad_input_is_one_line_exit_2_and_leaves_no_file(trained, tmp_path):
     assert words in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
   assert not os.path.exists(model_dir) and not os.path.exists(out)
+
+
+def test_prepared_records_give_the_text_s_stream_and_refuse_another_tokenizer(trained, tmp_path):
+  from tfpar.data import corpus, pipeline, prepared  # pylint: disable=import-outside-toplevel
+  tok = tokenizer.load(f"sentencepiece:{trained[0]}")
+  text = f"{STDLIB}/[a-b]*.py"
+  prepared.write(corpus.list_files(text), tok, str(tmp_path), num_shards=3)
+  with open(tmp_path / "tokenizer.json") as f:
+    assert json.load(f)["tokenizer"] == tok.spec
+  read = lambda data, t: pipeline.load_corpus(data, seq_len=32, eval_fraction=0.05, tokenizer=t)
+  a, b = read(text, tok), read(f"{tmp_path}/*.tfrecord", tok)
+  assert np.array_equal(a.train, b.train) and np.array_equal(a.eval, b.eval)  # Same split.
+  with pytest.raises(corpus.DataError, match="prepared with --tokenizer=sentencepiece:.*, not "
+                     "--tokenizer=bytes: pass"):
+    read(f"{tmp_path}/*.tfrecord", tokenizer.load("bytes"))

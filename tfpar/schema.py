@@ -96,7 +96,7 @@ class DataConfig:
       None,
       "What to train on, by --task. lm: text, as a file, a directory, a glob of text files, "
       "or TFRecord shards (*.tfrecord, a tf.train.Example with a bytes feature "
-      "--tfrecord_key); default: the Python standard library's own source files, present on "
+      "--tfrecord_key, or the ids python -m tfpar.data prepare wrote); default: the Python standard library's own source files, present on "
       "every machine. classify: a directory with one sub-directory of images per class "
       "(DIR/<class>/*.png|jpg); default: scikit-learn's digits. detect: a COCO instances "
       "JSON (images relative to its directory); segment: a directory with images/NAME.png|jpg "

@@ -79,16 +79,23 @@ def read_documents(path: str, tfrecord_key: str = "text") -> List[bytes]:
 def read_tokens(files: Sequence[str], tfrecord_key: str = "text", tokenizer=None) -> np.ndarray:
   """Reads files into one token array, documents separated by the tokenizer's separator.
 
-  Without a tokenizer (or with tfpar.tokenizer's 'bytes'): uint8 bytes, DOC_SEPARATOR
-  between documents; else the tokenizer's int32 ids, its separator_id between them.
+  Without a tokenizer (or with tfpar.tokenizer's 'bytes' on text): uint8 bytes,
+  DOC_SEPARATOR between documents; else the tokenizer's int32 ids, its separator_id
+  between them. Shards of tfpar.data.prepared are read as the ids they hold.
   """
-  if tokenizer is not None and tokenizer.spec != "bytes":
+  from tfpar.data import prepared  # pylint: disable=import-outside-toplevel
+  if tokenizer is not None and (tokenizer.spec != "bytes" or
+                                any(prepared.is_prepared(f) for f in files)):
     ids = []
     for path in files:
-      for doc in read_documents(path, tfrecord_key):
-        if doc:
-          ids.append(tokenizer.encode(doc.replace(DOC_SEPARATOR, b"").decode("utf-8", "replace")))
-          ids.append(np.array([tokenizer.separator_id], np.int32))
+      if prepared.is_prepared(path):  # Tokenized once by python -m tfpar.data prepare.
+        docs = [d for d in prepared.read_ids(path, tokenizer) if len(d)]
+      else:
+        docs = [tokenizer.encode(d.replace(DOC_SEPARATOR, b"").decode("utf-8", "replace"))
+                for d in read_documents(path, tfrecord_key) if d]
+      for doc in docs:
+        ids.append(doc)
+        ids.append(np.array([tokenizer.separator_id], np.int32))
     return np.concatenate(ids) if ids else np.zeros([0], np.int32)
   pieces = []
   for path in files:
