@@ -66,7 +66,9 @@ def _section(kind, f, **resolved):
 
 def model_from_flags(f) -> ModelConfig:
   """The validated model shape alone (tfpar.plan needs no model_dir or data)."""
-  m = _section(ModelConfig, f, d_ff=f.d_ff if f.d_ff is not None else 4 * f.d_model)
+  llama = f.architecture == "llama"
+  m = _section(ModelConfig, f, d_ff=f.d_ff if f.d_ff is not None else 4 * f.d_model,
+               positions=f.positions or ("rotary" if llama else "learned"))
   validate_model(m)
   return m
 

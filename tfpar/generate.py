@@ -103,21 +103,22 @@ def sample(next_logits: Callable[[List[int]], np.ndarray], prompt: Sequence[int]
 
 
 def load_model(model_dir: str):
-  """Rebuilds the run's GPT from config.json and restores the latest checkpoint's weights.
+  """Rebuilds the run's language model (GPT or Llama) from config.json and restores the latest checkpoint's weights.
 
   Returns (model, next_logits) for `sample`. Sets the float32 policy (sampling
   needs no mixed precision).
   """
   import keras  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tfpar.models import GPT  # pylint: disable=import-outside-toplevel
+  from tfpar import tasks  # pylint: disable=import-outside-toplevel
   from tfpar.training import checkpoint  # pylint: disable=import-outside-toplevel
 
   saved = rundir.load(model_dir)
   keras.mixed_precision.set_global_policy("float32")
   # Without dropout the model has no RNG state: only weights are restored.
-  config = saved.replace(model={"dropout": 0.0}).model
-  model = GPT(config)
+  saved = saved.replace(model={"dropout": 0.0})
+  config = saved.model
+  model = tasks.make(saved).build_model()
   model.build_all()
   if checkpoint.load_weights(model, model_dir) is None:
     raise GenerateError(f"--model_dir={model_dir} has no readable checkpoint: train into it first")
