@@ -43,11 +43,10 @@ class GenerateError(ValueError):
   """Input generate cannot use; the message names the flag and the fix."""
 
 
-def check(fv: flags.FlagValues) -> None:
-  """Validates the flags and the run directory (through tf.io.gfile: gs:// works)."""
+def check_run_dir(d: str) -> None:
+  """--model_dir holds a --task=lm run with a checkpoint (tfpar.export asks the same)."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   gfile = tf.io.gfile
-  d = fv.model_dir
   task = rundir.find_run(d, GenerateError, warn).model.task
   if tasks.spec(task).tool != "tfpar.generate":  # Say why, not "another version".
     raise GenerateError(f"--model_dir={d} holds a vision run (--task={task}), but "
@@ -56,6 +55,11 @@ def check(fv: flags.FlagValues) -> None:
   if not gfile.glob(os.path.join(d, "checkpoints", "ckpt-*.index")):
     raise GenerateError(f"--model_dir={d} has no checkpoint yet: train into it first "
                         f"(python -m tfpar.train --model_dir={d} ...)")
+
+
+def check(fv: flags.FlagValues) -> None:
+  """Validates the flags and the run directory (through tf.io.gfile: gs:// works)."""
+  check_run_dir(fv.model_dir)
   if fv.max_new_tokens < 0:
     raise GenerateError(f"--max_new_tokens={fv.max_new_tokens} must be >= 0")
   if not (math.isfinite(fv.temperature) and fv.temperature >= 0):

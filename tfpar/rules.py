@@ -15,7 +15,7 @@ import glob
 import math
 import os
 
-from tfpar import tasks
+from tfpar import hub, tasks
 from tfpar.console import count
 from tfpar.schema import VOCAB_SIZE, COMPRESSIONS, ON_NONFINITE, Config, ConfigError, ModelConfig
 from tfpar.schema import ParallelConfig
@@ -110,6 +110,8 @@ def validate(cfg: Config) -> None:
   _bounded_ints(cfg)
   validate_model(m)
   tasks.spec(m.task).check_data(m, d)
+  if m.init_from is not None:
+    hub.check(m, m.init_from)
   for value, flag in ((t.train_steps, "train_steps"), (t.global_batch_size, "global_batch_size"),
                       (t.log_every, "log_every"), (t.checkpoint_every, "checkpoint_every"),
                       (t.keep_checkpoints, "keep_checkpoints"), (t.steps_per_call, "steps_per_call"),

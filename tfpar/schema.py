@@ -79,6 +79,11 @@ class ModelConfig:
   num_kv_heads: Optional[int] = setting(  # None: --num_heads (see kv_heads).
       None, "Key/value heads of grouped-query attention (default --num_heads; 1: multi-query); "
       "must divide --num_heads; fewer than --num_heads is for --architecture=llama.")
+  init_from: Optional[str] = setting(  # tfpar.hub: keras-hub presets in (tfpar.export: out).
+      None, "--task=lm: start a new run from a keras-hub preset directory (what save_to_preset "
+      "writes; GPT2Backbone or LlamaBackbone): its weights, mapped to tfpar's names, under any "
+      "parallel plan. The model flags must match its config; a resumed run restores its "
+      "checkpoint instead.")
   # Vision tasks (a ViT on image patches; unused by --task=lm).
   image_size: int = setting(8, "Image height and width in pixels (square).")
   patch_size: int = setting(2, "ViT patch height and width; must divide --image_size.")

@@ -27,10 +27,11 @@ class Block(keras.layers.Layer):
     causal: causal attention (GPT); False for image patches (ViT).
     tensor_shards: T, how many shards attention and MLP are split into.
     seed: dropout seed.
+    gelu_approximate: the MLP's GELU in GPT-2's tanh form (tfpar.layers.mlp.MLP).
   """
 
   def __init__(self, *, d_model, num_heads, d_ff, dropout=0.0, rotary=False, causal=True,
-               tensor_shards=1, seed=None, **kwargs):
+               tensor_shards=1, seed=None, gelu_approximate=False, **kwargs):
     super().__init__(**kwargs)
     self.d_model, self.num_heads, self.d_ff = d_model, num_heads, d_ff
     self.dropout_rate, self.rotary, self.tensor_shards = dropout, rotary, tensor_shards
@@ -41,7 +42,8 @@ class Block(keras.layers.Layer):
     self.attn = SelfAttention(num_heads=num_heads, head_dim=d_model // num_heads,
                               d_model=d_model, rotary=rotary, causal=causal,
                               tensor_shards=tensor_shards, name="attn")
-    self.mlp = MLP(d_ff=d_ff, d_model=d_model, tensor_shards=tensor_shards, name="mlp")
+    self.mlp = MLP(d_ff=d_ff, d_model=d_model, tensor_shards=tensor_shards,
+                   gelu_approximate=gelu_approximate, name="mlp")
     self.drop_1 = keras.layers.Dropout(dropout, seed=seed, name="drop_1")
     self.drop_2 = keras.layers.Dropout(dropout, seed=None if seed is None else seed + 1,
                                        name="drop_2")

@@ -16,15 +16,19 @@ class MLP(TensorParallel, keras.layers.Layer):
     d_ff: hidden width in total.
     d_model: input and output width.
     tensor_shards: T, how many shards the hidden width is split into.
+    gelu_approximate: GELU's tanh approximation (GPT-2's, and keras-hub's GPT2Backbone's)
+      instead of the exact erf form (the ViT's).
   """
 
-  def __init__(self, *, d_ff, d_model, tensor_shards=1, **kwargs):
+  def __init__(self, *, d_ff, d_model, tensor_shards=1, gelu_approximate=False, **kwargs):
     super().__init__(**kwargs)
     self.d_ff = d_ff
     self.d_model = d_model
     self.tensor_shards = tensor_shards
+    self.gelu_approximate = gelu_approximate
     init = keras.initializers.RandomNormal(stddev=0.02)
-    self.fc_in = ColumnParallelDense(d_ff, shards=tensor_shards, activation="gelu",
+    gelu = lambda x: keras.activations.gelu(x, approximate=gelu_approximate)
+    self.fc_in = ColumnParallelDense(d_ff, shards=tensor_shards, activation=gelu,
                                      kernel_initializer=init, name="fc_in")
     self.fc_out = RowParallelDense(d_model, shards=tensor_shards, kernel_initializer=init,
                                    name="fc_out")
@@ -41,7 +45,7 @@ class MLP(TensorParallel, keras.layers.Layer):
 
   def get_config(self):
     return {**super().get_config(), "d_ff": self.d_ff, "d_model": self.d_model,
-            "tensor_shards": self.tensor_shards}
+            "tensor_shards": self.tensor_shards, "gelu_approximate": self.gelu_approximate}
 
 
 class GatedMLP(TensorParallel, keras.layers.Layer):

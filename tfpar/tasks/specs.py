@@ -68,6 +68,9 @@ class VisionSpec(TaskSpec):
       raise ConfigError(f"--image_size={m.image_size} is not divisible by --patch_size="
                         f"{m.patch_size}: pick a patch size that divides the image size "
                         f"(e.g. --patch_size=2 for --image_size=8)")
+    if m.init_from is not None:
+      raise ConfigError(f"--init_from={m.init_from} is for --task=lm (a GPT-2 or Llama "
+                        "preset): drop the flag")
     if m.architecture != "gpt":
       raise ConfigError(f"--architecture={m.architecture} is for --task=lm: a ViT has its own "
                         "blocks; drop the flag")
