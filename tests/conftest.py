@@ -279,3 +279,14 @@ def train_in_process(args):
   cfg = make_config(args)
   config.check_run(cfg, Cluster())
   return runner.run(cfg, Cluster())
+
+
+def canonical_grads(model, grads):
+  """{canonical name: full gradient} of `model`'s trainable variables (shards concatenated
+  along their partitioning rule's axis): what a twin compares with one device's."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tfpar.training.checkpoint import model_layout  # pylint: disable=import-outside-toplevel
+  by_var = {id(v): tf.convert_to_tensor(g) for v, g in zip(model.trainable_variables, grads)}
+  return {name: np.concatenate([np.asarray(by_var[id(v)]) for v in shards], axis=axis or 0)
+          for name, (axis, shards) in model_layout(model).items() if id(shards[0]) in by_var}

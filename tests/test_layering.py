@@ -20,7 +20,7 @@ LAYERS = [
                     "tfpar.partitioning"]),
     ("data", ["tfpar.data", "tfpar.vision", "tfpar.tokenizer"]),
     ("settings", ["tfpar.config", "tfpar.schema", "tfpar.rules", "tfpar.rundir", "tfpar.cluster",
-                  "tfpar.tasks.specs"]),
+                  "tfpar.tasks.specs", "tfpar.hub"]),
     ("layers", ["tfpar.layers"]),
     ("models", ["tfpar.models"]),
     ("training", ["tfpar.training"]),
@@ -29,7 +29,7 @@ LAYERS = [
     ("engines", ["tfpar.engines", "tfpar.planner"]),
     ("runner", ["tfpar.runner"]),
     ("cli", ["tfpar.flags", "tfpar.train", "tfpar.generate", "tfpar.predict", "tfpar.launch",
-             "tfpar.plan", "tfpar.k8s"]),
+             "tfpar.plan", "tfpar.k8s", "tfpar.export"]),
 ]
 RANK = {prefix: rank for rank, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes}
 # A module whose layer is not its package's: the task registry (the names, and

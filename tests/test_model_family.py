@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import TINY, make_config
+from conftest import TINY, canonical_grads, make_config
 from tfpar import partitioning, strategies
 from tfpar.cluster import Cluster
 from tfpar.data.pipeline import Corpus
@@ -140,13 +140,6 @@ def build(args, tmp_path):
   strategy = strategies.make_strategy(cfg.dist, Cluster())
   engine_class = ModelParallelEngine if cfg.parallel.model_parallel else DataParallelEngine
   return engine_class(cfg, strategy, corpus, task=ToyTask(cfg))
-
-
-def canonical_grads(model, grads):
-  """{canonical name: full gradient} (shards concatenated along their rule's axis)."""
-  by_var = {id(v): tf.convert_to_tensor(g) for v, g in zip(model.trainable_variables, grads)}
-  return {name: np.concatenate([np.asarray(by_var[id(v)]) for v in shards], axis=axis or 0)
-          for name, (axis, shards) in model_layout(model).items() if id(shards[0]) in by_var}
 
 
 @pytest.fixture(scope="module")

@@ -44,11 +44,10 @@ class GenerateError(ValueError):
   """Input generate cannot use; the message names the flag and the fix."""
 
 
-def check(fv: flags.FlagValues) -> None:
-  """Validates the flags and the run directory (through tf.io.gfile: gs:// works)."""
+def check_run_dir(d: str) -> None:
+  """--model_dir holds a --task=lm run with a checkpoint (tfpar.export asks the same)."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   gfile = tf.io.gfile
-  d = fv.model_dir
   task = rundir.find_run(d, GenerateError, warn).model.task
   if tasks.spec(task).tool != "tfpar.generate":  # Say why, not "another version".
     raise GenerateError(f"--model_dir={d} holds a vision run (--task={task}), but "
@@ -57,6 +56,11 @@ def check(fv: flags.FlagValues) -> None:
   if not gfile.glob(os.path.join(d, "checkpoints", "ckpt-*.index")):
     raise GenerateError(f"--model_dir={d} has no checkpoint yet: train into it first "
                         f"(python -m tfpar.train --model_dir={d} ...)")
+
+
+def check(fv: flags.FlagValues) -> None:
+  """Validates the flags and the run directory (through tf.io.gfile: gs:// works)."""
+  check_run_dir(fv.model_dir)
   if fv.max_new_tokens < 0:
     raise GenerateError(f"--max_new_tokens={fv.max_new_tokens} must be >= 0")
   if not (math.isfinite(fv.temperature) and fv.temperature >= 0):
@@ -105,21 +109,22 @@ def sample(next_logits: Callable[[List[int]], np.ndarray], prompt: Sequence[int]
 
 
 def load_model(model_dir: str):
-  """Rebuilds the run's GPT from config.json and restores the latest checkpoint's weights.
+  """Rebuilds the run's language model (GPT or Llama) from config.json and restores the latest checkpoint's weights.
 
   Returns (model, next_logits) for `sample`. Sets the float32 policy (sampling
   needs no mixed precision).
   """
   import keras  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tfpar.models import GPT  # pylint: disable=import-outside-toplevel
+  from tfpar import tasks  # pylint: disable=import-outside-toplevel
   from tfpar.training import checkpoint  # pylint: disable=import-outside-toplevel
 
   saved = rundir.load(model_dir)
   keras.mixed_precision.set_global_policy("float32")
   # Without dropout the model has no RNG state: only weights are restored.
-  config = saved.replace(model={"dropout": 0.0}).model
-  model = GPT(config)
+  saved = saved.replace(model={"dropout": 0.0})
+  config = saved.model
+  model = tasks.make(saved).build_model()
   model.build_all()
   if checkpoint.load_weights(model, model_dir) is None:
     raise GenerateError(f"--model_dir={model_dir} has no readable checkpoint: train into it first")

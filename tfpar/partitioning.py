@@ -267,6 +267,40 @@ GPT = register(Rules("gpt", (
     *DROPOUT_RULES,
 ), block_shapes, gpt_embed_shapes, final_norm_shapes))
 
+# --- Llama (tfpar.models.Llama: tfpar.layers.LlamaBlock, untied output) -------------------
+
+def llama_block_shapes(m) -> Dict[str, Shape]:
+  """tfpar.layers.LlamaBlock's variables at full shape: no biases; K, V of kv_heads heads."""
+  d, f, head = m.d_model, m.d_ff, m.d_model // m.num_heads
+  return {"ln_1/scale": (d,), "ln_2/scale": (d,),
+          "attn/query/kernel": (d, m.num_heads * head),
+          "attn/key/kernel": (d, m.kv_heads * head), "attn/value/kernel": (d, m.kv_heads * head),
+          "attn/output/kernel": (m.num_heads * head, d),
+          "mlp/gate/kernel": (d, f), "mlp/up/kernel": (d, f), "mlp/down/kernel": (f, d)}
+
+
+def llama_embed_shapes(m) -> Dict[str, Shape]:
+  """The token table alone (positions are rotary, inside attention)."""
+  return {"wte/embeddings": (m.vocab_size, m.d_model)}
+
+
+def llama_head_shapes(m) -> Dict[str, Shape]:
+  """The final RMSNorm and the untied output projection."""
+  return {"ln_f/scale": (m.d_model,), "lm_head/kernel": (m.d_model, m.vocab_size)}
+
+
+LLAMA = register(Rules("llama", (
+    Rule(r"wte/embeddings", VOCAB, decay=True),
+    Rule(rf"{BLOCK}/ln_(1|2)/scale"),  # RMSNorm scales: whole, not decayed.
+    *_dense(rf"{BLOCK}/attn/(query|key|value)", COLUMN, bias=False),  # Heads and KV heads / T.
+    *_dense(rf"{BLOCK}/attn/output", ROW, bias=False),
+    *_dense(rf"{BLOCK}/mlp/(gate|up)", COLUMN, bias=False),
+    *_dense(rf"{BLOCK}/mlp/down", ROW, bias=False),
+    Rule(r"ln_f/scale"),
+    *_dense("lm_head", bias=False),  # Untied, whole on the last stage.
+    *DROPOUT_RULES,
+), llama_block_shapes, llama_embed_shapes, llama_head_shapes))
+
 # One table for every ViT (the checkpoint names of any of its heads); three
 # families, one per head, for the counts (the variables a task's model has).
 VIT_RULES = (

@@ -15,7 +15,11 @@ import glob
 import math
 import os
 
+<<<<<<< HEAD
 from tfpar import tasks, tokenizer
+=======
+from tfpar import hub, tasks
+>>>>>>> i19a
 from tfpar.console import count
 from tfpar.schema import VOCAB_SIZE, COMPRESSIONS, ON_NONFINITE, Config, ConfigError, ModelConfig
 from tfpar.schema import ParallelConfig
@@ -88,6 +92,15 @@ def validate_model(m: ModelConfig) -> None:
   if m.d_model % m.num_heads:
     raise ConfigError(f"--num_heads={m.num_heads} does not divide --d_model={m.d_model}: "
                       "pick a head count that divides d_model (e.g. 4 or 8 for 256)")
+  if m.num_kv_heads is not None and (m.num_kv_heads <= 0 or m.num_heads % m.num_kv_heads):
+    raise ConfigError(f"--num_kv_heads={m.num_kv_heads} does not divide --num_heads="
+                      f"{m.num_heads}: pick a divisor of the head count (1: multi-query)")
+  if m.kv_heads != m.num_heads and m.architecture != "llama":
+    raise ConfigError(f"--num_kv_heads={m.num_kv_heads} (grouped-query attention) is for "
+                      f"--architecture=llama: drop the flag, or pass --architecture=llama")
+  if m.architecture == "llama" and m.positions != "rotary":
+    raise ConfigError(f"--positions={m.positions} does not fit --architecture=llama, whose "
+                      "positions are rotary: drop the flag")
   if m.positions == "rotary" and (m.d_model // m.num_heads) % 2:
     raise ConfigError(f"--positions=rotary needs an even head size, got "
                       f"d_model/num_heads={m.d_model // m.num_heads}: change --num_heads")
@@ -105,6 +118,8 @@ def validate(cfg: Config) -> None:
   _bounded_ints(cfg)
   validate_model(m)
   tasks.spec(m.task).check_data(m, d)
+  if m.init_from is not None:
+    hub.check(m, m.init_from)
   for value, flag in ((t.train_steps, "train_steps"), (t.global_batch_size, "global_batch_size"),
                       (t.log_every, "log_every"), (t.checkpoint_every, "checkpoint_every"),
                       (t.keep_checkpoints, "keep_checkpoints"), (t.steps_per_call, "steps_per_call"),
@@ -219,6 +234,10 @@ def check_model_split(m: ModelConfig, p: ParallelConfig, precision: str = "float
   if m.num_heads % p.tensor_parallel:
     raise ConfigError(f"--tensor_parallel={p.tensor_parallel} does not divide --num_heads="
                       f"{m.num_heads}: pick a T that divides the head count")
+  if m.kv_heads % p.tensor_parallel:
+    raise ConfigError(f"--tensor_parallel={p.tensor_parallel} does not divide --num_kv_heads="
+                      f"{m.kv_heads}: pick a T that divides the key/value head count, or "
+                      "more --num_kv_heads")
   if m.d_ff % p.tensor_parallel:
     raise ConfigError(f"--tensor_parallel={p.tensor_parallel} does not divide --d_ff={m.d_ff}: "
                       "pick a T that divides the MLP width")

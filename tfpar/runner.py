@@ -29,7 +29,7 @@ def describe_run(cfg, info: dict) -> str:
   how = info["strategy"] + (": " + ", ".join(extra) if extra else "")
   m, t = cfg.model, cfg.train
   spec = tasks.spec(m.task)
-  model, batch = spec.model, spec.batch(m, t.global_batch_size)
+  model, batch = spec.model_name(m), spec.batch(m, t.global_batch_size)
   return (f"training a {m.num_layers}-layer {model} of {info['parameters']:,} "
           f"parameters for {console.count(t.train_steps, 'step')} of {batch}, "
           f"on {console.count(info['replicas'], 'replica')} ({how})")

@@ -21,7 +21,8 @@ STRATEGIES = ("one_device", "mirrored", "multi_worker_mirrored", "parameter_serv
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 ON_NONFINITE = ("stop", "skip")
-REMAT = ("none", "full", "selective")  # What blocks recompute in the backward pass.
+REMAT = ("none", "full", "selective")
+ARCHITECTURES = ("gpt", "llama")  # --architecture: tfpar.models.GPT, tfpar.models.Llama.  # What blocks recompute in the backward pass.
 UNSET = object()  # A flag's default where it is the field's own.
 
 
@@ -74,7 +75,22 @@ class ModelConfig:
   num_heads: int = setting(4, "Attention heads; must divide d_model.")
   d_ff: int = setting(512, "MLP hidden width (default 4 * d_model).", flag_default=None)
   dropout: float = setting(0.0, "Dropout rate (0 for pretraining-style runs, as nanoGPT).")
-  positions: str = setting("learned", "Position encoding.", choices=("learned", "rotary"))
+  positions: str = setting("learned", "Position encoding (default: learned for "
+                           "--architecture=gpt, rotary for llama).",
+                           choices=("learned", "rotary"), flag_default=None)
+  # The language model's architecture (tfpar.models; its tfpar.partitioning table has its name).
+  architecture: str = setting(
+      "gpt", "--task=lm: 'gpt' (GPT-2: LayerNorm, GELU MLP, biases, tied output) or 'llama' "
+      "(RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention, untied output, no "
+      "biases).", choices=ARCHITECTURES)
+  num_kv_heads: Optional[int] = setting(  # None: --num_heads (see kv_heads).
+      None, "Key/value heads of grouped-query attention (default --num_heads; 1: multi-query); "
+      "must divide --num_heads; fewer than --num_heads is for --architecture=llama.")
+  init_from: Optional[str] = setting(  # tfpar.hub: keras-hub presets in (tfpar.export: out).
+      None, "--task=lm: start a new run from a keras-hub preset directory (what save_to_preset "
+      "writes; GPT2Backbone or LlamaBackbone): its weights, mapped to tfpar's names, under any "
+      "parallel plan. The model flags must match its config; a resumed run restores its "
+      "checkpoint instead.")
   # Vision tasks (a ViT on image patches; unused by --task=lm).
   image_size: int = setting(8, "Image height and width in pixels (square).")
   patch_size: int = setting(2, "ViT patch height and width; must divide --image_size.")
@@ -84,6 +100,11 @@ class ModelConfig:
   pooling: str = setting(
       "cls", "How the ViT pools patches for the classifier: a class token, or the mean of "
       "patches.", choices=("cls", "mean"))
+
+  @property
+  def kv_heads(self) -> int:
+    """Key/value heads: --num_kv_heads, or one per query head."""
+    return self.num_kv_heads or self.num_heads
 
   @property
   def num_patches(self) -> int:

@@ -73,6 +73,12 @@ class SelfAttention(TensorParallel, keras.layers.Layer):
   partial is softmax(Q_t K_t^T / sqrt(d) [+ mask]) V_t W_o[t] and the layer's
   output is their sum; the output bias lives in `Block`, added once after it.
 
+  Grouped-query attention (Ainslie et al. 2023): with `num_kv_heads` G < H
+  key/value heads, query head h reads key/value head floor(h G / H) (each K, V
+  head repeated H/G times, keras-hub's Llama order), so shard t's query heads
+  [t H/T, (t+1) H/T) need exactly its key/value heads [t G/T, (t+1) G/T): T
+  must divide G too. G = 1 is multi-query attention.
+
   Args:
     num_heads: heads in total.
     head_dim: width of each head.
@@ -81,6 +87,8 @@ class SelfAttention(TensorParallel, keras.layers.Layer):
     causal: position i attends only to positions <= i (a language model);
       False lets every position see every other (image patches).
     tensor_shards: T, how many shards the heads are split into.
+    num_kv_heads: G, key/value heads in total (default num_heads).
+    use_bias: Q, K, V biases (GPT-2 has them, Llama not).
 
   Attributes:
     recompute_core: wrap the attention core (scores, softmax, mixing of each
@@ -96,22 +104,25 @@ class SelfAttention(TensorParallel, keras.layers.Layer):
   """
 
   def __init__(self, *, num_heads, head_dim, d_model, rotary=False, causal=True,
-               tensor_shards=1, **kwargs):
+               tensor_shards=1, num_kv_heads=None, use_bias=True, **kwargs):
     super().__init__(**kwargs)
-    if num_heads % tensor_shards:
-      raise ValueError(f"{num_heads} heads do not split over {tensor_shards} shards")
-    self.num_heads = num_heads
+    num_kv_heads = num_kv_heads or num_heads
+    if num_heads % tensor_shards or num_kv_heads % tensor_shards or num_heads % num_kv_heads:
+      raise ValueError(f"{num_heads} heads and {num_kv_heads} key/value heads do not split "
+                       f"over {tensor_shards} shards")
+    self.num_heads, self.num_kv_heads, self.use_bias = num_heads, num_kv_heads, use_bias
     self.head_dim = head_dim
     self.d_model = d_model
     self.rotary = rotary
     self.causal = causal
     self.tensor_shards = tensor_shards
     self.recompute_core = False
-    width = num_heads * head_dim
     init = keras.initializers.RandomNormal(stddev=0.02)
-    column = lambda name: ColumnParallelDense(width, shards=tensor_shards,
-                                              kernel_initializer=init, name=name)
-    self.query, self.key, self.value = column("query"), column("key"), column("value")
+    column = lambda heads, name: ColumnParallelDense(heads * head_dim, shards=tensor_shards,
+                                                     use_bias=use_bias, kernel_initializer=init,
+                                                     name=name)
+    self.query = column(num_heads, "query")
+    self.key, self.value = column(num_kv_heads, "key"), column(num_kv_heads, "value")
     self.output_dense = RowParallelDense(d_model, shards=tensor_shards, kernel_initializer=init,
                                          name="output")
 
@@ -122,10 +133,14 @@ class SelfAttention(TensorParallel, keras.layers.Layer):
 
   def partial(self, x, t):
     b, n, heads = ops.shape(x)[0], ops.shape(x)[1], self.num_heads // self.tensor_shards
-    split = lambda y: ops.reshape(y, (b, n, heads, self.head_dim))  # [B, T, H/T, D]
-    q, k, v = (split(dense(x, shard=t)) for dense in (self.query, self.key, self.value))
+    kv_heads = self.num_kv_heads // self.tensor_shards
+    q = ops.reshape(self.query(x, shard=t), (b, n, heads, self.head_dim))  # [B, T, H/T, D]
+    k, v = (ops.reshape(dense(x, shard=t), (b, n, kv_heads, self.head_dim))  # [B, T, G/T, D]
+            for dense in (self.key, self.value))
     if self.rotary:
       q, k = rotary(q), rotary(k)
+    if kv_heads != heads:  # Each K, V head serves H/G query heads in a row.
+      k, v = (ops.repeat(y, heads // kv_heads, axis=2) for y in (k, v))  # [B, T, H/T, D]
     if self.causal:
       blocks = query_blocks(x.shape[1])
       core = lambda q, k, v: causal_attention(q, k, v, blocks)  # [B, T, H/T, D]
@@ -140,7 +155,8 @@ class SelfAttention(TensorParallel, keras.layers.Layer):
   def get_config(self):
     return {**super().get_config(), "num_heads": self.num_heads, "head_dim": self.head_dim,
             "d_model": self.d_model, "rotary": self.rotary, "causal": self.causal,
-            "tensor_shards": self.tensor_shards}
+            "tensor_shards": self.tensor_shards, "num_kv_heads": self.num_kv_heads,
+            "use_bias": self.use_bias}
 
 
 def recompute_cores(model, on: bool) -> int:

@@ -4,7 +4,7 @@ import keras
 from keras import ops
 
 from tfpar.layers.attention import SelfAttention
-from tfpar.layers.mlp import MLP
+from tfpar.layers.mlp import MLP, GatedMLP
 from tfpar.layers.parallel import Placement
 
 
@@ -27,10 +27,11 @@ class Block(keras.layers.Layer):
     causal: causal attention (GPT); False for image patches (ViT).
     tensor_shards: T, how many shards attention and MLP are split into.
     seed: dropout seed.
+    gelu_approximate: the MLP's GELU in GPT-2's tanh form (tfpar.layers.mlp.MLP).
   """
 
   def __init__(self, *, d_model, num_heads, d_ff, dropout=0.0, rotary=False, causal=True,
-               tensor_shards=1, seed=None, **kwargs):
+               tensor_shards=1, seed=None, gelu_approximate=False, **kwargs):
     super().__init__(**kwargs)
     self.d_model, self.num_heads, self.d_ff = d_model, num_heads, d_ff
     self.dropout_rate, self.rotary, self.tensor_shards = dropout, rotary, tensor_shards
@@ -41,7 +42,8 @@ class Block(keras.layers.Layer):
     self.attn = SelfAttention(num_heads=num_heads, head_dim=d_model // num_heads,
                               d_model=d_model, rotary=rotary, causal=causal,
                               tensor_shards=tensor_shards, name="attn")
-    self.mlp = MLP(d_ff=d_ff, d_model=d_model, tensor_shards=tensor_shards, name="mlp")
+    self.mlp = MLP(d_ff=d_ff, d_model=d_model, tensor_shards=tensor_shards,
+                   gelu_approximate=gelu_approximate, name="mlp")
     self.drop_1 = keras.layers.Dropout(dropout, seed=seed, name="drop_1")
     self.drop_2 = keras.layers.Dropout(dropout, seed=None if seed is None else seed + 1,
                                        name="drop_2")
@@ -69,3 +71,57 @@ class Block(keras.layers.Layer):
     return {**super().get_config(), "d_model": self.d_model, "num_heads": self.num_heads,
             "d_ff": self.d_ff, "dropout": self.dropout_rate, "rotary": self.rotary,
             "causal": self.causal, "tensor_shards": self.tensor_shards, "seed": self.seed}
+
+
+class LlamaBlock(keras.layers.Layer):
+  """x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)): Llama's block, no biases.
+
+  RMSNorm (Zhang & Sennrich 2019) is x / sqrt(mean(x^2) + eps) * scale, eps
+  1e-6 as keras-hub's LlamaBackbone; attention has rotary positions and
+  `num_kv_heads` key/value heads (grouped-query), split over tensor shards
+  as `Block`'s (tfpar.layers.attention.SelfAttention, tfpar.layers.mlp.GatedMLP).
+
+  Args:
+    d_model: residual width.
+    num_heads: query heads in total.
+    num_kv_heads: key/value heads in total (divides num_heads).
+    d_ff: SwiGLU hidden width in total.
+    dropout: residual dropout rate.
+    tensor_shards: T.
+    seed: dropout seed.
+  """
+
+  EPSILON = 1e-6  # keras-hub's LlamaBackbone default (layer_norm_epsilon).
+
+  def __init__(self, *, d_model, num_heads, num_kv_heads, d_ff, dropout=0.0, tensor_shards=1,
+               seed=None, **kwargs):
+    super().__init__(**kwargs)
+    self.d_model, self.num_heads, self.num_kv_heads, self.d_ff = (d_model, num_heads,
+                                                                  num_kv_heads, d_ff)
+    self.dropout_rate, self.tensor_shards, self.seed = dropout, tensor_shards, seed
+    self.ln_1 = keras.layers.RMSNormalization(epsilon=self.EPSILON, name="ln_1")
+    self.ln_2 = keras.layers.RMSNormalization(epsilon=self.EPSILON, name="ln_2")
+    self.attn = SelfAttention(num_heads=num_heads, num_kv_heads=num_kv_heads,
+                              head_dim=d_model // num_heads, d_model=d_model, rotary=True,
+                              use_bias=False, tensor_shards=tensor_shards, name="attn")
+    self.mlp = GatedMLP(d_ff=d_ff, d_model=d_model, tensor_shards=tensor_shards, name="mlp")
+    self.drop_1 = keras.layers.Dropout(dropout, seed=seed, name="drop_1")
+    self.drop_2 = keras.layers.Dropout(dropout, seed=None if seed is None else seed + 1,
+                                       name="drop_2")
+
+  def place(self, placement: Placement) -> None:
+    self.attn.place(placement)
+    self.mlp.place(placement)
+
+  def build(self, input_shape):
+    for layer in (self.ln_1, self.ln_2, self.attn, self.mlp):
+      layer.build(input_shape)
+
+  def call(self, x, training=False):
+    x = x + self.drop_1(self.attn(self.ln_1(x)), training=training)
+    return x + self.drop_2(self.mlp(self.ln_2(x)), training=training)
+
+  def get_config(self):
+    return {**super().get_config(), "d_model": self.d_model, "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads, "d_ff": self.d_ff, "dropout": self.dropout_rate,
+            "tensor_shards": self.tensor_shards, "seed": self.seed}

@@ -58,7 +58,7 @@ class ParamCounts:
 
 def rules_of(m: ModelConfig, family: Optional[str] = None) -> partitioning.Rules:
   """The partitioning rules of `family`, by default the family m's task builds."""
-  return partitioning.get(family or tasks.get(m.task).family)
+  return partitioning.get(family or tasks.get(m.task).family_of(m))
 
 
 def count_params(m: ModelConfig, tensor_parallel: int = 1, *,

@@ -1,4 +1,4 @@
-"""--task=lm (the default): next-token prediction with the GPT on packed text windows.
+"""--task=lm (the default): next-token prediction with the GPT or the Llama on packed text windows.
 
 Tokens are --tokenizer's (tfpar.tokenizer; bytes by default). The held-out
 loss is also reported per byte of text (loss per token / bytes per token of the
@@ -13,7 +13,7 @@ from tfpar import console
 from tfpar import tokenizer as tokenizer_lib
 from tfpar.data import corpus as corpus_lib
 from tfpar.data import pipeline
-from tfpar.models import GPT
+from tfpar.models import GPT, Llama
 from tfpar.tasks.task import Task, cross_entropy
 from tfpar.training.metrics import perplexity
 
@@ -29,7 +29,16 @@ class LanguageModeling(Task):
   eval_bytes_per_token = 1.0  # Of the held-out stream; load_data measures it.
 
   unit = "tokens"
-  family = "gpt"  # Its model's partitioning rules (tfpar.partitioning).
+  # --architecture -> the model; each architecture's tfpar.partitioning table bears its name.
+  MODELS = {"gpt": GPT, "llama": Llama}
+
+  @classmethod
+  def family_of(cls, m) -> str:
+    return m.architecture
+
+  @property
+  def family(self) -> str:
+    return self.family_of(self.cfg.model)
 
   @property
   def units_per_step(self) -> int:
@@ -39,8 +48,9 @@ class LanguageModeling(Task):
   def global_count(self) -> int:
     return self.units_per_step  # Every token is labelled (by the next one).
 
-  def build_model(self, *, tensor_shards: int = 1, seed: int = 0) -> GPT:
-    return GPT(self.cfg.model, tensor_shards=tensor_shards, seed=seed)
+  def build_model(self, *, tensor_shards: int = 1, seed: int = 0):
+    return self.MODELS[self.cfg.model.architecture](self.cfg.model, tensor_shards=tensor_shards,
+                                                    seed=seed)
 
   def load_data(self, *, worker_index: int = 0, num_workers: int = 1):
     d = self.cfg.data

@@ -35,6 +35,11 @@ class TaskSpec:
   def check_data(self, m, d) -> None:
     """What --data (a DataConfig), or the built-in data where it is None, needs of the model."""
 
+  def model_name(self, m) -> str:
+    """What the start-up line calls the model of these flags."""
+    del m
+    return self.model
+
   def batch(self, m, global_batch_size: int) -> str:
     """One global batch in words ('16 sequences x 128 tokens')."""
     raise NotImplementedError
@@ -42,6 +47,9 @@ class TaskSpec:
 
 class LanguageModelingSpec(TaskSpec):
   name, model, tool = "lm", "GPT", "tfpar.generate"
+
+  def model_name(self, m):
+    return {"gpt": "GPT", "llama": "Llama"}[m.architecture]
 
   def batch(self, m, global_batch_size):
     return f"{count(global_batch_size, 'sequence')} x {count(m.seq_len, 'token')}"
@@ -60,6 +68,12 @@ class VisionSpec(TaskSpec):
       raise ConfigError(f"--image_size={m.image_size} is not divisible by --patch_size="
                         f"{m.patch_size}: pick a patch size that divides the image size "
                         f"(e.g. --patch_size=2 for --image_size=8)")
+    if m.init_from is not None:
+      raise ConfigError(f"--init_from={m.init_from} is for --task=lm (a GPT-2 or Llama "
+                        "preset): drop the flag")
+    if m.architecture != "gpt":
+      raise ConfigError(f"--architecture={m.architecture} is for --task=lm: a ViT has its own "
+                        "blocks; drop the flag")
     if m.positions != "learned":
       raise ConfigError(f"--positions={m.positions} is for --task=lm: a ViT learns its patch "
                         "positions; drop the flag")

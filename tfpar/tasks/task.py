@@ -60,6 +60,12 @@ class Task:
   def __init__(self, cfg):
     self.cfg = cfg
 
+  @classmethod
+  def family_of(cls, model_config) -> str:
+    """The model family this task builds for `model_config`, before any Task exists (the plan)."""
+    del model_config
+    return cls.family
+
   @property
   def units_per_step(self) -> int:
     raise NotImplementedError

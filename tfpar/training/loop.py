@@ -28,7 +28,7 @@ import tensorflow as tf
 from tfpar.config import Config
 from tfpar.console import count as _count
 from tfpar.training import preemption
-from tfpar.training.checkpoint import CanonicalCheckpointer
+from tfpar.training.checkpoint import CanonicalCheckpointer, assign_canonical
 from tfpar.training.metrics import MetricsWriter
 
 
@@ -87,6 +87,14 @@ def _next_boundary(step: int, cfg: Config) -> int:
   return min(nexts)
 
 
+def _init_from_preset(m, layouts) -> None:
+  """Assigns every model copy the weights of the keras-hub preset --init_from (tfpar.hub)."""
+  from tfpar.hub import preset  # pylint: disable=import-outside-toplevel  # keras-hub is slow.
+  values = preset.load_weights(m.init_from, m)
+  for layout in layouts:
+    assign_canonical({name: layout[name] for name in values}, values)
+
+
 def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
         num_workers: int = 1, on_restored=None) -> dict:
   """Trains until cfg.train.train_steps, resuming from the latest checkpoint.
@@ -103,6 +111,9 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
                                        keep=t.keep_checkpoints, is_chief=is_chief,
                                        worker_index=worker_index)
   restored = checkpointer.restore(log=metrics.say)
+  if restored is None and cfg.model.init_from is not None:
+    _init_from_preset(cfg.model, engine.layouts)
+    metrics.say(f"initialised the model from the keras-hub preset {cfg.model.init_from}")
   if on_restored is not None:
     on_restored()
   step = engine.step

@@ -1,0 +1,89 @@
+"""Write a trained language model out as a keras-hub preset.
+
+    python -m tfpar.export --model_dir=runs/llama_tiny --format=keras_hub --out=presets/llama_tiny
+
+then, anywhere keras-hub runs: `keras_hub.models.LlamaCausalLM.from_preset("presets/llama_tiny")`
+(GPT2CausalLM for --architecture=gpt). Wiring only: the run is found and its
+latest checkpoint restored as tfpar.generate does (any parallel plan may
+have written it), its canonical weights mapped to the backbone's
+(tfpar.hub), and keras-hub's `save_to_preset` writes the directory. A run
+started from a preset (--init_from) takes that preset's tokenizer along, so
+the CausalLM has its preprocessor; a byte-level run exports the backbone
+alone. Bad input ends with one line on stderr and exit status 2, before
+anything is written.
+"""
+
+import os
+import sys
+from typing import Sequence
+
+from absl import flags
+
+from tfpar import generate
+from tfpar.schema import ConfigError
+
+FORMATS = ("keras_hub",)
+
+
+def define_flags() -> flags.FlagValues:
+  fv = flags.FlagValues()
+  flags.DEFINE_string("model_dir", None, "A --task=lm run directory written by tfpar.train.",
+                      flag_values=fv)
+  flags.DEFINE_enum("format", "keras_hub", FORMATS, "What to write: a keras-hub preset "
+                    "directory (GPT2Backbone or LlamaBackbone, and the CausalLM's tokenizer).",
+                    flag_values=fv)
+  flags.DEFINE_string("out", None, "The preset directory to write (new or empty).",
+                      flag_values=fv)
+  return fv
+
+
+def fail(message: str) -> None:
+  print(f"tfpar.export: error: {message}", file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+def check_out(out) -> None:
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  if not out:
+    raise ConfigError("--out is not set: pass --out=DIR, the preset directory to write")
+  if tf.io.gfile.exists(out) and (not tf.io.gfile.isdir(out) or tf.io.gfile.listdir(out)):
+    raise ConfigError(f"--out={out} exists and is not an empty directory: pass a new one")
+
+
+def export(model_dir: str, out: str) -> str:
+  """Writes the run's latest weights to the preset `out`; returns the CausalLM class to load it."""
+  from tfpar import rundir  # pylint: disable=import-outside-toplevel
+  from tfpar.hub import preset  # pylint: disable=import-outside-toplevel
+  from tfpar.training import checkpoint  # pylint: disable=import-outside-toplevel
+  model, _ = generate.load_model(model_dir)
+  m = rundir.load(model_dir).model
+  weights = checkpoint.read_canonical(checkpoint.model_layout(model))
+  return preset.save(m, weights, out, tokenizer_from=m.init_from)
+
+
+def main(argv: Sequence[str]) -> None:
+  fv = define_flags()
+  if any(a in ("-h", "--help", "-help", "--helpshort") for a in argv[1:]):
+    print(__doc__ + "\n" + fv.get_help())
+    return
+  try:
+    rest = fv(list(argv))
+  except flags.Error as e:
+    fail(str(e))
+  if len(rest) > 1:
+    fail(f"unexpected arguments {rest[1:]}: flags are written --name=value")
+  from tfpar import console  # pylint: disable=import-outside-toplevel
+  console.import_tensorflow_quietly()
+  from tfpar.training.checkpoint import CheckpointMismatchError  # pylint: disable=import-outside-toplevel
+  try:
+    generate.check_run_dir(fv.model_dir)
+    check_out(fv.out)
+    task = export(fv.model_dir, fv.out)
+  except (generate.GenerateError, ConfigError, CheckpointMismatchError) as e:
+    fail(str(e))
+  print(f"tfpar.export: wrote {os.path.join(fv.out, '')} (keras_hub.models.{task}.from_preset)",
+        flush=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv)

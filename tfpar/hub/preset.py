@@ -1,0 +1,66 @@
+"""Reading and writing keras-hub presets' weights (keras-hub itself does the files).
+
+`load_weights(preset, m)`: the preset's backbone weights under tfpar's
+canonical names, at tfpar's shapes (tfpar.hub.llama / gpt2 say which is
+which). `save(m, weights, out, tokenizer_from=None)`: a CausalLM preset of
+those weights (with the tokenizer of the preset `tokenizer_from`, where
+there is one; else the backbone alone).
+"""
+
+import keras_hub
+import numpy as np
+
+from tfpar import hub, partitioning
+
+CAUSAL_LM = {"LlamaBackbone": ("LlamaCausalLM", "LlamaCausalLMPreprocessor"),
+             "GPT2Backbone": ("GPT2CausalLM", "GPT2CausalLMPreprocessor")}
+
+
+def _pairs(module, num_layers: int):
+  """(canonical name, keras-hub path) of every weight."""
+  for name, path in module.NAMES.items():
+    for i in (range(num_layers) if "{i}" in name else [None]):
+      yield name.format(i=i), path.format(i=i)
+
+
+def load_weights(preset: str, m) -> dict:
+  """{canonical name: array at tfpar's shape} of the preset's backbone (checked by hub.check)."""
+  module, _ = hub.backbone_of(preset)
+  model = keras_hub.models.Backbone.from_preset(preset)
+  by_path = {w.path: np.asarray(w.numpy()) for w in model.weights}
+  rules = partitioning.get(module.ARCHITECTURE)
+  shapes = {**rules.embed_shapes(m), **rules.head_shapes(m),
+            **{f"block_{i}/{n}": s for i in range(m.num_layers)
+               for n, s in rules.block_shapes(m).items()}}
+  out = {}
+  for name, path in _pairs(module, m.num_layers):
+    value = by_path[path]
+    if name == "wpe/embeddings":  # A preset's positions may outnumber --seq_len.
+      value = value[:m.seq_len]
+    out[name] = np.reshape(value, shapes[name])  # Heads axes folded: [d, H, D] -> [d, H D].
+  return out
+
+
+def backbone(m, weights: dict):
+  """A keras-hub backbone of tfpar's model config m holding `weights` (canonical names)."""
+  module = hub.BY_ARCHITECTURE[m.architecture]
+  model = getattr(keras_hub.models, module.CLASS)(**module.backbone_config(m))
+  by_path = {w.path: w for w in model.weights}
+  for name, path in _pairs(module, m.num_layers):
+    target = by_path[path]
+    target.assign(np.reshape(weights[name], target.shape))
+  return model
+
+
+def save(m, weights: dict, out: str, tokenizer_from=None) -> str:
+  """Writes a keras-hub preset of `weights` to `out`; returns the CausalLM class it loads as."""
+  model = backbone(m, weights)
+  task, preprocessor = CAUSAL_LM[type(model).__name__]
+  if tokenizer_from is None:
+    model.save_to_preset(out)
+    return task
+  tokenizer = keras_hub.tokenizers.Tokenizer.from_preset(tokenizer_from)
+  lm = getattr(keras_hub.models, task)(
+      backbone=model, preprocessor=getattr(keras_hub.models, preprocessor)(tokenizer))
+  lm.save_to_preset(out)
+  return task
