@@ -89,14 +89,10 @@ def _vocab_size(f) -> int:
 
 def model_from_flags(f) -> ModelConfig:
   """The validated model shape alone (tfpar.plan needs no model_dir or data)."""
-<<<<<<< HEAD
-  m = _section(ModelConfig, f, d_ff=f.d_ff if f.d_ff is not None else 4 * f.d_model,
-               vocab_size=_vocab_size(f))
-=======
   llama = f.architecture == "llama"
   m = _section(ModelConfig, f, d_ff=f.d_ff if f.d_ff is not None else 4 * f.d_model,
+               vocab_size=_vocab_size(f),
                positions=f.positions or ("rotary" if llama else "learned"))
->>>>>>> i19a
   validate_model(m)
   return m
 

@@ -15,11 +15,7 @@ import glob
 import math
 import os
 
-<<<<<<< HEAD
-from tfpar import tasks, tokenizer
-=======
-from tfpar import hub, tasks
->>>>>>> i19a
+from tfpar import hub, tasks, tokenizer
 from tfpar.console import count
 from tfpar.schema import VOCAB_SIZE, COMPRESSIONS, ON_NONFINITE, Config, ConfigError, ModelConfig
 from tfpar.schema import ParallelConfig
