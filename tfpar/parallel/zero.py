@@ -27,15 +27,25 @@ Memory. Unsharded, each replica holds m and v for all N parameters (8N bytes
 in float32); zero1 holds 8S = 8N/D (plus the replicated weights it updates
 from, 4N). `ShardedAdamW.slot_bytes()` is what one replica's slots occupy.
 
-Status: the layout and the shard math, checked against Keras AdamW on the same
-gradients (tests/test_zero.py). Not yet wired into the engines or
---optimizer_sharding (see docs/design.md, "Optimizer sharding").
+Collectives (`ZeroUpdate`, in replica context). The flat gradient is
+all-reduced and each replica keeps its shard of the sum: tf.distribute's
+ReplicaContext offers all_reduce and all_gather but no reduce-scatter, and an
+all-reduce moves the same bytes as the reduce-scatter + all-gather pair it is
+made of on a ring. The global norm is then the summed vector's own (no extra
+scalar collective); the new weight shards come back with one all_gather.
+
+Status: the layout, the shard math (checked against Keras AdamW on the same
+gradients) and ZeroUpdate under MirroredStrategy (twin of one device's
+update), tests/test_zero.py. Not yet wired into the engines,
+--optimizer_sharding or checkpoints (see docs/design.md, "Optimizer sharding").
 """
 
 from typing import List, Sequence
 
 import numpy as np
 import tensorflow as tf
+
+from tfpar.parallel import collectives
 
 
 class FlatLayout:
@@ -114,35 +124,113 @@ class ShardedAdamW:
     self.decay_mask = tf.constant(layout.mask(decay)[start:stop])
     self.m = tf.Variable(tf.zeros([layout.shard_size]), trainable=False, name="zero_m")
     self.v = tf.Variable(tf.zeros([layout.shard_size]), trainable=False, name="zero_v")
-    self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name="zero_iterations")
+
+  @classmethod
+  def like(cls, optimizer, layout: FlatLayout, shard: int, variables):
+    """The shard of a Keras AdamW `optimizer` (tfpar.training.optimizer.make_optimizer's)."""
+    return cls(layout, shard, decay_flags(optimizer, variables),
+               learning_rate=optimizer._learning_rate, weight_decay=optimizer.weight_decay,
+               beta_1=optimizer.beta_1, beta_2=optimizer.beta_2, epsilon=optimizer.epsilon,
+               clip_norm=optimizer.global_clipnorm)
 
   def slot_bytes(self) -> int:
     """Bytes of optimizer slots this replica holds (m and v of its shard)."""
     return 2 * 4 * self.layout.shard_size
 
-  def _lr(self) -> tf.Tensor:
+  def _lr(self, iterations) -> tf.Tensor:
     lr = self.learning_rate
-    return tf.cast(lr(self.iterations) if callable(lr) else lr, tf.float32)
+    return tf.cast(lr(iterations) if callable(lr) else lr, tf.float32)
 
-  def update(self, weights: tf.Tensor, grads: tf.Tensor, norm: tf.Tensor) -> tf.Tensor:
+  def update(self, weights: tf.Tensor, grads: tf.Tensor, norm: tf.Tensor, iterations,
+             apply=True) -> tf.Tensor:
     """This shard's new weights, from its weights and summed gradient; `norm` is the global one.
 
-    Advances m, v and the iteration count; returns the updated weight shard
-    (the caller all-gathers it).
+    `iterations` is the optimizer's step count before this step (the caller
+    advances it). Updates m and v; returns the updated weight shard (the
+    caller all-gathers it). Where `apply` is False (--on_nonfinite=skip and a
+    non-finite norm) m, v and the weights stay as they were.
     """
-    lr = self._lr()
+    lr = self._lr(iterations)
     grads = grads * clip_factor(norm, self.clip_norm)
+    new = weights
     if self.weight_decay:
-      weights = weights - weights * tf.constant(self.weight_decay, tf.float32) * lr * self.decay_mask
-    t = tf.cast(self.iterations + 1, tf.float32)
+      new = new - new * tf.constant(self.weight_decay, tf.float32) * lr * self.decay_mask
+    t = tf.cast(iterations + 1, tf.float32)
     b1, b2 = tf.constant(self.beta_1, tf.float32), tf.constant(self.beta_2, tf.float32)
-    m = self.m.assign_add((grads - self.m) * (1 - b1))
-    v = self.v.assign_add((tf.square(grads) - self.v) * (1 - b2))
+    m = self.m + (grads - self.m) * (1 - b1)
+    v = self.v + (tf.square(grads) - self.v) * (1 - b2)
     alpha = lr * tf.sqrt(1 - tf.pow(b2, t)) / (1 - tf.pow(b1, t))
-    self.iterations.assign_add(1)
-    return weights - m * alpha / (tf.sqrt(v) + self.epsilon)
+    new = new - m * alpha / (tf.sqrt(v) + self.epsilon)
+    if apply is not True:
+      m, v, new = (tf.where(apply, a, b) for a, b in ((m, self.m), (v, self.v), (new, weights)))
+    self.m.assign(m)
+    self.v.assign(v)
+    return new
 
 
 def decay_flags(optimizer, variables) -> List[bool]:
   """Which of `variables` the Keras AdamW `optimizer` decays (its own rule, not a copy)."""
   return [bool(optimizer.weight_decay) and optimizer._use_weight_decay(v) for v in variables]
+
+
+class ZeroUpdate:
+  """zero1 over the replicas in sync: each keeps 1/D of AdamW's m and v; replaces the optimizer's apply.
+
+  Args:
+    optimizer: the Keras AdamW whose update this shards (its iterations,
+      schedule, decay set and clipping are used; its own slots are not).
+    variables: one replica's trainable variables (mirrored).
+    shard_ids: the global replica id of each replica of this process.
+    devices: the device of each replica of this process.
+    num_replicas: D, the replicas in sync.
+  """
+
+  def __init__(self, optimizer, variables, *, shard_ids: Sequence[int],
+               devices: Sequence[str], num_replicas: int):
+    self.optimizer = optimizer
+    self.variables = list(variables)
+    self.layout = FlatLayout([v.shape for v in self.variables], num_replicas)
+    self.shards = []
+    for shard, device in zip(shard_ids, devices):
+      with tf.device(device):
+        self.shards.append(ShardedAdamW.like(optimizer, self.layout, shard, self.variables))
+
+  def slot_bytes(self) -> int:
+    """Bytes of AdamW slots one replica holds."""
+    return self.shards[0].slot_bytes()
+
+  def apply(self, grads: List[tf.Tensor], replica: int = 0, *,
+            skip_nonfinite: bool = False) -> tf.Tensor:
+    """Sums `grads` over the replicas, updates this replica's shard, gathers; returns the norm.
+
+    Runs in replica context on each replica; `replica` is its local index.
+    """
+    ctx = tf.distribute.get_replica_context()
+    shard = self.shards[replica]
+    summed = collectives.all_reduce(tf.distribute.ReduceOp.SUM, [self.layout.flatten(grads)])[0]
+    norm = tf.norm(summed)
+    mine = self.layout.shard(summed, shard.shard)
+    weights = self.layout.shard(self.layout.flatten(self.variables), shard.shard)
+    finite = tf.math.is_finite(norm) if skip_nonfinite else True
+    new = shard.update(weights, mine, norm, self.optimizer.iterations, apply=finite)
+    gathered = tf.reshape(ctx.all_gather(new[None], axis=0), [-1])
+    ctx.merge_call(self._assign, args=(self.layout.unflatten(gathered),))
+    return norm
+
+  def _assign(self, distribution, values):
+    """Cross-replica: every replica's copy of each variable takes the gathered value."""
+    for variable, value in zip(self.variables, values):
+      distribution.extended.update(getattr(variable, "value", variable),
+                                   lambda v, x: v.assign(x), args=(value,), group=False)
+    iterations = self.optimizer.iterations
+    distribution.extended.update(getattr(iterations, "value", iterations),
+                                 lambda v: v.assign_add(1), group=False)
+
+  def slots(self, strategy) -> List[List[np.ndarray]]:
+    """[m, v] as per-variable arrays, gathered from this process's shards (all of them, locally)."""
+    out = []
+    for name in ("m", "v"):
+      flat = tf.concat([getattr(s, name) for s in sorted(self.shards, key=lambda s: s.shard)], 0)
+      out.append([t.numpy() for t in self.layout.unflatten(flat)])
+    del strategy
+    return out
