@@ -134,8 +134,8 @@ class ShardedAdamW:
                clip_norm=optimizer.global_clipnorm)
 
   def slot_bytes(self) -> int:
-    """Bytes of optimizer slots this replica holds (m and v of its shard)."""
-    return 2 * 4 * self.layout.shard_size
+    """Bytes of optimizer slots this replica holds: its m and v variables, as allocated."""
+    return sum(int(np.prod(x.shape)) * x.dtype.size for x in (self.m, self.v))
 
   def _lr(self, iterations) -> tf.Tensor:
     lr = self.learning_rate
@@ -196,7 +196,7 @@ class ZeroUpdate:
         self.shards.append(ShardedAdamW.like(optimizer, self.layout, shard, self.variables))
 
   def slot_bytes(self) -> int:
-    """Bytes of AdamW slots one replica holds."""
+    """Bytes of AdamW slots one replica holds (what a memory measurement reads)."""
     return self.shards[0].slot_bytes()
 
   def apply(self, grads: List[tf.Tensor], replica: int = 0, *,
