@@ -30,7 +30,8 @@ from tfpar.training.checkpoint import model_layout, read_canonical
 
 STEPS = 3
 LLAMA = TINY + ["--architecture=llama", "--num_kv_heads=2", "--seq_len=16",
-                f"--train_steps={STEPS}", "--eval_every=0", "--checkpoint_every=100", "--jit_compile=false"]
+                f"--train_steps={STEPS}", "--eval_every=0", "--checkpoint_every=100",
+                "--jit_compile=false"]
 PLANS = {
     "one": ["--strategy=one_device"],
     "mirrored_4": ["--strategy=mirrored", "--num_cpu_devices=4"],
