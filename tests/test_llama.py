@@ -29,8 +29,9 @@ from tfpar.parallel import plan as plan_lib
 from tfpar.training.checkpoint import model_layout, read_canonical
 
 STEPS = 3
-LLAMA = TINY + ["--architecture=llama", "--num_kv_heads=2", f"--train_steps={STEPS}",
-                "--eval_every=0", "--checkpoint_every=100", "--jit_compile=false"]
+LLAMA = TINY + ["--architecture=llama", "--num_kv_heads=2", "--seq_len=16",
+                f"--train_steps={STEPS}", "--eval_every=0", "--checkpoint_every=100",
+                "--jit_compile=false"]
 PLANS = {
     "one": ["--strategy=one_device"],
     "mirrored_4": ["--strategy=mirrored", "--num_cpu_devices=4"],
@@ -52,7 +53,7 @@ def build(args, model_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  windows = TEXT[:8 * 33].reshape(8, 33).astype(np.int32)
+  windows = TEXT[:8 * 17].reshape(8, 17).astype(np.int32)
   x, y = tf.constant(windows[:, :-1]), tf.constant(windows[:, 1:])
   out = {}
   for name, args in PLANS.items():
