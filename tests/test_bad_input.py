@@ -280,7 +280,7 @@ def test_cli_unreachable_gs_model_dir_is_one_line_and_exit_1(cli):
 def a_started_run(model_dir, args):
   """A run directory as the chief leaves it once it has read the data: its config.json."""
   from tfpar import runner  # pylint: disable=import-outside-toplevel
-  runner.write_run_config(make_config(args + [f"--model_dir={model_dir}"]))
+  runner.write_run_files(make_config(args + [f"--model_dir={model_dir}"]), ())
   return snapshot(model_dir)
 
 
