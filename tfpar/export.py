@@ -19,7 +19,7 @@ from typing import Sequence
 
 from absl import flags
 
-from tfpar import generate
+from tfpar import console, generate
 from tfpar.schema import ConfigError
 
 FORMATS = ("keras_hub",)
@@ -63,16 +63,8 @@ def export(model_dir: str, out: str) -> str:
 
 def main(argv: Sequence[str]) -> None:
   fv = define_flags()
-  if any(a in ("-h", "--help", "-help", "--helpshort") for a in argv[1:]):
-    print(__doc__ + "\n" + fv.get_help())
+  if console.parse_tool_args(fv, argv, fail, doc=__doc__):
     return
-  try:
-    rest = fv(list(argv))
-  except flags.Error as e:
-    fail(str(e))
-  if len(rest) > 1:
-    fail(f"unexpected arguments {rest[1:]}: flags are written --name=value")
-  from tfpar import console  # pylint: disable=import-outside-toplevel
   console.import_tensorflow_quietly()
   from tfpar.training.checkpoint import CheckpointMismatchError  # pylint: disable=import-outside-toplevel
   try:

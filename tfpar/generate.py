@@ -19,6 +19,7 @@ from typing import Callable, List, Sequence
 import numpy as np
 from absl import flags
 
+from tfpar import console
 from tfpar import rundir
 from tfpar import tasks
 from tfpar import tokenizer
@@ -156,16 +157,8 @@ def warn(message: str) -> None:
 
 def main(argv: Sequence[str]) -> None:
   fv = define_flags()
-  if any(a in ("-h", "--help", "-help", "--helpshort") for a in argv[1:]):
-    print(__doc__ + "\n" + fv.get_help())
+  if console.parse_tool_args(fv, argv, fail, doc=__doc__):
     return
-  try:
-    rest = fv(list(argv))
-  except flags.Error as e:
-    fail(str(e))
-  if len(rest) > 1:
-    fail(f"unexpected arguments {rest[1:]}: flags are written --name=value")
-  from tfpar import console  # pylint: disable=import-outside-toplevel
   console.import_tensorflow_quietly()
   try:
     check(fv)

@@ -168,15 +168,8 @@ def warn(message: str) -> None:
 
 def main(argv: Sequence[str]) -> None:
   fv = define_flags()
-  if any(a in ("-h", "--help", "-help", "--helpshort") for a in argv[1:]):
-    print(__doc__ + "\n" + fv.get_help())
+  if console.parse_tool_args(fv, argv, fail, doc=__doc__):
     return
-  try:
-    rest = fv(list(argv))
-  except flags.Error as e:
-    fail(str(e))
-  if len(rest) > 1:
-    fail(f"unexpected arguments {rest[1:]}: flags are written --name=value")
   console.import_tensorflow_quietly()  # check() reads --model_dir through tf.io.gfile.
   try:
     check(fv)

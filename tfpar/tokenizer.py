@@ -29,6 +29,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from tfpar import console
 from tfpar import storage
 from tfpar.data import corpus
 
@@ -228,18 +229,14 @@ def main(argv: Sequence[str]) -> None:
     print(f"tfpar.tokenizer: error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
-  try:
-    rest = fv(list(argv))
-  except flags.Error as e:
-    fail(str(e))
-  if rest[1:] != ["train"]:
-    fail("usage: python -m tfpar.tokenizer train --data=... --vocab_size=N --out=PATH")
+  console.parse_tool_args(
+      fv, argv, fail, command="train",
+      usage="usage: python -m tfpar.tokenizer train --data=... --vocab_size=N --out=PATH")
   if not fv.out:
     fail("--out=PATH is required: where the trained .model file goes")
   if fv.vocab_size < 260:
     fail(f"--vocab_size={fv.vocab_size} is below 260, the 256 byte pieces and 4 control ids: "
          "pass a larger --vocab_size")
-  from tfpar import console  # pylint: disable=import-outside-toplevel
   console.import_tensorflow_quietly()
   try:
     files = corpus.list_files(fv.data)

@@ -18,6 +18,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from tfpar import console
 from tfpar import storage
 from tfpar import tokenizer as tokenizer_lib
 from tfpar.data import corpus
@@ -84,17 +85,13 @@ def main(argv: Sequence[str]) -> None:
     print(f"tfpar.data: error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
-  try:
-    rest = fv(list(argv))
-  except flags.Error as e:
-    fail(str(e))
-  if rest[1:] != ["prepare"]:
-    fail("usage: python -m tfpar.data prepare --data=... --tokenizer=... --out=DIR")
+  console.parse_tool_args(
+      fv, argv, fail, command="prepare",
+      usage="usage: python -m tfpar.data prepare --data=... --tokenizer=... --out=DIR")
   if not fv.out:
     fail("--out=DIR is required: where the TFRecord shards go")
   if fv.num_shards < 1:
     fail(f"--num_shards={fv.num_shards} must be >= 1")
-  from tfpar import console  # pylint: disable=import-outside-toplevel
   console.import_tensorflow_quietly()
   try:
     tok = tokenizer_lib.load(fv.tokenizer)
