@@ -8,7 +8,23 @@ from tfpar.layers.mlp import MLP, GatedMLP
 from tfpar.layers.parallel import Placement
 
 
-class Block(keras.layers.Layer):
+class PreNormBlock(keras.layers.Layer):
+  """What every block here shares: `attn` and `mlp` sub-layers split over tensor
+  shards, run where `place` says, and the two residual dropouts (`drop_2`
+  seeded one past `drop_1`, so their masks differ)."""
+
+  def _residual_dropouts(self, dropout, seed) -> None:
+    self.drop_1 = keras.layers.Dropout(dropout, seed=seed, name="drop_1")
+    self.drop_2 = keras.layers.Dropout(dropout, seed=None if seed is None else seed + 1,
+                                       name="drop_2")
+
+  def place(self, placement: Placement) -> None:
+    """Runs (and builds) shard t of the attention and the MLP as `placement` says."""
+    self.attn.place(placement)
+    self.mlp.place(placement)
+
+
+class Block(PreNormBlock):
   """x + Attn(LN(x)), then x + MLP(LN(x)) (GPT-2 / nanoGPT order).
 
   With `tensor_shards=T` the attention's heads and the MLP's hidden width are
@@ -44,14 +60,7 @@ class Block(keras.layers.Layer):
                               tensor_shards=tensor_shards, name="attn")
     self.mlp = MLP(d_ff=d_ff, d_model=d_model, tensor_shards=tensor_shards,
                    gelu_approximate=gelu_approximate, name="mlp")
-    self.drop_1 = keras.layers.Dropout(dropout, seed=seed, name="drop_1")
-    self.drop_2 = keras.layers.Dropout(dropout, seed=None if seed is None else seed + 1,
-                                       name="drop_2")
-
-  def place(self, placement: Placement) -> None:
-    """Runs (and builds) shard t of the attention and the MLP as `placement` says."""
-    self.attn.place(placement)
-    self.mlp.place(placement)
+    self._residual_dropouts(dropout, seed)
 
   def build(self, input_shape):
     self.ln_1.build(input_shape)
@@ -73,7 +82,7 @@ class Block(keras.layers.Layer):
             "causal": self.causal, "tensor_shards": self.tensor_shards, "seed": self.seed}
 
 
-class LlamaBlock(keras.layers.Layer):
+class LlamaBlock(PreNormBlock):
   """x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)): Llama's block, no biases.
 
   RMSNorm (Zhang & Sennrich 2019) is x / sqrt(mean(x^2) + eps) * scale, eps
@@ -105,13 +114,7 @@ class LlamaBlock(keras.layers.Layer):
                               head_dim=d_model // num_heads, d_model=d_model, rotary=True,
                               use_bias=False, tensor_shards=tensor_shards, name="attn")
     self.mlp = GatedMLP(d_ff=d_ff, d_model=d_model, tensor_shards=tensor_shards, name="mlp")
-    self.drop_1 = keras.layers.Dropout(dropout, seed=seed, name="drop_1")
-    self.drop_2 = keras.layers.Dropout(dropout, seed=None if seed is None else seed + 1,
-                                       name="drop_2")
-
-  def place(self, placement: Placement) -> None:
-    self.attn.place(placement)
-    self.mlp.place(placement)
+    self._residual_dropouts(dropout, seed)
 
   def build(self, input_shape):
     for layer in (self.ln_1, self.ln_2, self.attn, self.mlp):
