@@ -22,6 +22,7 @@ PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 ON_NONFINITE = ("stop", "skip")
 REMAT = ("none", "full", "selective")
+CAUSAL_ATTENTION = ("query_blocks", "online_softmax")  # tfpar.layers.attention.CAUSAL_CORES.
 ARCHITECTURES = ("gpt", "llama")  # --architecture: tfpar.models.GPT, tfpar.models.Llama.  # What blocks recompute in the backward pass.
 UNSET = object()  # A flag's default where it is the field's own.
 
@@ -167,6 +168,14 @@ class TrainConfig:
       10, "Steps run inside one tf.function call (fewer Python round trips).")
   precision: str = setting("float32", "Compute precision policy.", choices=PRECISIONS)
   jit_compile: bool = setting(True, "Compile the step with XLA (faster on CPU and GPU).")
+  fused_projections: bool = setting(  # tfpar.layers.fused; the weights are the same.
+      False, "Compute each attention's Q, K, V (and a gated MLP's gate and up) as one matmul "
+      "per tensor shard instead of three (two); same weights and checkpoints, same losses.")
+  causal_attention: str = setting(  # tfpar.layers.attention.CAUSAL_CORES.
+      "query_blocks", "How causal attention skips the masked blocks above the diagonal: "
+      "'query_blocks' (each query block against the keys up to it, one softmax) or "
+      "'online_softmax' (query and key blocks, FlashAttention's running softmax); same "
+      "result.", choices=CAUSAL_ATTENTION)
   on_nonfinite: str = setting(  # See tfpar.training.loop.
       "stop", "A step whose loss or gradient norm is NaN or infinite: 'stop' names it and exits "
       "(status 3) without saving, so the last checkpoint is the last good state; 'skip' "

@@ -4,6 +4,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from tfpar.layers.fused import fused_columns
 from tfpar.layers.parallel import ColumnParallelDense, RowParallelDense, TensorParallel
 
 
@@ -57,6 +58,77 @@ def causal_attention(q, k, v, num_blocks: int = 1):
   return outputs[0] if num_blocks == 1 else ops.concatenate(outputs, axis=1)
 
 
+def causal_fraction(t) -> float:
+  """The share of the [T, T] score square that causal attention computes at a static length t.
+
+  Query block i of n reads i + 1 key blocks: n(n + 1)/2 of the n^2 blocks,
+  (n + 1)/(2n) (10/16 at T = 256); 1 where there is one block. The same for
+  both cores of CAUSAL_CORES: what MFU's executed FLOPs count.
+  """
+  n = query_blocks(t)
+  return (n + 1) / (2 * n)
+
+
+def _rows(x):
+  """[B, H, S] per-query statistics -> [B, S, H, 1], to scale outputs [B, S, H, D]."""
+  return ops.transpose(x, (0, 2, 1))[..., None]
+
+
+def online_softmax_attention(q, k, v, num_blocks: int = 1):
+  """`causal_attention`'s result, computed in query AND key blocks with an online softmax.
+
+  FlashAttention's formulation (Dao et al. 2022; Milakov & Gimelshein 2018):
+  query block i visits key blocks j <= i (the blocks above the diagonal are
+  never computed, as in causal_attention) keeping, per query, the running
+  maximum m, the running sum l of exp(score - m) and the running output
+  acc = sum exp(score - m) v; a new block with maximum m' rescales l and acc
+  by exp(m - m'). The output is acc / l: the same softmax, summed in another
+  order. No [S, T] row of scores is ever whole: each step holds one [S, S]
+  block, which is what lets a GPU or TPU kernel keep it in on-chip memory.
+  Here it is plain ops that XLA compiles (the loops unroll over static
+  blocks); its backward is the autodiff of these ops, not FlashAttention's
+  recomputing one. --causal_attention=online_softmax; docs/benchmarks.md says
+  what it costs on CPU.
+
+  Args:
+    q, k, v: [B, T, H, D].
+    num_blocks: n, query and key blocks of T/n (query_blocks(T) in SelfAttention).
+
+  Returns:
+    [B, T, H, D].
+  """
+  t = ops.shape(q)[1]
+  scale = ops.sqrt(ops.cast(ops.shape(q)[-1], q.dtype))
+  bounds = [(i * t // num_blocks, (i + 1) * t // num_blocks) if num_blocks > 1 else (0, t)
+            for i in range(num_blocks)]
+  outputs = []
+  for i, (lo, hi) in enumerate(bounds):
+    m = total = acc = None  # [B, H, S], [B, H, S], [B, S, H, D] float32, over key blocks so far.
+    for j, (klo, khi) in enumerate(bounds[:i + 1]):
+      scores = ops.cast(ops.einsum("bqhd,bkhd->bhqk", q[:, lo:hi], k[:, klo:khi]) / scale,
+                        "float32")  # [B, H, S, S]
+      if j == i:  # The diagonal block: key <= query; every row keeps its diagonal.
+        causal = ops.arange(klo, khi)[None, :] <= ops.arange(lo, hi)[:, None]
+        scores = ops.where(causal[None, None], scores, -1e9)
+      m_new = ops.max(scores, axis=-1) if m is None else ops.maximum(m, ops.max(scores, axis=-1))
+      p = ops.exp(scores - m_new[..., None])  # [B, H, S, S], unnormalised
+      pv = ops.cast(ops.einsum("bhqk,bkhd->bqhd", ops.cast(p, v.dtype), v[:, klo:khi]),
+                    "float32")  # [B, S, H, D]
+      if m is None:
+        total, acc = ops.sum(p, axis=-1), pv
+      else:
+        correction = ops.exp(m - m_new)  # <= 1: the old terms under the new maximum.
+        total = total * correction + ops.sum(p, axis=-1)
+        acc = acc * _rows(correction) + pv
+      m = m_new
+    outputs.append(ops.cast(acc / _rows(total), v.dtype))
+  return outputs[0] if num_blocks == 1 else ops.concatenate(outputs, axis=1)
+
+
+# --causal_attention: how a causal SelfAttention computes its core (the same numbers).
+CAUSAL_CORES = {"query_blocks": causal_attention, "online_softmax": online_softmax_attention}
+
+
 def full_attention(q, k, v):
   """softmax(q k^T / sqrt(D)) v over q, k, v [B, T, H, D] -> [B, T, H, D]: no mask."""
   scale = ops.sqrt(ops.cast(ops.shape(q)[-1], q.dtype))
@@ -96,6 +168,11 @@ class SelfAttention(TensorParallel, keras.layers.Layer):
       and recomputes the O(T^2) scores and probabilities (--remat=selective;
       set by tfpar.parallel.pipeline). Without a gradient tape it is the
       plain forward.
+    fused_projections: compute each shard's Q, K, V as one matmul by its
+      kernels side by side (tfpar.layers.fused; --fused_projections, set by
+      `tfpar.layers.block.set_compute`); the variables are the same.
+    causal_attention: the causal core, a key of CAUSAL_CORES ("query_blocks"
+      or "online_softmax": the same result; --causal_attention).
 
   Call args:
     x: [B, T, d_model]. Returns [B, T, d_model].
@@ -117,6 +194,8 @@ class SelfAttention(TensorParallel, keras.layers.Layer):
     self.causal = causal
     self.tensor_shards = tensor_shards
     self.recompute_core = False
+    self.fused_projections = False
+    self.causal_attention = "query_blocks"
     init = keras.initializers.RandomNormal(stddev=0.02)
     column = lambda heads, name: ColumnParallelDense(heads * head_dim, shards=tensor_shards,
                                                      use_bias=use_bias, kernel_initializer=init,
@@ -134,16 +213,18 @@ class SelfAttention(TensorParallel, keras.layers.Layer):
   def partial(self, x, t):
     b, n, heads = ops.shape(x)[0], ops.shape(x)[1], self.num_heads // self.tensor_shards
     kv_heads = self.num_kv_heads // self.tensor_shards
-    q = ops.reshape(self.query(x, shard=t), (b, n, heads, self.head_dim))  # [B, T, H/T, D]
-    k, v = (ops.reshape(dense(x, shard=t), (b, n, kv_heads, self.head_dim))  # [B, T, G/T, D]
-            for dense in (self.key, self.value))
+    denses = (self.query, self.key, self.value)
+    q, k, v = (fused_columns(x, denses, t) if self.fused_projections
+               else [dense(x, shard=t) for dense in denses])
+    q = ops.reshape(q, (b, n, heads, self.head_dim))  # [B, T, H/T, D]
+    k, v = (ops.reshape(y, (b, n, kv_heads, self.head_dim)) for y in (k, v))  # [B, T, G/T, D]
     if self.rotary:
       q, k = rotary(q), rotary(k)
     if kv_heads != heads:  # Each K, V head serves H/G query heads in a row.
       k, v = (ops.repeat(y, heads // kv_heads, axis=2) for y in (k, v))  # [B, T, H/T, D]
     if self.causal:
-      blocks = query_blocks(x.shape[1])
-      core = lambda q, k, v: causal_attention(q, k, v, blocks)  # [B, T, H/T, D]
+      blocks, blocked = query_blocks(x.shape[1]), CAUSAL_CORES[self.causal_attention]
+      core = lambda q, k, v: blocked(q, k, v, blocks)  # [B, T, H/T, D]
     else:
       core = full_attention
     y = (tf.recompute_grad(core) if self.recompute_core else core)(q, k, v)

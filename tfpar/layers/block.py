@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from tfpar.layers.attention import SelfAttention
+from tfpar.layers.attention import CAUSAL_CORES, SelfAttention
 from tfpar.layers.mlp import MLP, GatedMLP
 from tfpar.layers.parallel import Placement
 
@@ -128,3 +128,24 @@ class LlamaBlock(PreNormBlock):
     return {**super().get_config(), "d_model": self.d_model, "num_heads": self.num_heads,
             "num_kv_heads": self.num_kv_heads, "d_ff": self.d_ff, "dropout": self.dropout_rate,
             "tensor_shards": self.tensor_shards, "seed": self.seed}
+
+
+def set_compute(model, *, fused_projections: bool = False,
+                causal_attention: str = "query_blocks") -> None:
+  """Sets how every attention and gated MLP inside `model` computes; the weights are the same.
+
+  Found by walking the model's layers, whatever its blocks name them.
+
+  Args:
+    fused_projections: each shard's Q, K, V (and a gated MLP's gate, up) as one
+      matmul (tfpar.layers.fused).
+    causal_attention: a causal attention's core, a key of
+      tfpar.layers.attention.CAUSAL_CORES.
+  """
+  if causal_attention not in CAUSAL_CORES:
+    raise ValueError(f"causal_attention={causal_attention!r} is not one of {sorted(CAUSAL_CORES)}")
+  for layer in model._flatten_layers():  # pylint: disable=protected-access
+    if isinstance(layer, (SelfAttention, GatedMLP)):
+      layer.fused_projections = fused_projections
+    if isinstance(layer, SelfAttention):
+      layer.causal_attention = causal_attention

@@ -2,6 +2,7 @@
 
 import keras
 
+from tfpar.layers.fused import fused_columns
 from tfpar.layers.parallel import ColumnParallelDense, RowParallelDense, TensorParallel
 
 
@@ -59,11 +60,16 @@ class GatedMLP(TensorParallel, keras.layers.Layer):
     d_ff: hidden width in total.
     d_model: input and output width.
     tensor_shards: T, how many shards the hidden width is split into.
+
+  Attributes:
+    fused_projections: compute each shard's gate and up as one matmul by
+      [W_gate[:, t] | W_up[:, t]] (tfpar.layers.fused; --fused_projections).
   """
 
   def __init__(self, *, d_ff, d_model, tensor_shards=1, **kwargs):
     super().__init__(**kwargs)
     self.d_ff, self.d_model, self.tensor_shards = d_ff, d_model, tensor_shards
+    self.fused_projections = False
     init = keras.initializers.RandomNormal(stddev=0.02)
     column = lambda name, act=None: ColumnParallelDense(
         d_ff, shards=tensor_shards, activation=act, use_bias=False, kernel_initializer=init,
@@ -78,7 +84,9 @@ class GatedMLP(TensorParallel, keras.layers.Layer):
     self.down.build(tuple(input_shape[:-1]) + (self.d_ff,))
 
   def partial(self, x, t):
-    return self.down(self.gate(x, shard=t) * self.up(x, shard=t), shard=t)
+    gate, up = (fused_columns(x, (self.gate, self.up), t) if self.fused_projections
+                else (self.gate(x, shard=t), self.up(x, shard=t)))
+    return self.down(gate * up, shard=t)
 
   def call(self, x):
     return self.sum_of_shards(x)

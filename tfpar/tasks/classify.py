@@ -75,7 +75,7 @@ class Classification(Task):
     return self.cfg.train.global_batch_size  # One label per image.
 
   def build_model(self, *, tensor_shards: int = 1, seed: int = 0) -> ViT:
-    return ViT(self.cfg.model, tensor_shards=tensor_shards, seed=seed)
+    return self.computing(ViT(self.cfg.model, tensor_shards=tensor_shards, seed=seed))
 
   # --- data ---------------------------------------------------------------------
   def load_data(self, *, worker_index: int = 0, num_workers: int = 1):

@@ -86,8 +86,9 @@ class DenseVisionTask(Task):
     raise NotImplementedError
 
   def build_model(self, *, tensor_shards: int = 1, seed: int = 0) -> DenseViT:
-    return DenseViT(self.cfg.model, head=self.make_head(), rules=partitioning.get(self.family),
-                    tensor_shards=tensor_shards, seed=seed)
+    return self.computing(DenseViT(self.cfg.model, head=self.make_head(),
+                                   rules=partitioning.get(self.family),
+                                   tensor_shards=tensor_shards, seed=seed))
 
   # --- data ---------------------------------------------------------------------
   def load_data(self, *, worker_index: int = 0, num_workers: int = 1):

@@ -49,8 +49,8 @@ class LanguageModeling(Task):
     return self.units_per_step  # Every token is labelled (by the next one).
 
   def build_model(self, *, tensor_shards: int = 1, seed: int = 0):
-    return self.MODELS[self.cfg.model.architecture](self.cfg.model, tensor_shards=tensor_shards,
-                                                    seed=seed)
+    return self.computing(self.MODELS[self.cfg.model.architecture](
+        self.cfg.model, tensor_shards=tensor_shards, seed=seed))
 
   def load_data(self, *, worker_index: int = 0, num_workers: int = 1):
     d = self.cfg.data

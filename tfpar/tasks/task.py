@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar import partitioning
+from tfpar.layers import set_compute
 
 
 def cross_entropy(logits, labels, global_count: int):
@@ -78,6 +79,12 @@ class Task:
   def build_model(self, *, tensor_shards: int = 1, seed: int = 0):
     """The Keras model (weights not created yet; see the module docstring for its parts)."""
     raise NotImplementedError
+
+  def computing(self, model):
+    """`model`, its layers set to compute as --fused_projections and --causal_attention say."""
+    t = self.cfg.train
+    set_compute(model, fused_projections=t.fused_projections, causal_attention=t.causal_attention)
+    return model
 
   def embed_head_params(self, model_config) -> Tuple[int, int]:
     """(parameters of the embedding part, of the head part), from the config alone:
