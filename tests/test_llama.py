@@ -3,10 +3,10 @@
 A 2-block Llama with grouped-query attention (4 heads sharing 2 key/value
 heads) trains 3 steps on real text (Python standard library source) on one
 device, mirrored over 4 logical CPUs, pipeline 2, tensor 2 and tensor 2 x
-pipeline 2 (all in this process). Each plan's loss per step matches one
-device at relative 1e-5 in float32, its gradient norm per step too, its first
-gradient in full (the model-parallel plans) and its weights and AdamW slots
-after the steps; its variables, their splits and its bytes per device come
+pipeline 2, the last also with --fused_projections (all in this process).
+Each plan's loss per step matches one device at relative 1e-5 in float32,
+its gradient norm per step too, its first gradient in full (the
+model-parallel plans) and its weights and AdamW slots after the steps; its variables, their splits and its bytes per device come
 from tfpar.partitioning.LLAMA; flags that cannot split are refused in one line.
 """
 
@@ -39,6 +39,10 @@ PLANS = {
     "tensor_2": ["--num_cpu_devices=2", "--tensor_parallel=2"],
     "tensor_2_x_pipeline_2": ["--num_cpu_devices=4", "--pipeline_stages=2",
                               "--tensor_parallel=2", "--microbatches=2"],
+    # Each shard's Q, K, V and gate, up as one matmul (tests/test_fused.py).
+    "fused_tensor_2_x_pipeline_2": ["--num_cpu_devices=4", "--pipeline_stages=2",
+                                    "--tensor_parallel=2", "--microbatches=2",
+                                    "--fused_projections"],
 }
 TEXT = np.frombuffer(inspect.getsource(textwrap).encode(), np.uint8)  # Real text, 20 kB.
 
