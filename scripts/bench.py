@@ -8,7 +8,7 @@ device, per gradient compression; whole CLI jobs, some of two processes) is
 scripts/bench_dp.py, which says how it measures; the rest of this docstring
 is about the other sections.
 
-runs two sections (`--sections`), each a table:
+runs three sections (`--sections`), each a table:
 
   * peer: tfpar beside keras-hub on the same GPT (4 layers, d_model 256, 4
     heads, d_ff 1024, seq 256, batch 16, byte vocabulary of 256, learned
@@ -22,6 +22,10 @@ runs two sections (`--sections`), each a table:
     GPT2CausalLM uses) under `model.fit(jit_compile=True)`. With
     `--precision=float32,mixed_bfloat16` each precision gets its own rows,
     both systems under the same Keras policy.
+  * variants: tfpar on the peer section's shapes as it is, with
+    --fused_projections (one Q/K/V matmul per shard) and with
+    --causal_attention=online_softmax (query and key blocks, a running
+    softmax): each change's own gain against tfpar as it is.
   * model_parallel: tfpar on configs/gpt_tiny.flags' shapes (4 layers,
     d_model 128, seq 128, batch 16) on one device, as a 2-stage x 4
     micro-batch pipeline and 2-way tensor parallel on 2 logical CPUs. The
@@ -41,10 +45,16 @@ with another runs at a different speed, so none ever does here.
 Reported per system: median and best tokens/s over the rounds, the spread
 ((max - min) / median), the ratio of medians to the section's reference
 system, and MFU: achieved FLOP/s over the same process's peak (median over
-rounds). FLOPs per token are 6N + 12*L*d*T (Kaplan et al. 2020 / PaLM
-appendix B), N counting every trainable parameter including both embedding
-tables, the same rule for every system. Numbers are only meaningful on an
-otherwise idle machine: the load column says how idle it was.
+rounds), twice. Model FLOPs per token are 6N + 12*L*d*T (Kaplan et al. 2020 /
+PaLM appendix B), N counting every trainable parameter including both
+embedding tables, the same rule for every system: the conventional count,
+which charges causal attention the whole T x T square. Executed FLOPs count
+the attention a system really computes: 6N + 12*L*d*T*f, f the share of the
+square it computes (tfpar's blocked causal attention: (n + 1)/(2n) with n
+query blocks, 10/16 at T = 256; keras-hub computes the whole square, f = 1).
+"MFU" in the tables is the model-FLOPs one; "executed MFU" says how busy the
+hardware was. Numbers are only meaningful on an otherwise idle machine: the
+load column says how idle it was.
 """
 
 import dataclasses
@@ -64,7 +74,8 @@ sys.path.insert(0, REPO)
 from absl import app, flags  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("sections", ["peer", "model_parallel"], "Tables to measure, in order.")
+flags.DEFINE_list("sections", ["peer", "variants", "model_parallel"],
+                  "Tables to measure, in order.")
 flags.DEFINE_list("systems", None, "Only these systems of the chosen sections (default: all).")
 flags.DEFINE_integer("rounds", 3, "Processes per system, alternated between the systems.")
 flags.DEFINE_integer("steps", 20, "Timed training steps in each process.")
@@ -107,8 +118,11 @@ def matmul_peak(n: int, repeats: int = 10) -> float:
   return 2 * n**3 / best
 
 
-def flops_per_token(params: int, shape: dict) -> float:
-  return 6 * params + 12 * shape["num_layers"] * shape["d_model"] * shape["seq_len"]
+def flops_per_token(params: int, shape: dict, attention_share: float = 1.0) -> float:
+  """6N + 12 L d T: model FLOPs (attention_share 1), or executed ones (the share of the
+  causal attention square a system computes)."""
+  return 6 * params + 12 * shape["num_layers"] * shape["d_model"] * shape["seq_len"] * \
+      attention_share
 
 
 class TfparSystem:
@@ -131,6 +145,7 @@ class TfparSystem:
     from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
     from tfpar.data import pipeline  # pylint: disable=import-outside-toplevel
     from tfpar import engines  # pylint: disable=import-outside-toplevel
+    from tfpar.layers import attention  # pylint: disable=import-outside-toplevel
 
     keras.mixed_precision.set_global_policy(precision)
     strategy = strategies.make_strategy(cfg.dist, Cluster())
@@ -140,6 +155,7 @@ class TfparSystem:
     self.iterator = self.engine.train_iterator(0)
     self.steps_per_call = cfg.train.steps_per_call
     self.params = int(self.engine.describe()["parameters"])
+    self.attention_share = attention.causal_fraction(cfg.model.seq_len)
     self.last_loss = float("nan")
 
   def run(self, steps: int) -> float:
@@ -188,6 +204,7 @@ class KerasHubSystem:
                                       pipeline.Shard(shape["batch"]), seed=0)
     self.data = windows.map(lambda x, y: ({"token_ids": x, "padding_mask": tf.ones_like(x)}, y))
     self.params = int(sum(v.numpy().size for v in self.model.trainable_variables))
+    self.attention_share = 1.0  # The whole masked T x T square.
     self.last_loss = float("nan")
 
   def run(self, steps: int) -> float:
@@ -252,6 +269,18 @@ SECTIONS = {
             "kerashub": System("keras-hub GPT2Backbone (model.fit, jit_compile=True)",
                                _kerashub),
         }),
+    "variants": Section(
+        title="tfpar's own changes, each against tfpar as it is (peer shapes)",
+        shape=PEER, reference="tfpar", precisions=["float32", "mixed_bfloat16"],
+        systems={
+            "tfpar": System("tfpar (one_device, steps_per_call=10)",
+                            _tfpar("--strategy=one_device")),
+            "tfpar_fused": System("tfpar --fused_projections",
+                                  _tfpar("--strategy=one_device", "--fused_projections")),
+            "tfpar_online_softmax": System(
+                "tfpar --causal_attention=online_softmax",
+                _tfpar("--strategy=one_device", "--causal_attention=online_softmax")),
+        }),
     "model_parallel": Section(
         title="model-parallel overhead on 2 logical CPUs of the same cores (gpt_tiny shapes)",
         shape=TINY, reference="one_device",
@@ -270,6 +299,7 @@ SECTIONS = {
 
 
 def _find(name: str):
+  """The first section holding system `name` (tfpar, in two, is built alike in both)."""
   for section_name, section in SECTIONS.items():
     if name in section.systems:
       return section_name, section
@@ -290,12 +320,14 @@ def measure(name: str, precision: str) -> dict:
   peak_after = matmul_peak(n)
   tokens = shape["batch"] * shape["seq_len"] * FLAGS.steps
   fpt = flops_per_token(system.params, shape)
+  executed = flops_per_token(system.params, shape, system.attention_share)
   peak = max(peak_before, peak_after)
   return {"system": name, "precision": precision, "pid": os.getpid(), "params": system.params,
           "flops_per_token": fpt, "steps": FLAGS.steps, "seconds": seconds,
           "tokens_per_sec": tokens / seconds, "step_ms": 1000 * seconds / FLAGS.steps,
           "peak_gflops": peak / 1e9, "peaks_gflops": [peak_before / 1e9, peak_after / 1e9],
-          "mfu": tokens / seconds * fpt / peak, "last_loss": system.last_loss}
+          "mfu": tokens / seconds * fpt / peak, "executed_flops_per_token": executed,
+          "executed_mfu": tokens / seconds * executed / peak, "last_loss": system.last_loss}
 
 
 # --- the parent: alternate children, then tables --------------------------------------
@@ -338,6 +370,7 @@ def summarise(runs: List[dict], section: Section, shape: dict) -> List[dict]:
           "tokens_per_sec": tps, "spread": (max(tps) - min(tps)) / med,
           "step_ms_median": 1000 * shape["batch"] * shape["seq_len"] / med,
           "mfu_median": statistics.median(r["mfu"] for r in mine),
+          "executed_mfu_median": statistics.median(r["executed_mfu"] for r in mine),
           "peak_gflops_median": statistics.median(r["peak_gflops"] for r in mine),
           "params": mine[0]["params"], "load_1min": [min(loads), max(loads)]})
     ref = [r for r in rows if r["system"] == section.reference and r["precision"] == precision]
@@ -349,14 +382,14 @@ def summarise(runs: List[dict], section: Section, shape: dict) -> List[dict]:
 
 def table(rows: List[dict], reference: str) -> str:
   lines = [f"| system | precision | tokens/s median | best | spread | step ms | MFU "
-           f"| vs {reference} | load 1 min |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+           f"| executed MFU | vs {reference} | load 1 min |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
   for r in rows:
     ratio = f"{r['vs_reference']:.2f}x" if "vs_reference" in r else "-"
     lines.append(
         f"| {r['label']} | {r['precision']} | {r['tokens_per_sec_median']:,.0f} | "
         f"{r['tokens_per_sec_best']:,.0f} | {100 * r['spread']:.1f}% | {r['step_ms_median']:.1f} "
-        f"| {100 * r['mfu_median']:.1f}% | {ratio} | "
+        f"| {100 * r['mfu_median']:.1f}% | {100 * r['executed_mfu_median']:.1f}% | {ratio} | "
         f"{r['load_1min'][0]:.2f}-{r['load_1min'][1]:.2f} |")
   return "\n".join(lines)
 
@@ -381,7 +414,8 @@ def run_section(name: str) -> dict:
   rows = summarise(runs, section, shape)
   print(f"\n## {section.title}\nshapes {shape}, vocab {VOCAB}; {FLAGS.warmup} warmup steps, "
         f"then {FLAGS.steps} timed steps in each of {FLAGS.rounds} processes per system, "
-        "alternated; MFU against the matmul peak measured in the same process")
+        "alternated; MFU (model FLOPs) and executed MFU (the attention really computed) "
+        "against the matmul peak measured in the same process")
   for r in rows:
     print(f"{r['system']} {r['precision']}: N = {r['params']:,} parameters, "
           f"peak {r['peak_gflops_median']:.0f} GFLOP/s (median), tokens/s per round "

@@ -46,13 +46,14 @@ def test_bench_runs_each_system_in_its_own_process(bench_run):
   assert proc.returncode == 0, proc.stderr[-4000:]
   rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
   assert rows[0].startswith("| system | precision | tokens/s median | best | spread | step ms "
-                            "| MFU | vs kerashub | load 1 min |"), proc.stdout
+                            "| MFU | executed MFU | vs kerashub | load 1 min |"), proc.stdout
   body = {_cells(r)[0].split()[0]: _cells(r) for r in rows[1:]}
   assert sorted(body) == ["keras-hub", "tfpar"], proc.stdout
   for cells in body.values():
-    median, best, spread, step_ms, mfu, ratio = map(_number, cells[2:8])
-    assert min(median, best, step_ms, mfu, ratio) > 0 and spread >= 0, cells
-  assert _number(body["keras-hub"][7]) == 1.0
+    median, best, spread, step_ms, mfu, executed, ratio = map(_number, cells[2:9])
+    assert min(median, best, step_ms, mfu, executed, ratio) > 0 and spread >= 0, cells
+    assert executed <= mfu, cells  # Executed FLOPs skip what causal attention skips.
+  assert _number(body["keras-hub"][8]) == 1.0
 
   report = json.loads(out.read_text())
   runs = report["sections"]["peer"]["runs"]
@@ -62,6 +63,7 @@ def test_bench_runs_each_system_in_its_own_process(bench_run):
   assert len(pids) == 2 and report["pid"] not in pids
   for r in runs:
     assert r["peak_gflops"] > 0 and 0 < r["mfu"] and len(r["load_1min"]) == 2
+    assert 0 < r["executed_mfu"] <= r["mfu"]
   rows = {r["system"]: r for r in report["sections"]["peer"]["rows"]}
   tfpar = rows["tfpar"]
   assert tfpar["tokens_per_sec_best"] >= tfpar["tokens_per_sec_median"]
