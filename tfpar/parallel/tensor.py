@@ -10,6 +10,10 @@ dev_0 .. dev_{T-1} of its pipeline stage:
              heads' output by its rows, giving a partial [B, S, d].
   MLP        W_in [d, d_ff] by columns, W_out [d_ff, d] by rows: GELU acts on
              each column, so shard t computes gelu(x W_in[:, t] + b_in[t]) W_out[t].
+  fused      with --fused_projections shard t computes its Q, K, V as one
+             matmul by [W_q[:, t] | W_k[:, t] | W_v[:, t]] (its own heads'
+             columns: Megatron's fused QKV shard; tfpar.layers.fused), and a
+             gated MLP's gate and up by [W_gate[:, t] | W_up[:, t]].
 
   full output = sum_t partial_t + b_out          (b_out held once, on dev_0)
 
