@@ -90,18 +90,22 @@ class Engine:
     self._train_fn = tf.function(self._train_steps)
     self._eval_fn = tf.function(self._eval_batch)
 
-  def build_optimizer(self, variables, prepare=None):
+  def build_optimizer(self, variables, prepare=None, slots: bool = True):
     """The run's AdamW (inside a LossScaleOptimizer under mixed_float16), built for `variables`.
 
     Its slots are created colocated with their variables (or, under a
     strategy's scope, where the strategy puts them). `prepare(inner)` runs
-    before the build (the parameter-server engine's patches).
+    before the build (the parameter-server engine's patches). `slots=False`
+    builds none (its step counter, schedule and decay set only: the sharded
+    update of tfpar.parallel.zero keeps the slots).
     """
     optimizer = make_optimizer(self.cfg.optim, self.cfg.train.train_steps,
                                self.cfg.train.precision)
     inner = inner_optimizer(optimizer)
     if prepare is not None:
       prepare(inner)
+    if not slots:
+      return optimizer
     inner.build(variables)
     if optimizer is not inner:
       optimizer.build(variables)
