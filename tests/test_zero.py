@@ -11,14 +11,22 @@ the summed gradient's norm, weights and the gathered m and v after every step
 gradients are compared through it).
 """
 
+import json
+
 import numpy as np
 import pytest
 import tensorflow as tf
 import keras
 
+from conftest import TINY, make_config
+from tfpar import strategies
+from tfpar.cluster import Cluster
+from tfpar.data import pipeline
+from tfpar.engines.data_parallel import DataParallelEngine
 from tfpar.schema import OptimConfig
 from tfpar.parallel import zero
-from tfpar.training.optimizer import learning_rate_schedule, make_optimizer
+from tfpar.training.checkpoint import CanonicalCheckpointer, read_canonical, read_checkpoint
+from tfpar.training.optimizer import inner_optimizer, learning_rate_schedule, make_optimizer
 
 SHAPES = {"embeddings": (7, 5), "kernel": (5, 3), "bias": (3,), "gamma": (5,)}
 STEPS = 6
@@ -177,3 +185,118 @@ def test_zero_on_4_mirrored_replicas_is_the_serial_twin(serial_run, mode):
   assert int(opt.iterations.numpy()) == STEPS
   assert update.slot_bytes() == 8 * update.layout.shard_size
   assert abs(4 * update.slot_bytes() - 8 * update.layout.size) <= 8 * 4  # A quarter, but padding.
+
+
+# --- the data-parallel engine under --optimizer_sharding ------------------------------------
+# Each engine takes the same STEPS steps from the same data, one call per step; after each step
+# its canonical state (weights, m, v, the step: what a checkpoint holds, through the slots'
+# view for ZeRO) must be one device's. m after step 1 is (1 - beta_1) x the clipped summed
+# gradient, so the gradients are compared through it. --clip_norm=0.05 clips every step.
+ENGINE_ARGS = TINY + [f"--train_steps={STEPS}", "--seed=3", "--input_sharding=data",
+                      "--jit_compile=false", "--clip_norm=0.05", "--on_nonfinite=skip"]
+PLANS = {"none x1": ["--strategy=one_device"],
+         "zero1 x4": ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero1"],
+         "zero2 x4": ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero2"],
+         "zero2 x2": ["--strategy=mirrored", "--num_cpu_devices=2", "--optimizer_sharding=zero2"]}
+CHAIN_SAVE = 2  # zero1 x4 saves here; none x1 resumes to 4, then zero2 x2 to STEPS.
+
+
+def make_engine(plan, model_dir):
+  cfg = make_config(ENGINE_ARGS + PLANS[plan] + [f"--model_dir={model_dir}"])
+  strategies.setup_devices(cfg.dist.num_cpu_devices)
+  strategy = strategies.make_strategy(cfg.dist, Cluster())
+  corpus = pipeline.load_corpus(cfg.data.data, seq_len=cfg.model.seq_len,
+                                eval_fraction=cfg.data.eval_fraction)
+  return DataParallelEngine(cfg, strategy, corpus)
+
+
+def train_steps(engine, first, last, save_at=(), directory=None):
+  """[(loss, norm, canonical state)] of steps first+1..last, saving after the steps in save_at."""
+  iterator, out = engine.train_iterator(first), []
+  for step in range(first + 1, last + 1):
+    losses, norms = engine.train(iterator, 1)
+    out.append((float(losses[0]), float(norms[0]), read_canonical(engine.layouts[0])))
+    if step in save_at:
+      CanonicalCheckpointer(engine.layouts, directory).save(step)
+  return out
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tmp_path_factory):
+  """{plan: (engine, per-step records)}; zero1 x4 also saves its step-CHAIN_SAVE checkpoint."""
+  out = {}
+  for plan in ("none x1", "zero1 x4", "zero2 x4"):
+    model_dir = tmp_path_factory.mktemp(plan.replace(" ", "_"))
+    engine = make_engine(plan, model_dir)
+    out[plan] = model_dir, engine, train_steps(engine, 0, STEPS, (CHAIN_SAVE,),
+                                               str(model_dir / "checkpoints"))
+  return out
+
+
+def assert_same_state(got, want, what):
+  """At 1e-5 relative; near zero, 1e-5 of the largest value of the kind (weights, m or v): the
+  key bias's gradient is 0 in exact arithmetic (softmax ignores it) and ~1e-15 in float32."""
+  assert sorted(got) == sorted(want), what
+  kind = lambda name: name[-2:] if name[-2:] in ("@m", "@v") else ""
+  scale = {}
+  for name, value in want.items():
+    scale[kind(name)] = max(scale.get(kind(name), 0.0), float(np.max(np.abs(value))))
+  for name, value in want.items():
+    np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5 * scale[kind(name)],
+                               err_msg=f"{what}: {name}")
+
+
+@pytest.mark.parametrize("plan", ["zero1 x4", "zero2 x4"])
+def test_zero_engines_on_4_mirrored_replicas_are_one_devices_twins(engine_runs, plan):
+  _, serial_engine, serial = engine_runs["none x1"]
+  _, engine, sharded = engine_runs[plan]
+  assert min(norm for _, norm, _ in serial) > serial_engine.cfg.optim.clip_norm  # Clipping.
+  assert engine.zero.mode == plan[:5] and engine.num_replicas == 4
+  assert not inner_optimizer(engine.optimizer).built  # No Keras slots: the shards hold them.
+  for step, ((loss, norm, state), (want_loss, want_norm, want_state)) in enumerate(
+      zip(sharded, serial), 1):
+    np.testing.assert_allclose([loss, norm], [want_loss, want_norm], rtol=1e-5)
+    assert_same_state(state, want_state, f"{plan} step {step}")
+  assert int(sharded[-1][2]["optimizer/iterations"]) == STEPS
+
+
+def test_a_zero1_x4_checkpoint_resumes_unsharded_then_under_zero2_x2(engine_runs, tmp_path):
+  """zero1 x4 -> none x1 -> zero2 x2: every step's loss and state as the unsharded run's.
+
+  The unsharded leg is the serial run's engine (traced already), its state replaced by the
+  restore; its own records were taken before.
+  """
+  _, one, serial = engine_runs["none x1"]
+  zero1_dir, _, _ = engine_runs["zero1 x4"]
+  written = str(zero1_dir / "checkpoints" / f"ckpt-{CHAIN_SAVE}")
+  assert_same_state(read_checkpoint(written), serial[CHAIN_SAVE - 1][2], "zero1 x4's checkpoint")
+  assert CanonicalCheckpointer(one.layouts, str(tmp_path)).restore(written)
+  assert one.step == CHAIN_SAVE
+  middle = train_steps(one, CHAIN_SAVE, 4, (4,), str(tmp_path / "one"))
+  two = make_engine("zero2 x2", tmp_path / "two")
+  assert CanonicalCheckpointer(two.layouts, str(tmp_path)).restore(
+      str(tmp_path / "one" / "ckpt-4"))
+  assert two.step == 4
+  last = train_steps(two, 4, STEPS)
+  for step, ((loss, norm, state), (want_loss, want_norm, want_state)) in enumerate(
+      zip(middle + last, serial[CHAIN_SAVE:]), CHAIN_SAVE + 1):
+    np.testing.assert_allclose([loss, norm], [want_loss, want_norm], rtol=1e-5)
+    assert_same_state(state, want_state, f"resumed step {step}")
+
+
+def test_plan_json_measures_a_quarter_of_the_optimizer_state_under_zero1_x4(engine_runs):
+  """Slot bytes per replica: within 10% of a quarter of unsharded (the step counter stays)."""
+  plans = {}
+  for plan in ("none x1", "zero1 x4"):
+    model_dir, engine, _ = engine_runs[plan]
+    with open(model_dir / "plan.json") as f:
+      plans[plan] = json.load(f)["bytes_per_replica"]
+    assert plans[plan]["measured"]["optimizer"] == plans[plan]["predicted"]["optimizer"]
+    assert plans[plan]["measured"]["weights"] == plans[plan]["predicted"]["weights"]
+  none, zero1 = plans["none x1"]["measured"], plans["zero1 x4"]["measured"]
+  counter = 8  # AdamW's int64 step, on every replica.
+  assert abs((zero1["optimizer"] - counter) / ((none["optimizer"] - counter) / 4) - 1) < 0.1
+  assert zero1["weights"] == none["weights"]  # Replicated.
+  assert plans["zero1 x4"]["predicted"]["summed_gradient"] == none["weights"]
+  zero2 = json.load(open(engine_runs["zero2 x4"][0] / "plan.json"))["bytes_per_replica"]
+  assert zero2["predicted"]["summed_gradient"] == pytest.approx(none["weights"] / 2, rel=0.01)
