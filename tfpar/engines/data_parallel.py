@@ -4,7 +4,10 @@ For the strategies that own the variables (one_device, mirrored,
 multi_worker_mirrored, tpu): the model and optimizer are built under
 `strategy.scope()`, and each replica runs `TrainStep` under `strategy.run`:
 its gradients, the run's gradient exchange (tfpar.parallel.exchange: the SUM
-over replicas, or a codec), then the update of the mirrored variables.
+over replicas, or a codec), then the update of the mirrored variables. Under
+--optimizer_sharding each replica keeps AdamW's state for its shard only and
+tfpar.parallel.zero.ZeroUpdate does the sum, clip and update instead of the
+Keras optimizer, whose slots are then never built.
 """
 
 import json

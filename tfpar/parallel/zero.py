@@ -3,9 +3,9 @@
 Layout. The N trainable parameters (in `model.trainable_variables` order) are
 flattened into one float32 vector, padded with zeros to P = D * ceil(N / D),
 and cut into D equal contiguous shards; replica r owns [r*S, (r+1)*S), S = P/D.
-A reduce-scatter of the flat gradient then hands each replica its shard of
-the summed gradient, and one all-gather of the updated shards rebuilds the
-weights: one collective each way. Padding is zero and stays zero (its
+Each replica needs its shard of the summed gradient (what a reduce-scatter
+would hand it; see Collectives), and one all-gather of the updated shards
+rebuilds the weights. Padding is zero and stays zero (its
 gradient is zero, so m, v and the update stay zero).
 
 AdamW on a shard (equal to keras.optimizers.AdamW per variable, elementwise,
@@ -18,26 +18,30 @@ schedule's rate at `iterations`, and c the global-norm clip factor:
     v      = v + (g^2 - v) * (1 - b2)
     alpha  = lr * sqrt(1 - b2^t) / (1 - b1^t)
     w      = w - m * alpha / (sqrt(v) + eps)
-||g|| is the norm of the whole summed gradient: each replica's sum of squares
-over its shard, all-reduced (one scalar). `decay_mask` is 1 on the elements
+||g|| is the norm of the whole summed gradient, the same number on every
+replica (zero1: of the summed tensors; zero2: from every chunk's sum of squares). `decay_mask` is 1 on the elements
 of variables Keras' AdamW decays (its `_use_weight_decay`, i.e. the
 partitioning rules' no-decay names) and 0 elsewhere.
 
 Memory. Unsharded, each replica holds m and v for all N parameters (8N bytes
-in float32); zero1 holds 8S = 8N/D (plus the replicated weights it updates
-from, 4N). `ShardedAdamW.slot_bytes()` is what one replica's slots occupy.
+in float32); zero1 and zero2 hold 8S = 8N/D (plus the replicated weights they
+update from, 4N). `ShardedAdamW.slot_bytes()` is what one replica's slots
+occupy; `state_bytes` is the prediction the engine prints beside it.
 
-Collectives (`ZeroUpdate`, in replica context). The flat gradient is
-all-reduced and each replica keeps its shard of the sum: tf.distribute's
-ReplicaContext offers all_reduce and all_gather but no reduce-scatter, and an
-all-reduce moves the same bytes as the reduce-scatter + all-gather pair it is
-made of on a ring. The global norm is then the summed vector's own (no extra
-scalar collective); the new weight shards come back with one all_gather.
+Collectives (`ZeroUpdate`, in replica context). tf.distribute's
+ReplicaContext offers all_reduce and all_gather but no reduce-scatter. zero1
+sums the gradient whole, through the run's gradient exchange (a codec too),
+and slices its shard of the sum; zero2 sums it one shard at a time and keeps
+its own (`ZeroUpdate.apply` says what that saves). The new weight shards come
+back with one all_gather.
 
-Status: the layout, the shard math (checked against Keras AdamW on the same
-gradients) and ZeroUpdate under MirroredStrategy (twin of one device's
-update), tests/test_zero.py. Not yet wired into the engines,
---optimizer_sharding or checkpoints (see docs/design.md, "Optimizer sharding").
+Checkpoints. `ZeroUpdate.checkpoint_slots` gives each variable's m and v as
+`SlotView`s at full shape, under the names unsharded AdamW's slots have in
+tfpar.training.checkpoint's canonical layout: a save gathers them, a restore
+writes each shard's part, so any sharding restores any other's checkpoint.
+
+Wired into tfpar.engines.data_parallel by --optimizer_sharding (docs/design.md,
+"Optimizer sharding"); tests/test_zero.py.
 """
 
 from typing import List, Sequence
