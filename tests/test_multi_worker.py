@@ -218,7 +218,6 @@ def test_a_mirrored_checkpoint_resumes_under_two_workers_as_under_one_device(one
   one = [r for r in read_metrics(str(one_dir)) if r["step"] > STEPS]
   assert [r["step"] for r in two] == [r["step"] for r in one] == [7, 8]
   assert_same_losses([r["loss"] for r in two], [r["loss"] for r in one])
-  after_two = read_checkpoint(str(two_dir / "checkpoints" / "ckpt-8"))
+  after_two = read_checkpoint(str(two_dir / "checkpoints" / "ckpt-8"))  # Sharded by zero2.
   after_one = read_checkpoint(str(one_dir / "checkpoints" / "ckpt-8"))
-  for name, value in after_one.items():
-    np.testing.assert_allclose(after_two[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
+  assert_same_state(after_two, after_one, "zero2 on 2 workers, resumed")
