@@ -242,7 +242,9 @@ def make_engine(plan, model_dir):
   strategy = strategies.make_strategy(cfg.dist, Cluster())
   corpus = pipeline.load_corpus(cfg.data.data, seq_len=cfg.model.seq_len,
                                 eval_fraction=cfg.data.eval_fraction)
-  return DataParallelEngine(cfg, strategy, corpus)
+  engine = DataParallelEngine(cfg, strategy, corpus)
+  engine.write_files(str(model_dir))  # plan.json, as the runner has the chief write it.
+  return engine
 
 
 def train_steps(engine, first, last, save_at=(), directory=None):

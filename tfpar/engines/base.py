@@ -64,7 +64,9 @@ class Engine:
         one optimizer step over the data-parallel replicas (in the step loop's
         tf.function, cross-replica context);
     _replica_eval(inputs, targets) -> this replica's eval outputs;
-    describe() -> what the run's first line says about the engine.
+    describe() -> what the run's first line says about the engine;
+    bytes_report() -> a line on the bytes a replica holds, or "" (the default);
+    write_files(model_dir) -> what the engine writes beside config.json (the chief's).
 
   Args:
     cfg: the run's config.
@@ -144,6 +146,12 @@ class Engine:
 
   def _replica_step(self, inputs, targets, compressed):
     raise NotImplementedError
+
+  def bytes_report(self) -> str:
+    return ""
+
+  def write_files(self, model_dir: str) -> None:
+    del model_dir
 
   def _replica_eval(self, inputs, targets):
     raise NotImplementedError

@@ -76,8 +76,6 @@ class DataParallelEngine(Engine):
                                  exchange=self.exchange, update=self.zero,
                                  skip_nonfinite=cfg.train.on_nonfinite == "skip")
     self._eval_step = EvalStep(self.model, self.task.eval_outputs, jit_compile=jit)
-    if cfg.train.model_dir and strategy.extended.should_checkpoint:  # The chief.
-      self._write_plan(cfg.train.model_dir)
 
   @property
   def input_strategy(self):
@@ -112,18 +110,21 @@ class DataParallelEngine(Engine):
     params = counts.embedding + counts.head + self.cfg.model.num_layers * counts.block
     return zero.state_bytes(params, self.num_replicas, self.cfg.parallel.optimizer_sharding)
 
-  def _write_plan(self, model_dir: str) -> None:
-    """plan.json: per replica, the predicted bytes beside the measured; the same on the console."""
-    measured, predicted = self.measured_bytes(), self.predicted_bytes()
+  def write_files(self, model_dir: str) -> None:
+    """plan.json: per replica, the predicted bytes beside the measured (`bytes_report`)."""
     plan = {"strategy": type(self.strategy).__name__, "data_parallel": self.num_replicas,
             "optimizer_sharding": self.cfg.parallel.optimizer_sharding,
-            "bytes_per_replica": {"measured": measured, "predicted": predicted}}
+            "bytes_per_replica": {"measured": self.measured_bytes(),
+                                  "predicted": self.predicted_bytes()}}
     storage.makedirs(model_dir)
     storage.write_atomically(os.path.join(model_dir, "plan.json"), json.dumps(plan, indent=2))
-    print("tfpar: bytes per replica, predicted | measured: " + ", ".join(
+
+  def bytes_report(self) -> str:
+    measured, predicted = self.measured_bytes(), self.predicted_bytes()
+    return ("bytes per replica, predicted | measured: " + ", ".join(
         f"{kind} {plan_lib.kib(predicted[kind])} | {plan_lib.kib(measured[kind])}"
         for kind in measured) + f", summed gradient {plan_lib.kib(predicted['summed_gradient'])} "
-        "(predicted only: a tensor, not a variable)", flush=True)
+        "(predicted only: a tensor, not a variable)")
 
   def describe(self) -> dict:
     info = {"strategy": type(self.strategy).__name__, "replicas": self.num_replicas,
