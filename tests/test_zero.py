@@ -136,11 +136,11 @@ def serial_run():
   return optim, out
 
 
-def mirrored_run(optim, mode, codec="none"):
+def mirrored_run(optim, mode, codec=CompressionConfig()):
   """[(loss, norm, weights, [m, v])] after each step of the toy on 4 mirrored replicas.
 
   mode 'none': the exchange's sum and tfpar's apply_gradients (the unsharded
-  update); 'zero1'/'zero2': ZeroUpdate. `codec`: the exchange's compression.
+  update); 'zero1'/'zero2': ZeroUpdate. `codec`: the exchange's CompressionConfig.
   """
   devices = [f"/cpu:{i}" for i in range(4)]
   # As tfpar.strategies on CPUs: collective ops would reuse one key per strategy in a process.
@@ -152,7 +152,9 @@ def mirrored_run(optim, mode, codec="none"):
     if mode == "none":
       opt.build(model.trainable_variables)
   variables = model.trainable_variables
-  exchange = make_exchange(CompressionConfig(method=codec), variables, num_replicas=4)
+  exchange = make_exchange(codec, variables, num_replicas=4,
+                           state_devices=[[d] * len(variables)
+                                          for d in strategy.extended.worker_devices])
   update = None if mode == "none" else zero.ZeroUpdate(
       opt, variables, mode=mode, shard_ids=range(4), devices=strategy.extended.worker_devices,
       num_replicas=4)
@@ -218,9 +220,12 @@ def test_zero_on_4_mirrored_replicas_is_the_serial_twin(serial_run, mode):
 
 
 def test_zero1_takes_a_codecs_sum_as_the_unsharded_update_does(serial_run):
-  """zero1 with --grad_compression=bf16: the unsharded bf16 run's steps, at 1e-5."""
+  """zero1 with --grad_compression=powersgd (rank 1, every matrix compressed; its error
+  feedback per replica): the unsharded PowerSGD run's steps, at 1e-5. The casts (fp16,
+  bf16) reach ZeroUpdate through the same exchange.reduce."""
   optim, _ = serial_run
-  assert_same_steps(mirrored_run(optim, "zero1", "bf16"), mirrored_run(optim, "none", "bf16"))
+  codec = CompressionConfig(method="powersgd", rank=1, min_size=0)
+  assert_same_steps(mirrored_run(optim, "zero1", codec), mirrored_run(optim, "none", codec))
 
 
 # --- the data-parallel engine under --optimizer_sharding ------------------------------------
