@@ -136,13 +136,14 @@ def serial_run():
   return optim, out
 
 
-def mirrored_run(optim, mode, codec=CompressionConfig()):
-  """[(loss, norm, weights, [m, v])] after each step of the toy on 4 mirrored replicas.
+def mirrored_run(optim, mode, codec=CompressionConfig(), replicas=4):
+  """[(loss, norm, weights, [m, v])] after each step of the toy on mirrored replicas.
 
   mode 'none': the exchange's sum and tfpar's apply_gradients (the unsharded
   update); 'zero1'/'zero2': ZeroUpdate. `codec`: the exchange's CompressionConfig.
   """
-  devices = [f"/cpu:{i}" for i in range(4)]
+  devices = [f"/cpu:{i}" for i in range(replicas)]
+  per = 8 // replicas  # Rows of the global batch (8) each replica reads.
   # As tfpar.strategies on CPUs: collective ops would reuse one key per strategy in a process.
   strategy = tf.distribute.MirroredStrategy(devices,
                                             cross_device_ops=tf.distribute.ReductionToOneDevice())
@@ -152,12 +153,12 @@ def mirrored_run(optim, mode, codec=CompressionConfig()):
     if mode == "none":
       opt.build(model.trainable_variables)
   variables = model.trainable_variables
-  exchange = make_exchange(codec, variables, num_replicas=4,
+  exchange = make_exchange(codec, variables, num_replicas=replicas,
                            state_devices=[[d] * len(variables)
                                           for d in strategy.extended.worker_devices])
   update = None if mode == "none" else zero.ZeroUpdate(
-      opt, variables, mode=mode, shard_ids=range(4), devices=strategy.extended.worker_devices,
-      num_replicas=4)
+      opt, variables, mode=mode, shard_ids=range(replicas),
+      devices=strategy.extended.worker_devices, num_replicas=replicas)
 
   @tf.function
   def step(x, y):
@@ -178,9 +179,10 @@ def mirrored_run(optim, mode, codec=CompressionConfig()):
 
   out = []
   for x, y in _batches():
+    rows = lambda ctx: slice(per * ctx.replica_id_in_sync_group,
+                             per * (ctx.replica_id_in_sync_group + 1))
     dist = strategy.experimental_distribute_values_from_function(
-        lambda ctx: (x[2 * ctx.replica_id_in_sync_group:2 * ctx.replica_id_in_sync_group + 2],
-                     y[2 * ctx.replica_id_in_sync_group:2 * ctx.replica_id_in_sync_group + 2]))
+        lambda ctx: (x[rows(ctx)], y[rows(ctx)]))
     loss, norm = step(*dist)
     if update is None:
       slots = [[opt._momentums[opt._get_variable_index(v)].numpy() for v in variables],
@@ -191,7 +193,8 @@ def mirrored_run(optim, mode, codec=CompressionConfig()):
   assert int(opt.iterations.numpy()) == STEPS
   if update is not None:
     assert update.slot_bytes() == 8 * update.layout.shard_size
-    assert abs(4 * update.slot_bytes() - 8 * update.layout.size) <= 8 * 4  # A quarter, but padding.
+    # 1/D of the slots, but padding.
+    assert abs(replicas * update.slot_bytes() - 8 * update.layout.size) <= 8 * replicas
   return out
 
 
@@ -221,11 +224,12 @@ def test_zero_on_4_mirrored_replicas_is_the_serial_twin(serial_run, mode):
 
 def test_zero1_takes_a_codecs_sum_as_the_unsharded_update_does(serial_run):
   """zero1 with --grad_compression=powersgd (rank 1, every matrix compressed; its error
-  feedback per replica): the unsharded PowerSGD run's steps, at 1e-5. The casts (fp16,
-  bf16) reach ZeroUpdate through the same exchange.reduce."""
+  feedback per replica) on 2 replicas: the unsharded PowerSGD run's steps, at 1e-5. The
+  casts (fp16, bf16) reach ZeroUpdate through the same exchange.reduce."""
   optim, _ = serial_run
   codec = CompressionConfig(method="powersgd", rank=1, min_size=0)
-  assert_same_steps(mirrored_run(optim, "zero1", codec), mirrored_run(optim, "none", codec))
+  assert_same_steps(mirrored_run(optim, "zero1", codec, replicas=2),
+                    mirrored_run(optim, "none", codec, replicas=2))
 
 
 # --- the data-parallel engine under --optimizer_sharding ------------------------------------
@@ -237,7 +241,8 @@ ENGINE_ARGS = TINY + [f"--train_steps={STEPS}", "--seed=3", "--input_sharding=da
                       "--jit_compile=false", "--clip_norm=0.05", "--on_nonfinite=skip"]
 PLANS = {"none x1": ["--strategy=one_device"],
          "zero1 x4": ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero1"],
-                  "zero2 x2": ["--strategy=mirrored", "--num_cpu_devices=2", "--optimizer_sharding=zero2"]}
+                  "zero2 x2": ["--strategy=mirrored", "--num_cpu_devices=2",
+                      "--optimizer_sharding=zero2"]}
 CHAIN_SAVE = 2  # zero1 x4 saves here; none x1 resumes to 4, then zero2 x2 to STEPS.
 
 

@@ -184,8 +184,9 @@ def _validate_optimizer_sharding(cfg: Config) -> None:
                       f"multi_worker_mirrored without model parallelism ({why}): use one of "
                       "them, or --optimizer_sharding=none")
   if cfg.train.precision == "mixed_float16":
-    raise ConfigError(f"--optimizer_sharding={z} does not combine with --precision=mixed_float16 "
-                      "(its loss scaling is not sharded): use --precision=mixed_bfloat16 or float32")
+    raise ConfigError(f"--optimizer_sharding={z} does not combine with --precision="
+                      "mixed_float16 (its loss scaling is not sharded): use --precision="
+                      "mixed_bfloat16 or float32")
   if z == "zero2" and cfg.compression.method != "none":
     raise ConfigError(f"--optimizer_sharding=zero2 sums the gradient itself, shard by shard, in "
                       f"float32: it does not combine with --grad_compression="

@@ -19,9 +19,10 @@ schedule's rate at `iterations`, and c the global-norm clip factor:
     alpha  = lr * sqrt(1 - b2^t) / (1 - b1^t)
     w      = w - m * alpha / (sqrt(v) + eps)
 ||g|| is the norm of the whole summed gradient, the same number on every
-replica (zero1: of the summed tensors; zero2: from every chunk's sum of squares). `decay_mask` is 1 on the elements
-of variables Keras' AdamW decays (its `_use_weight_decay`, i.e. the
-partitioning rules' no-decay names) and 0 elsewhere.
+replica (zero1: of the summed tensors; zero2: from every chunk's sum of
+squares). `decay_mask` is 1 on the elements of variables Keras' AdamW decays
+(its `_use_weight_decay`, i.e. the partitioning rules' no-decay names) and 0
+elsewhere.
 
 Memory. Unsharded, each replica holds m and v for all N parameters (8N bytes
 in float32); zero1 and zero2 hold 8S = 8N/D (plus the replicated weights they
@@ -211,7 +212,8 @@ MODES = ("zero1", "zero2")
 
 
 class ZeroUpdate:
-  """ZeRO over the replicas in sync: each keeps 1/D of AdamW's m and v; replaces the optimizer's apply.
+  """ZeRO over the replicas in sync: each keeps 1/D of AdamW's m and v (replaces the optimizer's
+  apply).
 
   Args:
     optimizer: the Keras AdamW whose update this shards (its iterations,
