@@ -10,7 +10,8 @@ its own process(es), for `--steps` steps:
   * one_device, the reference;
   * mirrored on 2 logical CPUs, and multi_worker_mirrored with 2 local
     worker processes (one replica each), the same global batch, for each
-    of --grad_compression none, fp16, bf16 and powersgd rank 1, 4, 16.
+    of --grad_compression none, fp16, bf16 and powersgd rank 1, 4, 16, and
+    of --optimizer_sharding zero1 and zero2 (configurations named zero1, zero2).
 
 Rounds alternate: round r runs every configuration once, in an order
 rotated by r, so load drift hits them alike; each configuration's best round
@@ -44,6 +45,8 @@ COMPRESSIONS = {"none": [], "fp16": ["--grad_compression=fp16"],
                 "bf16": ["--grad_compression=bf16"]}
 COMPRESSIONS.update({f"powersgd{r}": ["--grad_compression=powersgd", f"--powersgd_rank={r}"]
                      for r in (1, 4, 16)})
+# --optimizer_sharding (tfpar.parallel.zero), uncompressed: rows beside <strategy>/none.
+COMPRESSIONS.update({mode: [f"--optimizer_sharding={mode}"] for mode in ("zero1", "zero2")})
 
 
 def configurations() -> Dict[str, List[str]]:

@@ -290,3 +290,17 @@ def canonical_grads(model, grads):
   by_var = {id(v): tf.convert_to_tensor(g) for v, g in zip(model.trainable_variables, grads)}
   return {name: np.concatenate([np.asarray(by_var[id(v)]) for v in shards], axis=axis or 0)
           for name, (axis, shards) in model_layout(model).items() if id(shards[0]) in by_var}
+
+
+def assert_same_state(got, want, what):
+  """At 1e-5 relative; near zero, 1e-5 of the largest value of the kind (weights, m or v): the
+  key bias's gradient is 0 in exact arithmetic (softmax ignores it) and ~1e-15 in float32."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  assert sorted(got) == sorted(want), what
+  kind = lambda name: name[-2:] if name[-2:] in ("@m", "@v") else ""
+  scale = {}
+  for name, value in want.items():
+    scale[kind(name)] = max(scale.get(kind(name), 0.0), float(np.max(np.abs(value))))
+  for name, value in want.items():
+    np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5 * scale[kind(name)],
+                               err_msg=f"{what}: {name}")

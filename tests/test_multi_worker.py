@@ -7,12 +7,20 @@ for step. The chief alone writes metrics, summaries, config.json and
 checkpoints, and checkpoints move between one_device, mirrored and
 multi_worker_mirrored in both directions.
 
+The two workers shard AdamW's state (tfpar.parallel.zero): the first job with
+--optimizer_sharding=zero1 (each worker holds m and v of half the parameters;
+its checkpoint, gathered from both, holds one device's slots and restores
+unsharded), the resumed one with zero2 from an unsharded checkpoint. Plain
+unsharded multi-worker runs are tested in test_launch, test_compression and
+test_preemption.
+
 --jit_compile=false in every run: XLA compiles the step once per process,
 ~30 s per worker on 2 cores, and changes nothing checked here (the gradient
 all-reduce runs outside the compiled function, in the replica context).
 """
 
 import glob
+import json
 import os
 import re
 import shutil
@@ -21,8 +29,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (TINY, make_config, read_metrics, run_module_in_background,
-                      selected_tests_use, train_in_process)
+from conftest import (TINY, assert_same_state, make_config, read_metrics,
+                      run_module_in_background, selected_tests_use, train_in_process)
 from tfpar import strategies
 from tfpar.cluster import Cluster
 from tfpar.config import ConfigError
@@ -64,7 +72,7 @@ def started(request, tmp_path_factory):
   # are shown, not hidden as tfpar.train does by default, since the logs are checked.
   return model_dir, run_module_in_background(
       "tfpar.launch", TWO_WORKERS + [f"--model_dir={model_dir}", "--collective=ring",
-                                     "--checkpoint_every=3"],
+                                     "--checkpoint_every=3", "--optimizer_sharding=zero1"],
       env={"TF_CPP_MIN_LOG_LEVEL": "0"}, timeout=600)
 
 
@@ -92,6 +100,18 @@ def test_two_workers_train_with_the_loss_of_one_device_step_for_step(two_workers
   assert single[-1]["replicas"] == 1 and single[-1]["workers"] == 1
 
 
+def test_two_zero1_workers_hold_half_the_slots_and_save_one_devices(two_workers, one_device_dir):
+  """zero1's checkpoint, m and v gathered from both workers, is one device's at 1e-5."""
+  model_dir, output = two_workers
+  sharded = read_checkpoint(str(model_dir / "checkpoints" / f"ckpt-{STEPS}"))
+  serial = read_checkpoint(str(one_device_dir / "checkpoints" / f"ckpt-{STEPS}"))
+  assert_same_state(sharded, serial, "zero1 on 2 workers")
+  plan = json.loads((model_dir / "plan.json").read_text())["bytes_per_replica"]["measured"]
+  slots = sum(v.size * 4 for n, v in serial.items() if n.endswith(("@m", "@v")))
+  assert plan["optimizer"] == 8 * -(-slots // 16) + 8  # Half of m and v, and the step counter.
+  assert "optimizer sharding zero1" in output
+
+
 def test_the_console_line_shows_replicas_workers_and_step_time(two_workers):
   _, output = two_workers
   assert re.search(rf"^\[worker 0\] step +{STEPS}/{STEPS} \| loss \d+\.\d+ \| .* tok/s \| "
@@ -113,7 +133,7 @@ def test_only_the_chief_writes_and_worker_temp_dirs_are_gone(two_workers):
       "checkpoint", "ckpt-3.data-00000-of-00001", "ckpt-3.index",
       "ckpt-6.data-00000-of-00001", "ckpt-6.index"]
   assert sorted(os.listdir(model_dir)) == ["checkpoints", "config.json", "eval",
-                                           "metrics.jsonl", "train"]
+                                           "metrics.jsonl", "plan.json", "train"]
 
 
 def test_the_logs_are_prefixed_and_free_of_auto_shard_warnings(two_workers):
@@ -189,8 +209,8 @@ def test_a_mirrored_checkpoint_resumes_under_two_workers_as_under_one_device(one
     np.testing.assert_array_equal(saved_by_mirrored[name], value, err_msg=name)
 
   resumed = ["--train_steps=8", "--eval_steps=0"]  # eval under 2 workers is tested above
-  job = run_module_in_background("tfpar.launch", TWO_WORKERS + resumed + [f"--model_dir={two_dir}"],
-                                 timeout=600)
+  job = run_module_in_background("tfpar.launch", TWO_WORKERS + resumed + [
+      f"--model_dir={two_dir}", "--optimizer_sharding=zero2"], timeout=600)
   train_in_process(ARGS + resumed + ["--strategy=one_device", f"--model_dir={one_dir}"])
   proc = job.result()  # The two workers ran beside the one-device run of this process.
   assert re.search(rf"\[worker 0\] resumed from .*ckpt-{STEPS} at step {STEPS}", proc.stdout)
@@ -198,7 +218,6 @@ def test_a_mirrored_checkpoint_resumes_under_two_workers_as_under_one_device(one
   one = [r for r in read_metrics(str(one_dir)) if r["step"] > STEPS]
   assert [r["step"] for r in two] == [r["step"] for r in one] == [7, 8]
   assert_same_losses([r["loss"] for r in two], [r["loss"] for r in one])
-  after_two = read_checkpoint(str(two_dir / "checkpoints" / "ckpt-8"))
+  after_two = read_checkpoint(str(two_dir / "checkpoints" / "ckpt-8"))  # Sharded by zero2.
   after_one = read_checkpoint(str(one_dir / "checkpoints" / "ckpt-8"))
-  for name, value in after_one.items():
-    np.testing.assert_allclose(after_two[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
+  assert_same_state(after_two, after_one, "zero2 on 2 workers, resumed")

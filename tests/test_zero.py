@@ -11,14 +11,24 @@ the summed gradient's norm, weights and the gathered m and v after every step
 gradients are compared through it).
 """
 
+import json
+
 import numpy as np
 import pytest
 import tensorflow as tf
 import keras
 
-from tfpar.schema import OptimConfig
+from conftest import TINY, assert_same_state, make_config
+from tfpar import strategies
+from tfpar.cluster import Cluster
+from tfpar.data import pipeline
+from tfpar.engines.data_parallel import DataParallelEngine
+from tfpar.schema import CompressionConfig, OptimConfig
 from tfpar.parallel import zero
-from tfpar.training.optimizer import learning_rate_schedule, make_optimizer
+from tfpar.parallel.compression import make_exchange
+from tfpar.training.checkpoint import CanonicalCheckpointer, read_canonical, read_checkpoint
+from tfpar.training.optimizer import inner_optimizer, learning_rate_schedule, make_optimizer
+from tfpar.training.step import apply_gradients
 
 SHAPES = {"embeddings": (7, 5), "kernel": (5, 3), "bias": (3,), "gamma": (5,)}
 STEPS = 6
@@ -109,7 +119,6 @@ def _loss(model, x, y):
 @pytest.fixture(scope="module")
 def serial_run():
   """One device: Keras AdamW via tfpar's apply_gradients (--on_nonfinite=skip, clip active)."""
-  from tfpar.training.step import apply_gradients
   model = _model()
   optim = OptimConfig(learning_rate=1e-2, warmup_steps=2, weight_decay=0.1, clip_norm=10.0)
   opt = make_optimizer(optim, train_steps=STEPS)
@@ -127,19 +136,29 @@ def serial_run():
   return optim, out
 
 
-def test_zero1_on_4_mirrored_replicas_is_the_serial_twin(serial_run):
-  """Loss, gradient norm, weights and gathered slots after each step, at 1e-5."""
-  optim, serial = serial_run
-  norms = [n for _, n, _, _ in serial]
-  assert max(n for n in norms if np.isfinite(n)) > optim.clip_norm > min(norms)  # Clipping active.
-  assert sum(not np.isfinite(n) for n in norms) == 1  # One step skipped.
-  devices = [f"/cpu:{i}" for i in range(4)]
-  strategy = tf.distribute.MirroredStrategy(devices)
+def mirrored_run(optim, mode, codec=CompressionConfig(), replicas=4):
+  """[(loss, norm, weights, [m, v])] after each step of the toy on mirrored replicas.
+
+  mode 'none': the exchange's sum and tfpar's apply_gradients (the unsharded
+  update); 'zero1'/'zero2': ZeroUpdate. `codec`: the exchange's CompressionConfig.
+  """
+  devices = [f"/cpu:{i}" for i in range(replicas)]
+  per = 8 // replicas  # Rows of the global batch (8) each replica reads.
+  # As tfpar.strategies on CPUs: collective ops would reuse one key per strategy in a process.
+  strategy = tf.distribute.MirroredStrategy(devices,
+                                            cross_device_ops=tf.distribute.ReductionToOneDevice())
   with strategy.scope():
     model = _model()
     opt = make_optimizer(optim, train_steps=STEPS)
-  update = zero.ZeroUpdate(opt, model.trainable_variables, shard_ids=range(4),
-                           devices=strategy.extended.worker_devices, num_replicas=4)
+    if mode == "none":
+      opt.build(model.trainable_variables)
+  variables = model.trainable_variables
+  exchange = make_exchange(codec, variables, num_replicas=replicas,
+                           state_devices=[[d] * len(variables)
+                                          for d in strategy.extended.worker_devices])
+  update = None if mode == "none" else zero.ZeroUpdate(
+      opt, variables, mode=mode, shard_ids=range(replicas),
+      devices=strategy.extended.worker_devices, num_replicas=replicas)
 
   @tf.function
   def step(x, y):
@@ -150,26 +169,172 @@ def test_zero1_on_4_mirrored_replicas_is_the_serial_twin(serial_run):
       i = local.index(tf.DeviceSpec.from_string(device).to_string())
       with tf.GradientTape() as tape:
         loss = _loss(model, x, y)
-      grads = tape.gradient(loss, model.trainable_variables)
-      return loss, update.apply(grads, i, skip_nonfinite=True)
+      grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, variables)]
+      if update is None:
+        return loss, apply_gradients(opt, exchange.reduce(grads, i), variables,
+                                     skip_nonfinite=True)
+      return loss, update.apply(grads, i, exchange=exchange, skip_nonfinite=True)
     loss, norm = strategy.run(fn, args=(x, y))
     return (strategy.reduce("SUM", loss, axis=None), strategy.experimental_local_results(norm)[0])
 
-  for (x, y), (want_loss, want_norm, want_w, want_slots) in zip(_batches(), serial):
+  out = []
+  for x, y in _batches():
+    rows = lambda ctx: slice(per * ctx.replica_id_in_sync_group,
+                             per * (ctx.replica_id_in_sync_group + 1))
     dist = strategy.experimental_distribute_values_from_function(
-        lambda ctx: (x[2 * ctx.replica_id_in_sync_group:2 * ctx.replica_id_in_sync_group + 2],
-                     y[2 * ctx.replica_id_in_sync_group:2 * ctx.replica_id_in_sync_group + 2]))
+        lambda ctx: (x[rows(ctx)], y[rows(ctx)]))
     loss, norm = step(*dist)
-    if np.isfinite(want_loss):
-      np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
-      np.testing.assert_allclose(float(norm), want_norm, rtol=1e-5)
+    if update is None:
+      slots = [[opt._momentums[opt._get_variable_index(v)].numpy() for v in variables],
+               [opt._velocities[opt._get_variable_index(v)].numpy() for v in variables]]
     else:
-      assert not np.isfinite(float(norm))
-    for got, want in zip(model.trainable_variables, want_w):
-      np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-7)
-    for got_slot, want_slot in zip(update.slots(strategy), want_slots):
+      slots = [[t.numpy() for t in update.slots()[name]] for name in ("m", "v")]
+    out.append((float(loss), float(norm), [v.numpy() for v in variables], slots))
+  assert int(opt.iterations.numpy()) == STEPS
+  if update is not None:
+    assert update.slot_bytes() == 8 * update.layout.shard_size
+    # 1/D of the slots, but padding.
+    assert abs(replicas * update.slot_bytes() - 8 * update.layout.size) <= 8 * replicas
+  return out
+
+
+def assert_same_steps(got_steps, want_steps):
+  for (loss, norm, weights, slots), (want_loss, want_norm, want_w, want_slots) in zip(
+      got_steps, want_steps):
+    if np.isfinite(want_loss):
+      np.testing.assert_allclose([loss, norm], [want_loss, want_norm], rtol=1e-5)
+    else:
+      assert not np.isfinite(norm)
+    for got, want in zip(weights, want_w):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    for got_slot, want_slot in zip(slots, want_slots):
       for got, want in zip(got_slot, want_slot):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
-  assert int(opt.iterations.numpy()) == STEPS
-  assert update.slot_bytes() == 8 * update.layout.shard_size
-  assert abs(4 * update.slot_bytes() - 8 * update.layout.size) <= 8 * 4  # A quarter, but padding.
+
+
+@pytest.mark.parametrize("mode", zero.MODES)
+def test_zero_on_4_mirrored_replicas_is_the_serial_twin(serial_run, mode):
+  """Loss, gradient norm, weights and gathered slots after each step, at 1e-5."""
+  optim, serial = serial_run
+  norms = [n for _, n, _, _ in serial]
+  assert max(n for n in norms if np.isfinite(n)) > optim.clip_norm > min(norms)  # Clipping active.
+  assert sum(not np.isfinite(n) for n in norms) == 1  # One step skipped.
+  assert_same_steps(mirrored_run(optim, mode), serial)
+
+
+def test_zero1_takes_a_codecs_sum_as_the_unsharded_update_does(serial_run):
+  """zero1 with --grad_compression=powersgd (rank 1, every matrix compressed; its error
+  feedback per replica) on 2 replicas: the unsharded PowerSGD run's steps, at 1e-5. The
+  casts (fp16, bf16) reach ZeroUpdate through the same exchange.reduce."""
+  optim, _ = serial_run
+  codec = CompressionConfig(method="powersgd", rank=1, min_size=0)
+  assert_same_steps(mirrored_run(optim, "zero1", codec, replicas=2),
+                    mirrored_run(optim, "none", codec, replicas=2))
+
+
+# --- the data-parallel engine under --optimizer_sharding ------------------------------------
+# Each engine takes the same STEPS steps from the same data, one call per step; after each step
+# its canonical state (weights, m, v, the step: what a checkpoint holds, through the slots'
+# view for ZeRO) must be one device's. m after step 1 is (1 - beta_1) x the clipped summed
+# gradient, so the gradients are compared through it. --clip_norm=0.05 clips every step.
+ENGINE_ARGS = TINY + [f"--train_steps={STEPS}", "--seed=3", "--input_sharding=data",
+                      "--jit_compile=false", "--clip_norm=0.05", "--on_nonfinite=skip"]
+PLANS = {"none x1": ["--strategy=one_device"],
+         "zero1 x4": ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero1"],
+                  "zero2 x2": ["--strategy=mirrored", "--num_cpu_devices=2",
+                      "--optimizer_sharding=zero2"]}
+CHAIN_SAVE = 2  # zero1 x4 saves here; none x1 resumes to 4, then zero2 x2 to STEPS.
+
+
+def make_engine(plan, model_dir):
+  cfg = make_config(ENGINE_ARGS + PLANS[plan] + [f"--model_dir={model_dir}"])
+  strategies.setup_devices(cfg.dist.num_cpu_devices)
+  strategy = strategies.make_strategy(cfg.dist, Cluster())
+  corpus = pipeline.load_corpus(cfg.data.data, seq_len=cfg.model.seq_len,
+                                eval_fraction=cfg.data.eval_fraction)
+  engine = DataParallelEngine(cfg, strategy, corpus)
+  engine.write_files(str(model_dir))  # plan.json, as the runner has the chief write it.
+  return engine
+
+
+def train_steps(engine, first, last, save_at=(), directory=None):
+  """[(loss, norm, canonical state)] of steps first+1..last, saving after the steps in save_at."""
+  iterator, out = engine.train_iterator(first), []
+  for step in range(first + 1, last + 1):
+    losses, norms = engine.train(iterator, 1)
+    out.append((float(losses[0]), float(norms[0]), read_canonical(engine.layouts[0])))
+    if step in save_at:
+      CanonicalCheckpointer(engine.layouts, directory).save(step)
+  return out
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tmp_path_factory):
+  """{plan: (engine, per-step records)}; zero1 x4 also saves its step-CHAIN_SAVE checkpoint."""
+  out = {}
+  for plan in ("none x1", "zero1 x4"):
+    model_dir = tmp_path_factory.mktemp(plan.replace(" ", "_"))
+    engine = make_engine(plan, model_dir)
+    out[plan] = model_dir, engine, train_steps(engine, 0, STEPS, (CHAIN_SAVE,),
+                                               str(model_dir / "checkpoints"))
+  return out
+
+
+def test_a_zero1_engine_on_4_mirrored_replicas_is_one_devices_twin(engine_runs):
+  """(zero2's engine is checked step by step in the restore chain below, on 2 replicas;
+  its update on 4, in test_zero_on_4_mirrored_replicas_is_the_serial_twin.)"""
+  _, serial_engine, serial = engine_runs["none x1"]
+  _, engine, sharded = engine_runs["zero1 x4"]
+  assert min(norm for _, norm, _ in serial) > serial_engine.cfg.optim.clip_norm  # Clipping.
+  assert engine.zero.mode == "zero1" and engine.num_replicas == 4
+  assert not inner_optimizer(engine.optimizer).built  # No Keras slots: the shards hold them.
+  for step, ((loss, norm, state), (want_loss, want_norm, want_state)) in enumerate(
+      zip(sharded, serial), 1):
+    np.testing.assert_allclose([loss, norm], [want_loss, want_norm], rtol=1e-5)
+    assert_same_state(state, want_state, f"zero1 x4 step {step}")
+  assert int(sharded[-1][2]["optimizer/iterations"]) == STEPS
+
+
+def test_a_zero1_x4_checkpoint_resumes_unsharded_then_under_zero2_x2(engine_runs, tmp_path):
+  """zero1 x4 -> none x1 -> zero2 x2: every step's loss and state as the unsharded run's.
+
+  The unsharded leg is the serial run's engine (traced already), its state replaced by the
+  restore; its own records were taken before.
+  """
+  _, one, serial = engine_runs["none x1"]
+  zero1_dir, _, _ = engine_runs["zero1 x4"]
+  written = str(zero1_dir / "checkpoints" / f"ckpt-{CHAIN_SAVE}")
+  assert_same_state(read_checkpoint(written), serial[CHAIN_SAVE - 1][2], "zero1 x4's checkpoint")
+  assert CanonicalCheckpointer(one.layouts, str(tmp_path)).restore(written)
+  assert one.step == CHAIN_SAVE
+  middle = train_steps(one, CHAIN_SAVE, 4, (4,), str(tmp_path / "one"))
+  two = make_engine("zero2 x2", tmp_path / "two")
+  assert CanonicalCheckpointer(two.layouts, str(tmp_path)).restore(
+      str(tmp_path / "one" / "ckpt-4"))
+  assert two.step == 4
+  assert two.zero.mode == "zero2" and two.num_replicas == 2
+  last = train_steps(two, 4, STEPS)
+  for step, ((loss, norm, state), (want_loss, want_norm, want_state)) in enumerate(
+      zip(middle + last, serial[CHAIN_SAVE:]), CHAIN_SAVE + 1):
+    np.testing.assert_allclose([loss, norm], [want_loss, want_norm], rtol=1e-5)
+    assert_same_state(state, want_state, f"resumed step {step}")
+
+
+def test_plan_json_measures_a_quarter_of_the_optimizer_state_under_zero1_x4(engine_runs):
+  """Slot bytes per replica: within 10% of a quarter of unsharded (the step counter stays)."""
+  plans = {}
+  for plan in ("none x1", "zero1 x4"):
+    model_dir, engine, _ = engine_runs[plan]
+    with open(model_dir / "plan.json") as f:
+      plans[plan] = json.load(f)["bytes_per_replica"]
+    assert plans[plan]["measured"]["optimizer"] == plans[plan]["predicted"]["optimizer"]
+    assert plans[plan]["measured"]["weights"] == plans[plan]["predicted"]["weights"]
+  none, zero1 = plans["none x1"]["measured"], plans["zero1 x4"]["measured"]
+  counter = 8  # AdamW's int64 step, on every replica.
+  assert abs((zero1["optimizer"] - counter) / ((none["optimizer"] - counter) / 4) - 1) < 0.1
+  assert zero1["weights"] == none["weights"]  # Replicated.
+  assert plans["zero1 x4"]["predicted"]["summed_gradient"] == none["weights"]
+  # zero2 holds 2 of the D shards of the summed gradient: half of it at D=4, all at D=2.
+  params = none["weights"] // 4
+  assert zero.state_bytes(params, 4, "zero2")["summed_gradient"] == 8 * -(-params // 4)
+  assert zero.state_bytes(params, 2, "zero2")["summed_gradient"] == 4 * params

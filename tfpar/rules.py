@@ -164,6 +164,34 @@ def validate(cfg: Config) -> None:
     check_batch(t.global_batch_size, s.num_cpu_devices)
   _validate_parallel(cfg)
   _validate_compression(cfg)
+  _validate_optimizer_sharding(cfg)
+
+
+def _validate_optimizer_sharding(cfg: Config) -> None:
+  """--optimizer_sharding: only where replicas in sync share one update (tfpar.parallel.zero)."""
+  z, s, p = cfg.parallel.optimizer_sharding, cfg.dist, cfg.parallel
+  if z == "none":
+    return
+  why = {"one_device": "one device is one replica, which holds all of the optimizer state",
+         "parameter_server": "the optimizer state lives on the parameter servers, not on the "
+                             "replicas",
+         "tpu": "TPUStrategy's update is not wired to it"}.get(s.strategy)
+  if p.model_parallel:
+    why = ("the model-parallel engine, which --pipeline_stages, --tensor_parallel, "
+           "--data_parallel, --microbatches or --remat choose, does not shard its optimizer yet")
+  if why:
+    raise ConfigError(f"--optimizer_sharding={z} is for --strategy=mirrored or "
+                      f"multi_worker_mirrored without model parallelism ({why}): use one of "
+                      "them, or --optimizer_sharding=none")
+  if cfg.train.precision == "mixed_float16":
+    raise ConfigError(f"--optimizer_sharding={z} does not combine with --precision="
+                      "mixed_float16 (its loss scaling is not sharded): use --precision="
+                      "mixed_bfloat16 or float32")
+  if z == "zero2" and cfg.compression.method != "none":
+    raise ConfigError(f"--optimizer_sharding=zero2 sums the gradient itself, shard by shard, in "
+                      f"float32: it does not combine with --grad_compression="
+                      f"{cfg.compression.method}; use --optimizer_sharding=zero1 (which "
+                      "composes with it) or --grad_compression=none")
 
 
 def _validate_compression(cfg: Config) -> None:

@@ -48,10 +48,13 @@ NONFINITE_ERRORS = (loop.NonFiniteError, NonFiniteStateError)
 WRITE_ERRORS = (storage.DiskFullError, OSError, tf.errors.OpError)
 
 
-def write_run_files(cfg: Config, class_names) -> None:
-  """config.json, and the run's copy of its tokenizer (tfpar.generate decodes with it)."""
+def write_run_files(cfg: Config, class_names, engine=None) -> None:
+  """config.json, the run's copy of its tokenizer (tfpar.generate decodes with it), and
+  what the engine writes beside them (the data-parallel engine's plan.json)."""
   rundir.write_config(cfg, class_names)  # The one config.json writer.
   tokenizer.copy_into(cfg.model.tokenizer, cfg.train.model_dir)
+  if engine is not None:
+    engine.write_files(cfg.train.model_dir)
 
 
 def run(cfg: Config, cluster: Cluster) -> dict:
@@ -120,12 +123,15 @@ def _run(cfg: Config, cluster: Cluster) -> dict:
     print(f"tfpar: {describe_run(cfg, engine.describe())} | "
           f"data: {task.describe_data(data)}, "
           f"{sharding}-level input sharding", flush=True)
+    report = engine.bytes_report()
+    if report:
+      print(f"tfpar: {report}", flush=True)
   try:
     # config.json once the checkpoint (if any) restored: bad data or a checkpoint of another
     # model, found before, leaves --model_dir as it was.
     return loop.run(cfg, engine, is_chief=is_chief, worker_index=worker_index,
                     num_workers=num_workers,
-                    on_restored=(lambda: write_run_files(cfg, task.class_names(data)))
+                    on_restored=(lambda: write_run_files(cfg, task.class_names(data), engine))
                     if is_chief else None)
   except PEER_ERRORS as e:
     if len(cluster.spec.get("worker", [])) + len(cluster.spec.get("chief", [])) < 2:

@@ -21,9 +21,10 @@ STRATEGIES = ("one_device", "mirrored", "multi_worker_mirrored", "parameter_serv
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 ON_NONFINITE = ("stop", "skip")
-REMAT = ("none", "full", "selective")
+REMAT = ("none", "full", "selective")  # What blocks recompute in the backward pass.
 CAUSAL_ATTENTION = ("query_blocks", "online_softmax")  # tfpar.layers.attention.CAUSAL_CORES.
-ARCHITECTURES = ("gpt", "llama")  # --architecture: tfpar.models.GPT, tfpar.models.Llama.  # What blocks recompute in the backward pass.
+OPTIMIZER_SHARDING = ("none", "zero1", "zero2")  # tfpar.parallel.zero.
+ARCHITECTURES = ("gpt", "llama")  # --architecture: tfpar.models.GPT, tfpar.models.Llama.
 UNSET = object()  # A flag's default where it is the field's own.
 
 
@@ -227,6 +228,11 @@ class ParallelConfig:
   tensor_parallel: int = setting(1, "Devices each attention and MLP block is split over.")
   data_parallel: Optional[int] = setting(
       None, "Model replicas for model-parallel runs (default: what the devices allow).")
+  optimizer_sharding: str = setting(
+      "none", "mirrored and multi_worker_mirrored: each of the D replicas keeps AdamW's m and v "
+      "for 1/D of the parameters (zero1), and also only its 1/D of the summed gradient through "
+      "the update (zero2); the weights stay replicated. Same numbers as none.",
+      choices=OPTIMIZER_SHARDING)
   remat: str = setting(
       "none", "What each block recomputes in the backward pass: none keeps every activation, "
       "full keeps only the block's input (about 33% more compute), selective only the "

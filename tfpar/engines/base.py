@@ -64,7 +64,9 @@ class Engine:
         one optimizer step over the data-parallel replicas (in the step loop's
         tf.function, cross-replica context);
     _replica_eval(inputs, targets) -> this replica's eval outputs;
-    describe() -> what the run's first line says about the engine.
+    describe() -> what the run's first line says about the engine;
+    bytes_report() -> a line on the bytes a replica holds, or "" (the default);
+    write_files(model_dir) -> what the engine writes beside config.json (the chief's).
 
   Args:
     cfg: the run's config.
@@ -90,18 +92,22 @@ class Engine:
     self._train_fn = tf.function(self._train_steps)
     self._eval_fn = tf.function(self._eval_batch)
 
-  def build_optimizer(self, variables, prepare=None):
+  def build_optimizer(self, variables, prepare=None, slots: bool = True):
     """The run's AdamW (inside a LossScaleOptimizer under mixed_float16), built for `variables`.
 
     Its slots are created colocated with their variables (or, under a
     strategy's scope, where the strategy puts them). `prepare(inner)` runs
-    before the build (the parameter-server engine's patches).
+    before the build (the parameter-server engine's patches). `slots=False`
+    builds none (its step counter, schedule and decay set only: the sharded
+    update of tfpar.parallel.zero keeps the slots).
     """
     optimizer = make_optimizer(self.cfg.optim, self.cfg.train.train_steps,
                                self.cfg.train.precision)
     inner = inner_optimizer(optimizer)
     if prepare is not None:
       prepare(inner)
+    if not slots:
+      return optimizer
     inner.build(variables)
     if optimizer is not inner:
       optimizer.build(variables)
@@ -140,6 +146,12 @@ class Engine:
 
   def _replica_step(self, inputs, targets, compressed):
     raise NotImplementedError
+
+  def bytes_report(self) -> str:
+    return ""
+
+  def write_files(self, model_dir: str) -> None:
+    del model_dir
 
   def _replica_eval(self, inputs, targets):
     raise NotImplementedError

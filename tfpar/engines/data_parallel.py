@@ -4,17 +4,26 @@ For the strategies that own the variables (one_device, mirrored,
 multi_worker_mirrored, tpu): the model and optimizer are built under
 `strategy.scope()`, and each replica runs `TrainStep` under `strategy.run`:
 its gradients, the run's gradient exchange (tfpar.parallel.exchange: the SUM
-over replicas, or a codec), then the update of the mirrored variables.
+over replicas, or a codec), then the update of the mirrored variables. Under
+--optimizer_sharding each replica keeps AdamW's state for its shard only and
+tfpar.parallel.zero.ZeroUpdate does the sum, clip and update instead of the
+Keras optimizer, whose slots are then never built.
 """
+
+import json
+import os
 
 import numpy as np
 import tensorflow as tf
 
+from tfpar import storage
 from tfpar.config import Config, check_batch
 from tfpar.engines.base import Engine, build_model
 from tfpar.parallel import plan as plan_lib
+from tfpar.parallel import zero
 from tfpar.parallel.compression import make_exchange
 from tfpar.training.checkpoint import model_layout
+from tfpar.training.optimizer import inner_optimizer
 from tfpar.training.step import EvalStep, TrainStep
 
 
@@ -33,9 +42,11 @@ class DataParallelEngine(Engine):
     self.num_replicas = strategy.num_replicas_in_sync
     # config checked this for CPU hosts; GPUs and TPU cores are counted only now.
     check_batch(cfg.train.global_batch_size, self.num_replicas)
+    sharding_mode = cfg.parallel.optimizer_sharding
     with strategy.scope():
       self.model = build_model(cfg, task=self.task)
-      self.optimizer = self.build_optimizer(self.model.trainable_variables)
+      self.optimizer = self.build_optimizer(self.model.trainable_variables,
+                                            slots=sharding_mode == "none")
     variables = self.model.trainable_variables
     # PowerSGD state: one set per replica of this process, on the replica's device.
     self._local_devices = list(strategy.extended.worker_devices)
@@ -50,13 +61,19 @@ class DataParallelEngine(Engine):
                                   state_devices=[[d] * len(variables)
                                                  for d in self._local_devices],
                                   seed=cfg.train.seed)
-    self.layouts = [{**model_layout(self.model, self.optimizer),
+    # --optimizer_sharding: each local replica's shard of AdamW's m and v, on its device.
+    self.zero = None if sharding_mode == "none" else zero.ZeroUpdate(
+        self.optimizer, variables, mode=sharding_mode, shard_ids=_replica_ids(strategy),
+        devices=self._local_devices, num_replicas=self.num_replicas, strategy=strategy)
+    slots = self.zero.checkpoint_slots if self.zero else None
+    self.layouts = [{**model_layout(self.model, self.optimizer, slots),
                      **self.exchange.checkpoint_entries(strategy)}]
     jit = cfg.train.jit_compile
     # One replica: nothing runs between gradients and update, so XLA compiles both.
     self._train_step = TrainStep(self.model, self.optimizer, loss_fn=self.task.loss,
-                                 jit_compile=jit, fuse_update=self.num_replicas == 1,
-                                 exchange=self.exchange,
+                                 jit_compile=jit,
+                                 fuse_update=self.num_replicas == 1 and self.zero is None,
+                                 exchange=self.exchange, update=self.zero,
                                  skip_nonfinite=cfg.train.on_nonfinite == "skip")
     self._eval_step = EvalStep(self.model, self.task.eval_outputs, jit_compile=jit)
 
@@ -66,7 +83,7 @@ class DataParallelEngine(Engine):
 
   def _replica_train(self, inputs, targets, compressed):
     replica = 0
-    if self.exchange.stateful and len(self._local_devices) > 1:  # Which local replica runs this.
+    if (self.exchange.stateful or self.zero) and len(self._local_devices) > 1:  # Which one runs.
       device = tf.nest.flatten(tf.distribute.get_replica_context().devices)[0]
       replica = self._replica_of_device[plan_lib.device_key(device)]
     return self._train_step(inputs, targets, replica=replica, compressed=compressed)
@@ -80,6 +97,50 @@ class DataParallelEngine(Engine):
   def _replica_eval(self, inputs, targets):
     return self._eval_step(inputs, targets)
 
+  # --- bytes per replica --------------------------------------------------------
+  def measured_bytes(self) -> dict:
+    """Bytes one replica holds, from the variables allocated: weights and optimizer state."""
+    optimizer = inner_optimizer(self.optimizer).variables  # Without slots under ZeRO.
+    slots = self.zero.slot_bytes() if self.zero else 0
+    return {"weights": _nbytes(self.model.variables), "optimizer": _nbytes(optimizer) + slots}
+
+  def predicted_bytes(self) -> dict:
+    """What tfpar.parallel.zero.state_bytes predicts from the model flags' parameter count."""
+    counts = plan_lib.count_params(self.cfg.model, family=self.task.family)
+    params = counts.embedding + counts.head + self.cfg.model.num_layers * counts.block
+    return zero.state_bytes(params, self.num_replicas, self.cfg.parallel.optimizer_sharding)
+
+  def write_files(self, model_dir: str) -> None:
+    """plan.json: per replica, the predicted bytes beside the measured (`bytes_report`)."""
+    plan = {"strategy": type(self.strategy).__name__, "data_parallel": self.num_replicas,
+            "optimizer_sharding": self.cfg.parallel.optimizer_sharding,
+            "bytes_per_replica": {"measured": self.measured_bytes(),
+                                  "predicted": self.predicted_bytes()}}
+    storage.makedirs(model_dir)
+    storage.write_atomically(os.path.join(model_dir, "plan.json"), json.dumps(plan, indent=2))
+
+  def bytes_report(self) -> str:
+    measured, predicted = self.measured_bytes(), self.predicted_bytes()
+    return ("bytes per replica, predicted | measured: " + ", ".join(
+        f"{kind} {plan_lib.kib(predicted[kind])} | {plan_lib.kib(measured[kind])}"
+        for kind in measured) + f", summed gradient {plan_lib.kib(predicted['summed_gradient'])} "
+        "(predicted only: a tensor, not a variable)")
+
   def describe(self) -> dict:
-    return {"strategy": type(self.strategy).__name__, "replicas": self.num_replicas,
+    info = {"strategy": type(self.strategy).__name__, "replicas": self.num_replicas,
             "parameters": int(sum(np.prod(v.shape) for v in self.model.trainable_variables))}
+    if self.zero:
+      info["optimizer sharding"] = self.zero.mode
+    return info
+
+
+def _nbytes(variables) -> int:
+  return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables)
+
+
+def _replica_ids(strategy):
+  """The global replica id of each of this process's replicas, in local device order."""
+  ids = []
+  strategy.experimental_distribute_values_from_function(
+      lambda ctx: ids.append(ctx.replica_id_in_sync_group) or tf.constant(0))
+  return ids

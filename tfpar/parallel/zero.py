@@ -3,9 +3,9 @@
 Layout. The N trainable parameters (in `model.trainable_variables` order) are
 flattened into one float32 vector, padded with zeros to P = D * ceil(N / D),
 and cut into D equal contiguous shards; replica r owns [r*S, (r+1)*S), S = P/D.
-A reduce-scatter of the flat gradient then hands each replica its shard of
-the summed gradient, and one all-gather of the updated shards rebuilds the
-weights: one collective each way. Padding is zero and stays zero (its
+Each replica needs its shard of the summed gradient (what a reduce-scatter
+would hand it; see Collectives), and one all-gather of the updated shards
+rebuilds the weights. Padding is zero and stays zero (its
 gradient is zero, so m, v and the update stay zero).
 
 AdamW on a shard (equal to keras.optimizers.AdamW per variable, elementwise,
@@ -18,26 +18,31 @@ schedule's rate at `iterations`, and c the global-norm clip factor:
     v      = v + (g^2 - v) * (1 - b2)
     alpha  = lr * sqrt(1 - b2^t) / (1 - b1^t)
     w      = w - m * alpha / (sqrt(v) + eps)
-||g|| is the norm of the whole summed gradient: each replica's sum of squares
-over its shard, all-reduced (one scalar). `decay_mask` is 1 on the elements
-of variables Keras' AdamW decays (its `_use_weight_decay`, i.e. the
-partitioning rules' no-decay names) and 0 elsewhere.
+||g|| is the norm of the whole summed gradient, the same number on every
+replica (zero1: of the summed tensors; zero2: from every chunk's sum of
+squares). `decay_mask` is 1 on the elements of variables Keras' AdamW decays
+(its `_use_weight_decay`, i.e. the partitioning rules' no-decay names) and 0
+elsewhere.
 
 Memory. Unsharded, each replica holds m and v for all N parameters (8N bytes
-in float32); zero1 holds 8S = 8N/D (plus the replicated weights it updates
-from, 4N). `ShardedAdamW.slot_bytes()` is what one replica's slots occupy.
+in float32); zero1 and zero2 hold 8S = 8N/D (plus the replicated weights they
+update from, 4N). `ShardedAdamW.slot_bytes()` is what one replica's slots
+occupy; `state_bytes` is the prediction the engine prints beside it.
 
-Collectives (`ZeroUpdate`, in replica context). The flat gradient is
-all-reduced and each replica keeps its shard of the sum: tf.distribute's
-ReplicaContext offers all_reduce and all_gather but no reduce-scatter, and an
-all-reduce moves the same bytes as the reduce-scatter + all-gather pair it is
-made of on a ring. The global norm is then the summed vector's own (no extra
-scalar collective); the new weight shards come back with one all_gather.
+Collectives (`ZeroUpdate`, in replica context). tf.distribute's
+ReplicaContext offers all_reduce and all_gather but no reduce-scatter. zero1
+sums the gradient whole, through the run's gradient exchange (a codec too),
+and slices its shard of the sum; zero2 sums it one shard at a time and keeps
+its own (`ZeroUpdate.apply` says what that saves). The new weight shards come
+back with one all_gather.
 
-Status: the layout, the shard math (checked against Keras AdamW on the same
-gradients) and ZeroUpdate under MirroredStrategy (twin of one device's
-update), tests/test_zero.py. Not yet wired into the engines,
---optimizer_sharding or checkpoints (see docs/design.md, "Optimizer sharding").
+Checkpoints. `ZeroUpdate.checkpoint_slots` gives each variable's m and v as
+`SlotView`s at full shape, under the names unsharded AdamW's slots have in
+tfpar.training.checkpoint's canonical layout: a save gathers them, a restore
+writes each shard's part, so any sharding restores any other's checkpoint.
+
+Wired into tfpar.engines.data_parallel by --optimizer_sharding (docs/design.md,
+"Optimizer sharding"); tests/test_zero.py.
 """
 
 from typing import List, Sequence
@@ -46,6 +51,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar.parallel import collectives
+from tfpar.parallel.traffic import Traffic
 
 
 class FlatLayout:
@@ -80,6 +86,19 @@ class FlatLayout:
   def shard(self, flat: tf.Tensor, shard: int) -> tf.Tensor:
     start, stop = self.shard_range(shard)
     return flat[start:stop]
+
+  def pieces(self, shard: int):
+    """[(variable index, start, stop)] of the elements of each variable that lie in `shard`."""
+    lo, hi = self.shard_range(shard)
+    return [(i, max(lo, o) - o, min(hi, o + n) - o)
+            for i, (o, n) in enumerate(zip(self.offsets, self.sizes)) if o < hi and o + n > lo]
+
+  def slice(self, tensors: Sequence[tf.Tensor], shard: int) -> tf.Tensor:
+    """`shard` of the tensors' padded flat vector, built from the parts in it only (S floats)."""
+    parts = [tf.reshape(tf.cast(tf.convert_to_tensor(tensors[i]), tf.float32), [-1])[a:b]
+             for i, a, b in self.pieces(shard)]
+    pad = self.shard_size - sum(b - a for _, a, b in self.pieces(shard))
+    return tf.concat(parts + [tf.zeros([pad])], axis=0)
 
   def mask(self, flags: Sequence[bool]) -> np.ndarray:
     """A padded float32 vector: 1 on the elements of variables whose flag is set."""
@@ -168,54 +187,114 @@ class ShardedAdamW:
     return new
 
 
+def state_bytes(num_params: int, num_replicas: int, mode: str) -> dict:
+  """Predicted bytes one replica holds for N float32 parameters (`mode` 'none', 'zero1', 'zero2').
+
+  weights: 4N (replicated under every mode). optimizer: m and v, 8N or 8 ceil(N/D),
+  plus AdamW's int64 step. summed_gradient: the all-reduced gradient alive
+  through the update, 4N, or for zero2 two shards (its own and the one in
+  flight), 8 ceil(N/D); the replica's own unreduced gradient (4N) comes on top
+  under every mode.
+  """
+  shard = -(-num_params // num_replicas)
+  sharded = mode != "none"
+  return {"weights": 4 * num_params,
+          "optimizer": 8 * (shard if sharded else num_params) + 8,
+          "summed_gradient": min(4 * num_params, 8 * shard) if mode == "zero2" else 4 * num_params}
+
+
 def decay_flags(optimizer, variables) -> List[bool]:
   """Which of `variables` the Keras AdamW `optimizer` decays (its own rule, not a copy)."""
   return [bool(optimizer.weight_decay) and optimizer._use_weight_decay(v) for v in variables]
 
 
+MODES = ("zero1", "zero2")
+
+
 class ZeroUpdate:
-  """zero1 over the replicas in sync: each keeps 1/D of AdamW's m and v; replaces the optimizer's apply.
+  """ZeRO over the replicas in sync: each keeps 1/D of AdamW's m and v (replaces the optimizer's
+  apply).
 
   Args:
     optimizer: the Keras AdamW whose update this shards (its iterations,
-      schedule, decay set and clipping are used; its own slots are not).
+      schedule, decay set and clipping are used; it builds no slots of its own).
     variables: one replica's trainable variables (mirrored).
+    mode: 'zero1' (the gradient is reduced whole, by the run's gradient
+      exchange, and each replica slices its shard) or 'zero2' (reduced shard by
+      shard; each replica keeps only its own: see `apply`).
     shard_ids: the global replica id of each replica of this process.
     devices: the device of each replica of this process.
     num_replicas: D, the replicas in sync.
+    strategy: the strategy the replicas run under (gathers the slots at a
+      save when other processes hold some shards).
   """
 
-  def __init__(self, optimizer, variables, *, shard_ids: Sequence[int],
-               devices: Sequence[str], num_replicas: int):
+  def __init__(self, optimizer, variables, *, mode: str = "zero1", shard_ids: Sequence[int],
+               devices: Sequence[str], num_replicas: int, strategy=None):
+    if mode not in MODES:
+      raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    self.mode = mode
     self.optimizer = optimizer
+    self.strategy = strategy
     self.variables = list(variables)
     self.layout = FlatLayout([v.shape for v in self.variables], num_replicas)
     self.shards = []
     for shard, device in zip(shard_ids, devices):
       with tf.device(device):
         self.shards.append(ShardedAdamW.like(optimizer, self.layout, shard, self.variables))
+    self._gathered = None  # ((step, version), {"m": [...], "v": [...]}): the last gather.
+    self._version = 0  # Bumped by every restore, so a gather after one is not stale.
 
   def slot_bytes(self) -> int:
     """Bytes of AdamW slots one replica holds (what a memory measurement reads)."""
     return self.shards[0].slot_bytes()
 
-  def apply(self, grads: List[tf.Tensor], replica: int = 0, *,
-            skip_nonfinite: bool = False) -> tf.Tensor:
+  def apply(self, grads: List[tf.Tensor], replica: int = 0, *, exchange=None,
+            compressed: bool = True, skip_nonfinite: bool = False) -> tf.Tensor:
     """Sums `grads` over the replicas, updates this replica's shard, gathers; returns the norm.
 
     Runs in replica context on each replica; `replica` is its local index.
+    zero1 sums through `exchange` (tfpar.parallel.exchange; a codec too) and
+    slices this replica's shard of the sum. zero2 sums the flat gradient one
+    shard-sized chunk at a time, in shard order, each chunk's reduction waiting
+    for the previous chunk's sum of squares: a replica keeps the chunk of its
+    own shard and drops each other one once its squares are counted, so at most
+    two shards of the summed gradient are alive instead of all of it (the
+    replica's own unreduced gradient, 4N bytes, is alive either way).
     """
-    ctx = tf.distribute.get_replica_context()
+    grads = [tf.convert_to_tensor(g) for g in grads]
     shard = self.shards[replica]
-    summed = collectives.all_reduce(tf.distribute.ReduceOp.SUM, [self.layout.flatten(grads)])[0]
-    norm = tf.norm(summed)
-    mine = self.layout.shard(summed, shard.shard)
-    weights = self.layout.shard(self.layout.flatten(self.variables), shard.shard)
+    if self.mode == "zero1":
+      summed = (exchange.reduce(grads, replica=replica, compressed=compressed)
+                if exchange is not None else collectives.all_reduce(
+                    tf.distribute.ReduceOp.SUM, grads))
+      norm = tf.linalg.global_norm(summed)  # As tfpar.training.step.apply_gradients.
+      mine = self.layout.slice(summed, shard.shard)
+    else:
+      mine, norm = self._reduce_scatter(grads, shard.shard)
+      if exchange is not None:  # What the loop logs as comm_bytes: the same bytes as one SUM.
+        exchange.traffic[compressed] = Traffic(4 * self.layout.padded_size,
+                                               4 * self.layout.padded_size)
+    weights = self.layout.slice(self.variables, shard.shard)
     finite = tf.math.is_finite(norm) if skip_nonfinite else True
     new = shard.update(weights, mine, norm, self.optimizer.iterations, apply=finite)
+    ctx = tf.distribute.get_replica_context()
     gathered = tf.reshape(ctx.all_gather(new[None], axis=0), [-1])
     ctx.merge_call(self._assign, args=(self.layout.unflatten(gathered),))
     return norm
+
+  def _reduce_scatter(self, grads, mine: int):
+    """(this replica's shard of the summed gradient, the summed gradient's norm): zero2's sum."""
+    squares, kept, after = [], None, []
+    for k in range(self.layout.num_shards):
+      with tf.control_dependencies(after):
+        chunk = self.layout.slice(grads, k)
+      summed = collectives.all_reduce(tf.distribute.ReduceOp.SUM, [chunk])[0]
+      squares.append(tf.reduce_sum(tf.square(summed)))
+      after = [squares[-1]]
+      if k == mine:
+        kept = summed
+    return kept, tf.sqrt(tf.add_n(squares))
 
   def _assign(self, distribution, values):
     """Cross-replica: every replica's copy of each variable takes the gathered value."""
@@ -226,11 +305,67 @@ class ZeroUpdate:
     distribution.extended.update(getattr(iterations, "value", iterations),
                                  lambda v: v.assign_add(1), group=False)
 
-  def slots(self, strategy) -> List[List[np.ndarray]]:
-    """[m, v] as per-variable arrays, gathered from this process's shards (all of them, locally)."""
-    out = []
-    for name in ("m", "v"):
-      flat = tf.concat([getattr(s, name) for s in sorted(self.shards, key=lambda s: s.shard)], 0)
-      out.append([t.numpy() for t in self.layout.unflatten(flat)])
-    del strategy
-    return out
+  # --- the canonical checkpoint's view of the slots ---------------------------
+  def slots(self) -> dict:
+    """{"m": [...], "v": [...]}: each slot per variable, at full shape, from every shard.
+
+    The shards of other processes come with one all-gather per slot (a
+    collective: every process calls this at the same point, as a save does);
+    the result is kept until the next step or restore.
+    """
+    key = (int(self.optimizer.iterations.numpy()), self._version)
+    if self._gathered is None or self._gathered[0] != key:
+      out = {}
+      for name in ("m", "v"):
+        mine = {s.shard: getattr(s, name) for s in self.shards}
+        if len(mine) == self.layout.num_shards:
+          flat = tf.concat([mine[i] for i in range(self.layout.num_shards)], 0)
+        else:
+          flat = tf.reshape(_gather(self.strategy, lambda i, n=name: getattr(
+              self._shard_of(i), n)), [-1])
+        out[name] = self.layout.unflatten(flat)
+      self._gathered = (key, out)
+    return self._gathered[1]
+
+  def _shard_of(self, shard_id: int) -> ShardedAdamW:
+    return next(s for s in self.shards if s.shard == shard_id)
+
+  def assign_slot(self, name: str, index: int, value) -> None:
+    """Writes variable `index`'s full slot `name` ('m' or 'v') into the shards held here."""
+    self._version += 1
+    flat = np.reshape(np.asarray(value, np.float32), [-1])
+    offset = self.layout.offsets[index]
+    for shard in self.shards:
+      lo, _ = self.layout.shard_range(shard.shard)
+      for i, a, b in self.layout.pieces(shard.shard):
+        if i == index:
+          getattr(shard, name)[offset + a - lo:offset + b - lo].assign(flat[a:b])
+
+  def checkpoint_slots(self, variable):
+    """(m, v) of `variable` as the checkpoint layout holds slots (tfpar.training.checkpoint)."""
+    index = next(i for i, v in enumerate(self.variables) if v is variable)
+    return tuple(SlotView(self, name, index) for name in ("m", "v"))
+
+
+def _gather(strategy, value_of):
+  """[D, S]: `value_of(shard id)` of every replica, gathered in replica order over all processes."""
+  values = strategy.experimental_distribute_values_from_function(
+      lambda ctx: tf.identity(value_of(ctx.replica_id_in_sync_group))[None])
+  return tf.function(lambda v: strategy.gather(v, axis=0))(values)
+
+
+class SlotView:
+  """One variable's m or v as a checkpoint layout entry: its full shape, read from and
+  written into the ZeRO shards (tfpar.training.checkpoint reads `.value`, calls `assign`)."""
+
+  def __init__(self, update: ZeroUpdate, name: str, index: int):
+    self.update, self.name, self.index = update, name, index
+    self.shape = tf.TensorShape(update.layout.shapes[index])
+    self.dtype = tf.float32
+
+  @property
+  def value(self) -> tf.Tensor:
+    return self.update.slots()[self.name][self.index]
+
+  def assign(self, value) -> None:
+    self.update.assign_slot(self.name, self.index, value)

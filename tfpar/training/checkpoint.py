@@ -129,10 +129,19 @@ def _add(layout: Layout, name: str, axis, shard: int, var):
   entry[1][shard] = var
 
 
-def model_layout(model, optimizer=None) -> Layout:
-  """The canonical layout of one model copy and (optionally) its optimizer's slots."""
+def model_layout(model, optimizer=None, slots=None) -> Layout:
+  """The canonical layout of one model copy and (optionally) its optimizer's slots.
+
+  `slots(variable)` -> (m, v) where the optimizer does not hold them itself
+  (tfpar.parallel.zero's shards, seen at full shape); default the Keras
+  AdamW's own.
+  """
   raw: Dict[str, Tuple[Optional[int], Dict[int, object]]] = {}
   opt = inner_optimizer(optimizer) if optimizer is not None else None
+  if slots is None and opt is not None and opt.built:
+    def slots(var):
+      index = opt._get_variable_index(var)  # pylint: disable=protected-access
+      return opt._momentums[index], opt._velocities[index]  # pylint: disable=protected-access
   prefix = model.name + "/"
   seed_states = 0
   for var in model.variables:
@@ -143,10 +152,10 @@ def model_layout(model, optimizer=None) -> Layout:
       path, seed_states = f"dropout_rng/{seed_states}", seed_states + 1
     name, axis, shard = canonical_name(path, model.rules, len(var.shape))
     _add(raw, name, axis, shard, var)
-    if opt is not None and var.trainable and opt.built:
-      index = opt._get_variable_index(var)  # pylint: disable=protected-access
-      _add(raw, name + "@m", axis, shard, opt._momentums[index])  # pylint: disable=protected-access
-      _add(raw, name + "@v", axis, shard, opt._velocities[index])  # pylint: disable=protected-access
+    if slots is not None and var.trainable:
+      m, v = slots(var)
+      _add(raw, name + "@m", axis, shard, m)
+      _add(raw, name + "@v", axis, shard, v)
   if opt is not None:
     raw["optimizer/iterations"] = (None, {0: opt.iterations})
   return {name: (axis, [shards[i] for i in sorted(shards)]) for name, (axis, shards) in raw.items()}

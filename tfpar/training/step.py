@@ -118,11 +118,16 @@ class TrainStep:
       None with one replica in sync.
     skip_nonfinite: drop the update of a step whose gradient norm is NaN or
       infinite (--on_nonfinite=skip); see `apply_or_skip`.
+    update: where the optimizer's state is sharded over the replicas
+      (tfpar.parallel.zero.ZeroUpdate), what reduces, clips and applies the
+      gradients in place of `reduce_gradients` + `apply_gradients`.
   """
 
   def __init__(self, model, optimizer, *, loss_fn, jit_compile: bool,
-               fuse_update: bool = False, exchange=None, skip_nonfinite: bool = False):
+               fuse_update: bool = False, exchange=None, skip_nonfinite: bool = False,
+               update=None):
     self.model = model
+    self.update = update
     self.skip_nonfinite = skip_nonfinite
     self.optimizer = optimizer
     self.loss_fn = loss_fn
@@ -143,6 +148,9 @@ class TrainStep:
 
   def _step(self, inputs, targets, loss_and_grads=None, replica=0, compressed=True):
     loss, grads = (loss_and_grads or self._loss_and_grads)(inputs, targets)
+    if self.update is not None:
+      return loss, self.update.apply(grads, replica, exchange=self.exchange, compressed=compressed,
+                                     skip_nonfinite=self.skip_nonfinite)
     grads = reduce_gradients(self.exchange, grads, replica=replica, compressed=compressed)
     return loss, apply_gradients(self.optimizer, grads, self.model.trainable_variables,
                                  skip_nonfinite=self.skip_nonfinite)
