@@ -27,6 +27,6 @@ setup(
         # property tests of the flag validator.
         "test": ["pytest>=8", "keras-hub>=0.32", "kubernetes", "kubeflow-training>=1.9",
                  "jsonschema", "hypothesis>=6"],
-        "bench": ["keras-hub>=0.32"],
+        "bench": ["keras-hub>=0.32", "matplotlib"],  # scripts/bench_dp.py draws its loss and bytes plot.
     },
 )
