@@ -422,8 +422,12 @@ def test_text_report_and_explain():
   proc = run_module("tfpar.plan", ["--num_layers=24", "--d_model=2304", "--num_heads=24",
                                    "--seq_len=2048", "--vocab_size=51200",
                                    "--global_batch_size=512", "--precision=mixed_bfloat16",
-                                   "--cluster=a100-80gb:32", "--explain"])
+                                   "--cluster=a100-80gb:32", "--explain", "--train_tokens=1e9",
+                                   "--pue=1.2", "--price_per_device_hour=2"])
   assert "best: D=" in proc.stdout and "not chosen:" in proc.stdout
+  # 1e9 tokens in batches of 512 x 2048: 954 steps, priced.
+  assert "training run: 954 steps" in proc.stdout and "x PUE 1.2), cost " in proc.stdout
+  assert "energy = device-hours x 400 W x PUE 1.2" in proc.stdout
   assert "bubble = (K-1)/(vM+K-1)" in proc.stdout and "efficiency = e_max" in proc.stdout
   assert "searched " in proc.stdout and " fit) in " in proc.stdout
 

@@ -386,7 +386,8 @@ def training_run(results: Dict[str, np.ndarray], devices: int, cluster: Cluster,
   device_hours = devices * wall / 3600
   out = {"train_steps": np.full(len(wall), steps), "wall_seconds": wall,
          "device_hours": device_hours,
-         "energy_kwh": device_hours * cluster.power_watts / 1000 * pue}
+         "energy_kwh": device_hours * cluster.power_watts / 1000 * pue,
+         "pue": np.full(len(wall), pue)}
   if price_per_device_hour is not None:
     out["cost"] = device_hours * price_per_device_hour
   return out

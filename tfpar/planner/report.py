@@ -29,7 +29,7 @@ def training_run(row: dict, cluster) -> str:
   days = row["wall_seconds"] / 86400
   line = (f"  training run: {row['train_steps']:,.0f} steps, {days:,.1f} days wall-clock, "
           f"{row['device_hours']:,.0f} device-hours, {row['energy_kwh'] / 1000:,.1f} MWh "
-          f"({cluster.power_watts:g} W per device x PUE)")
+          f"({cluster.power_watts:g} W per device x PUE {row['pue']:g})")
   if "cost" in row:
     line += f", cost {row['cost']:,.0f}"
   return line
@@ -170,7 +170,8 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
     lines.append(
         f"  training run: steps = ceil(tokens / (G s)) = {p['train_steps']:,.0f}; wall = steps x "
         f"step = {p['wall_seconds']:,.0f} s; device-hours = {D * K * T} x wall / 3600 = "
-        f"{p['device_hours']:,.0f}; energy = device-hours x {cluster.power_watts:g} W x PUE = "
+        f"{p['device_hours']:,.0f}; energy = device-hours x {cluster.power_watts:g} W x PUE "
+        f"{p['pue']:g} = "
         f"{p['energy_kwh']:,.0f} kWh" + (f"; cost = device-hours x price = {p['cost']:,.0f}"
                                          if "cost" in p else ""))
   return "\n".join(lines)

@@ -22,7 +22,7 @@ from tfpar.planner.clusters import Cluster
 
 MAX_MICROBATCH = 64  # Beyond this b the matmuls are as efficient as they get.
 # What cost.training_run adds to the results (with --train_tokens).
-RUN_KEYS = ("train_steps", "wall_seconds", "device_hours", "energy_kwh", "cost")
+RUN_KEYS = ("train_steps", "wall_seconds", "device_hours", "energy_kwh", "pue", "cost")
 
 
 def divisors(n: int) -> List[int]:
