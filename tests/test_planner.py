@@ -157,6 +157,28 @@ def test_calibration_recovers_the_host_constants_from_two_runs():
   assert slower[1] == pytest.approx(16 * slower[0]) and slower[4] == pytest.approx(2 * slower[0])
 
 
+# (D, K, T, M, remat, G, workers): data parallel over 2 workers, stages on 2 and on 4 workers.
+ACROSS_WORKERS = [(2, 1, 1, 1, False, 16, 2), (1, 2, 1, 4, False, 16, 2),
+                  (2, 2, 1, 2, False, 16, 4)]
+
+
+def test_calibration_solves_the_loopback_link_from_one_cross_worker_run():
+  configs = [p + (1,) for p in HOST_PLANS] + ACROSS_WORKERS
+  truth = calibrate.Fit(step_seconds=0.05, op_seconds=3e-4, link_bandwidth=2e8)
+  times = calibrate.predict(GPT_SMALL, 130e9, configs, truth, global_batch=16)
+  predicted, solved = calibrate.fit(GPT_SMALL, 130e9, configs, times, references=(0, 1),
+                                    global_batch=16, link_reference=len(HOST_PLANS))
+  assert solved.link_bandwidth == pytest.approx(2e8, rel=1e-6)
+  np.testing.assert_allclose(predicted, times, rtol=1e-9)
+  # The stage boundary's send: b s h float32 bytes forward and back per micro-batch (b = 4).
+  inside = calibrate.predict(GPT_SMALL, 130e9, [HOST_PLANS[3]], truth, global_batch=16)
+  across = calibrate.predict(GPT_SMALL, 130e9, [ACROSS_WORKERS[1]], truth, global_batch=16)
+  n = 4 * GPT_SMALL.seq_len * GPT_SMALL.d_model * 4
+  intra = clusters.BUILT_IN["cpu"]
+  assert across[0] - inside[0] == pytest.approx(
+      4 * 2 * (n / 2e8 - n / intra["intra_bandwidth"] - intra["intra_latency"]), rel=1e-6)
+
+
 # --- Megatron-LM, Narayanan et al. 2021, Table 1 --------------------------------------------
 
 @pytest.fixture(scope="module")
