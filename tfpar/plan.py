@@ -151,12 +151,10 @@ def add_training_run(fv, m, cluster, ranked: search.Ranked) -> None:
   """--train_tokens: each plan's wall-clock time, device-hours, energy and cost, in its results."""
   if fv.train_tokens is None:
     return
-  r = ranked.results
-  devices = int(ranked.plans.D[0] * ranked.plans.K[0] * ranked.plans.T[0])
-  g = int(round(r["M"][0] * ranked.plans.D[0] * ranked.plans.b[0]))
-  r.update(cost.training_run(r, devices, cluster, global_batch=g, seq_len=m.seq_len,
-                             train_tokens=fv.train_tokens, pue=fv.pue,
-                             price_per_device_hour=fv.price_per_device_hour))
+  ranked.results.update(cost.training_run(
+      ranked.results, cluster.devices, cluster, global_batch=fv.global_batch_size,
+      seq_len=m.seq_len, train_tokens=fv.train_tokens, pue=fv.pue,
+      price_per_device_hour=fv.price_per_device_hour))  # Every plan uses every device.
 
 
 def _check_training_run(fv, cluster) -> None:

@@ -156,7 +156,9 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
       f"{p['time']['bubble']:.4g} s",
       f"  tensor all-reduce per sub-block = 2(T-1)/T n/bw + 2(T-1) lat, n = bsh x {act} B = "
       f"{b * s * h * act:,} B, {4 + 2 * rc} per block -> {p['time']['tensor_comm']:.4g} s per step",
-      f"  pipeline send per micro-batch = n/bw + lat, twice (activation, gradient), v={v} "
+      f"  pipeline send per micro-batch = "
+      f"{'n/T/bw + lat + all-gather in the node' if system.scatter_gather else 'n/bw + lat'}, "
+      f"twice (activation, gradient), v={v} "
       f"times, on the {'inter' if K * T > cluster.devices_per_node else 'intra'}-node link "
       f"(K x T = {K * T} devices, {cluster.devices_per_node} per node) -> "
       f"{p['time']['pipeline_comm']:.4g} s",
