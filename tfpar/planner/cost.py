@@ -35,7 +35,7 @@ device's work, D M T sum_stages(compute + ops + tensor comm), and the bubble
 costs nothing (another stage works meanwhile).
 
 Everything is vectorised over candidate plans (numpy arrays), so thousands
-of plans cost one pass per distinct (K, T).
+of plans cost one pass per distinct (K, T, interleaved or not).
 """
 
 import dataclasses
@@ -220,8 +220,6 @@ class Plans:
   def __len__(self):
     return len(self.D)
 
-  def take(self, index) -> "Plans":
-    return Plans(**{f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)})
 
 
 COMPONENTS = ("compute", "bubble", "tensor_comm", "pipeline_comm", "data_comm")
