@@ -367,9 +367,10 @@ def test_schedule_flags_are_the_training_flags_once_defined():
   """If tfpar.schema defines --pipeline_schedule (the runtime), the planner reads that one."""
   from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
   from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
-  fv = absl_flags.FlagValues()
-  absl_flags.DEFINE_enum("pipeline_schedule", "gpipe", list(cost.SCHEDULES), "", flag_values=fv)
-  absl_flags.DEFINE_integer("virtual_stages", 1, "", flag_values=fv)
+  fv = tfpar_flags.define_flags(absl_flags.FlagValues())
+  if "pipeline_schedule" not in fv:  # As tfpar.schema will define them for the runtime.
+    absl_flags.DEFINE_enum("pipeline_schedule", "gpipe", list(cost.SCHEDULES), "", flag_values=fv)
+    absl_flags.DEFINE_integer("virtual_stages", 1, "", flag_values=fv)
   tfpar_flags.define_plan_flags(fv)  # No DuplicateFlagError.
   fv(["plan", "--pipeline_schedule=interleaved", "--virtual_stages=3"])
   assert (fv.pipeline_schedule, fv.virtual_stages) == ("interleaved", 3)
