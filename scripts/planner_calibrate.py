@@ -71,9 +71,10 @@ def run_across(workers, flags, model_dir):
        "--strategy=multi_worker_mirrored", "--num_cpu_devices=1", f"--model_dir={model_dir}"]
       + flags, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO),
       check=False)
-  if proc.returncode:
-    lines = [l for l in (proc.stderr + proc.stdout).splitlines() if "error" in l.lower()]
-    return (lines or (proc.stderr + proc.stdout).splitlines() or ["no output"])[-1].strip()
+  if proc.returncode:  # A worker's own error line first, else the launcher's last line.
+    lines = (proc.stderr + proc.stdout).splitlines() or ["no output"]
+    worker = [l for l in lines if "error:" in l and "tfpar.launch" not in l]
+    return (worker or lines)[-1].strip()
   return [rec["step_time"] for rec in read_metrics(model_dir)][3:]  # After tracing.
 
 
