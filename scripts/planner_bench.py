@@ -3,9 +3,10 @@
   python scripts/planner_bench.py
 
 Times the whole search (candidates, cost model, ranking) in this process for
-a 1T-parameter model (Megatron layout) and for a 6.7B model (tfpar layout)
-on a100-80gb:4096 and tpu-v5p:4096, best of 3 rounds each; then the whole
-command (`python -m tfpar.plan`, process start and imports included) once.
+a 1T-parameter, a 175B (GPT-3) and a 6.7B model under both layouts on
+a100-80gb:4096, h100-80gb:4096 and tpu-v5p:4096, best of 3 rounds each; then
+the whole command (`python -m tfpar.plan`, process start and imports included)
+once, for GPT-3 175B on 4,096 H100s in tfpar's layout.
 """
 
 import os
@@ -19,13 +20,15 @@ from tfpar.planner import clusters, cost, search
 MODELS = {
     "1T": ModelConfig(vocab_size=51200, seq_len=2048, num_layers=128, d_model=25600,
                       num_heads=160, d_ff=102400),
+    "175B": ModelConfig(vocab_size=51200, seq_len=2048, num_layers=96, d_model=12288,
+                        num_heads=96, d_ff=49152),
     "6.7B": ModelConfig(vocab_size=51200, seq_len=2048, num_layers=32, d_model=4096,
                         num_heads=32, d_ff=16384),
 }
 
 
 def main():
-  for cluster_name in ("a100-80gb:4096", "tpu-v5p:4096"):
+  for cluster_name in ("a100-80gb:4096", "h100-80gb:4096", "tpu-v5p:4096"):
     cluster = clusters.parse(cluster_name)
     for model_name, m in MODELS.items():
       for system in (cost.MEGATRON, cost.TFPAR):
@@ -40,16 +43,16 @@ def main():
         fits = int(ranked.results["fits"].sum()) if ranked else 0
         print(f"{cluster_name} {model_name} {system.name}: {len(plans)} plans, {fits} fit, "
               f"answered in {min(times):.3f} s (best of 3)")
-  command = [sys.executable, "-m", "tfpar.plan", "--num_layers=128", "--d_model=25600",
-             "--num_heads=160", "--seq_len=2048", "--vocab_size=51200",
-             "--global_batch_size=4096", "--precision=mixed_bfloat16",
-             "--cluster=a100-80gb:4096", "--system=megatron", "--top=5"]
+  command = [sys.executable, "-m", "tfpar.plan", "--num_layers=96", "--d_model=12288",
+             "--num_heads=96", "--seq_len=2048", "--vocab_size=51200",
+             "--global_batch_size=1536", "--precision=mixed_bfloat16",
+             "--cluster=h100-80gb:4096", "--top=5", "--train_tokens=300e9"]
   start = time.perf_counter()
-  subprocess.run(command, check=True, capture_output=True,
-                 env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(
-                     os.path.abspath(__file__)))))
-  print(f"python -m tfpar.plan, 1T model on a100-80gb:4096: {time.perf_counter() - start:.2f} s "
-        "from process start to answer")
+  out = subprocess.run(command, check=True, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(
+                           os.path.abspath(__file__)))))
+  print(f"{' '.join(command[1:])}: {time.perf_counter() - start:.2f} s from process start to "
+        f"answer; its own count: {out.stdout.strip().splitlines()[-1]}")
 
 
 if __name__ == "__main__":

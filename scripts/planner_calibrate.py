@@ -1,6 +1,6 @@
 """Calibrates tfpar.plan's cost model on this host and checks it against real tfpar runs.
 
-  python scripts/planner_calibrate.py [--steps=16] [--rounds=2]
+  python scripts/planner_calibrate.py [--steps=16] [--rounds=2] [--across_workers]
 
 Splits the CPU into 8 logical devices, measures the float32 matmul rate
 (512 x 512, no XLA), and trains a small GPT (4 blocks, d_model 128, 4 heads,
@@ -15,6 +15,14 @@ plans, and the script prints predicted and measured step times, the error,
 both orders, their rank correlation and how many pairs of plans are in the
 same order (the bytes per device are checked by tests/test_planner.py). Run
 it on an idle machine: other processes change every step time.
+
+--across_workers adds the plans whose devices are split over worker processes
+(`python -m tfpar.launch`, 1 logical CPU per worker, loopback gRPC between
+them): data parallel over 2 workers (the reference that solves the loopback
+bandwidth), then a pipeline of 2 stages on 2 workers and D=2 x K=2 on 4
+workers, predicted and measured. The last two need tfpar's cross-worker
+pipeline runtime (issue 16); a tfpar.train that refuses them (each worker must
+hold a replica's K x T devices) is reported as such, not measured.
 """
 
 import os
@@ -44,6 +52,30 @@ RUNS = {  # name: (flags, (D, K, T, M, recompute)); the first two are the refere
                           (2, 2, 2, 2, False)),
 }
 REFERENCES = (0, 1)
+# name: (workers, flags, (D, K, T, M, recompute, workers)); the first is the link's reference.
+ACROSS = {
+    "2 workers, data parallel": (2, [], (2, 1, 1, 1, False, 2)),
+    "2 workers, a stage each, M=4": (2, ["--data_parallel=1", "--pipeline_stages=2",
+                                         "--microbatches=4"], (1, 2, 1, 4, False, 2)),
+    "4 workers, D=2 x K=2, M=2": (4, ["--data_parallel=2", "--pipeline_stages=2",
+                                      "--microbatches=2"], (2, 2, 1, 2, False, 4)),
+}
+
+
+def run_across(workers, flags, model_dir):
+  """One cross-worker run through tfpar.launch: its step times, or tfpar's refusal (a string)."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  from conftest import read_metrics  # pylint: disable=import-outside-toplevel
+  proc = subprocess.run(
+      [sys.executable, "-m", "tfpar.launch", f"--num_workers={workers}", "--",
+       "--strategy=multi_worker_mirrored", "--num_cpu_devices=1", f"--model_dir={model_dir}"]
+      + flags, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO),
+      check=False)
+  if proc.returncode:  # A worker's own error line first, else the launcher's last line.
+    lines = (proc.stderr + proc.stdout).splitlines() or ["no output"]
+    worker = [l for l in lines if "error:" in l and "tfpar.launch" not in l]
+    return (worker or lines)[-1].strip()
+  return [rec["step_time"] for rec in read_metrics(model_dir)][3:]  # After tracing.
 
 
 def ranks(x):
@@ -55,6 +87,7 @@ def main(argv):
   arg = lambda name, default: int(next((a.split("=")[1] for a in argv
                                         if a.startswith(f"--{name}=")), default))
   steps, rounds = arg("steps", 16), arg("rounds", 2)
+  across = "--across_workers" in argv
   import numpy as np  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   cpu = tf.config.list_physical_devices("CPU")[0]
@@ -63,28 +96,45 @@ def main(argv):
   from tfpar.planner import calibrate  # pylint: disable=import-outside-toplevel
   base = SHAPE + [f"--train_steps={steps}"]
   rate = calibrate.matmul_rate()
-  times = {name: [] for name in RUNS}
+  times = {name: [] for name in list(RUNS) + (list(ACROSS) if across else [])}
   names = list(RUNS)
+  refused = {}
   for r in range(rounds):
     for name in names[r % len(names):] + names[:r % len(names)]:
       model_dir = tempfile.mkdtemp()
       train_in_process(base + RUNS[name][0] + [f"--model_dir={model_dir}"])
       times[name] += [rec["step_time"] for rec in read_metrics(model_dir)][3:]  # After tracing.
+    for name, (workers, flags, _) in ACROSS.items() if across else ():
+      if name not in refused:
+        out = run_across(workers, base + flags, tempfile.mkdtemp())
+        if isinstance(out, str):
+          refused[name] = out
+        else:
+          times[name] += out
+  ran = [name for name in ACROSS if across and name not in refused]
+  names += ran
   measured = np.array([np.median(times[name]) for name in names])
   cfg = make_config(base + ["--model_dir=/tmp/unused"])
   g = cfg.train.global_batch_size
   configs = [plan + (g,) for _, plan in RUNS.values()]
+  configs += [ACROSS[name][2][:5] + (g, ACROSS[name][2][5]) for name in ran]
+  link_reference = len(RUNS) if ran and ran[0] == list(ACROSS)[0] else None
   predicted, fit = calibrate.fit(cfg.model, rate, configs, measured, references=REFERENCES,
-                                 global_batch=g)
+                                 global_batch=g, link_reference=link_reference)
   print(f"matmul rate {rate / 1e9:.1f} GFLOP/s (512^2 float32, no XLA); solved from the "
         f"{' and '.join(names[i] for i in REFERENCES)} runs: {fit.step_seconds * 1e3:.1f} ms per "
-        f"step, {fit.op_seconds * 1e3:.3f} ms per block and pass on each device")
+        f"step, {fit.op_seconds * 1e3:.3f} ms per block and pass on each device"
+        + (f"; from the {names[link_reference]} run: loopback link "
+           f"{fit.link_bandwidth / 1e6:.0f} MB/s" if link_reference is not None else ""))
+  for name, why in refused.items():
+    print(f"not run: {name}: {why}")
+  references = REFERENCES + ((link_reference,) if link_reference is not None else ())
   print(f"| plan | predicted ms | measured ms (median of {rounds} rounds) | error |")
   print("|---|---:|---:|---:|")
   for i, (name, p, m) in enumerate(zip(names, predicted, measured)):
-    tag = " (reference)" if i in REFERENCES else ""
+    tag = " (reference)" if i in references else ""
     print(f"| {name}{tag} | {p * 1e3:.1f} | {m * 1e3:.1f} | {100 * (p / m - 1):+.1f}% |")
-  held = [i for i in range(len(names)) if i not in REFERENCES]
+  held = [i for i in range(len(names)) if i not in references]
   rho = float(np.corrcoef(ranks(predicted[held]), ranks(measured[held]))[0, 1])
   worst = max(abs(predicted[i] / measured[i] - 1) for i in held)
   print(f"predicted plans: largest error {100 * worst:.1f}%, Spearman rank correlation {rho:.2f}")

@@ -435,7 +435,7 @@ def test_predict_score_threshold_is_refused_in_one_line_or_in_range(value, fake_
 
 PLAN_INTS = ["num_layers", "d_model", "num_heads", "d_ff", "seq_len", "vocab_size",
              "global_batch_size", "top", "data_parallel", "pipeline_stages", "tensor_parallel",
-             "microbatches"]
+             "microbatches", "virtual_stages"]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -157,6 +157,28 @@ def test_calibration_recovers_the_host_constants_from_two_runs():
   assert slower[1] == pytest.approx(16 * slower[0]) and slower[4] == pytest.approx(2 * slower[0])
 
 
+# (D, K, T, M, remat, G, workers): data parallel over 2 workers, stages on 2 and on 4 workers.
+ACROSS_WORKERS = [(2, 1, 1, 1, False, 16, 2), (1, 2, 1, 4, False, 16, 2),
+                  (2, 2, 1, 2, False, 16, 4)]
+
+
+def test_calibration_solves_the_loopback_link_from_one_cross_worker_run():
+  configs = [p + (1,) for p in HOST_PLANS] + ACROSS_WORKERS
+  truth = calibrate.Fit(step_seconds=0.05, op_seconds=3e-4, link_bandwidth=2e8)
+  times = calibrate.predict(GPT_SMALL, 130e9, configs, truth, global_batch=16)
+  predicted, solved = calibrate.fit(GPT_SMALL, 130e9, configs, times, references=(0, 1),
+                                    global_batch=16, link_reference=len(HOST_PLANS))
+  assert solved.link_bandwidth == pytest.approx(2e8, rel=1e-6)
+  np.testing.assert_allclose(predicted, times, rtol=1e-9)
+  # The stage boundary's send: b s h float32 bytes forward and back per micro-batch (b = 4).
+  inside = calibrate.predict(GPT_SMALL, 130e9, [HOST_PLANS[3]], truth, global_batch=16)
+  across = calibrate.predict(GPT_SMALL, 130e9, [ACROSS_WORKERS[1]], truth, global_batch=16)
+  n = 4 * GPT_SMALL.seq_len * GPT_SMALL.d_model * 4
+  intra = clusters.BUILT_IN["cpu"]
+  assert across[0] - inside[0] == pytest.approx(
+      4 * 2 * (n / 2e8 - n / intra["intra_bandwidth"] - intra["intra_latency"]), rel=1e-6)
+
+
 # --- Megatron-LM, Narayanan et al. 2021, Table 1 --------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -177,8 +199,205 @@ def test_megatron_row(comparisons, i):
   assert c.published["fits"] and c.published["memory_bytes_per_device"] <= 80 * 2 ** 30
   assert (c.published["data_parallel"], c.published["pipeline_stages"],
           c.published["tensor_parallel"], c.published["remat"]) == (row.dp, row.pp, row.tp, True)
+  # The micro-batch and schedule the row ran with (Megatron-LM's examples/sc21/run_table_1.sh).
+  assert c.published["microbatch_size"] == row.microbatch
+  if row.pp > 1:
+    assert (c.published["pipeline_schedule"], c.published["virtual_stages"]) == \
+        (row.schedule, row.virtual_stages)
   assert c.predicted_tflops == pytest.approx(row.tflops, rel=0.15)
   assert c.picked["fits"] and c.picked["step_seconds"] <= c.published["step_seconds"]
+
+
+def test_interleaved_is_what_most_pipelined_rows_ran():
+  schedules = [r.schedule for r in megatron.TABLE_1 if r.pp > 1]
+  assert schedules.count("interleaved") == 4 and len(schedules) == 6
+  assert [r.virtual_stages for r in megatron.TABLE_1 if r.pp > 1] == [1, 3, 2, 2, 3, 1]
+
+
+# --- schedules, stages across nodes -------------------------------------------------------
+
+def test_micro_batches_in_flight_by_schedule():
+  """GPipe keeps M; 1F1B K - k; interleaved K (1 + (K-1)/(K v)) on stage 0 (Korthikanti et al.)."""
+  K, M, v = 4, 8, 2
+  in_flight = lambda s: cost.micro_batches_in_flight(np.array([[s]]), np.array([[M]]),
+                                                     np.array([[v]]), K)[0]
+  np.testing.assert_allclose(in_flight(cost.GPIPE), [8, 8, 8, 8])
+  np.testing.assert_allclose(in_flight(cost.ONE_F_ONE_B), [4, 3, 2, 1])
+  inter = in_flight(cost.INTERLEAVED)
+  assert inter[0] == pytest.approx(K * (1 + (K - 1) / (K * v)))
+  assert list(inter) == sorted(inter, reverse=True) and inter[-1] == pytest.approx((K + 1) / v)
+  # Never more than every micro-batch, however few there are.
+  assert cost.micro_batches_in_flight(np.array([[cost.ONE_F_ONE_B]]), np.array([[2]]),
+                                      np.array([[1]]), K)[0].max() == 2
+  assert cost.bubble_fraction(4, 8) == pytest.approx(3 / 11)
+  assert cost.bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)  # (K-1)/(vM) of the ideal time.
+
+
+MEGATRON_145B = megatron.TABLE_1[6].model  # 80 blocks of 12,288
+
+
+def evaluate_fixed(m, cluster, system=cost.TFPAR, **fixed):
+  plans = search.candidates(m, clusters.parse(cluster), fixed.pop("global_batch", 512), system,
+                            remat=True, **fixed)
+  assert len(plans), fixed
+  return cost.evaluate(m, clusters.parse(cluster), plans, global_batch=512,
+                       precision="mixed_bfloat16", system=system)
+
+
+def test_schedules_change_memory_and_bubble_not_compute():
+  """One plan (D=8 x K=8 x T=8, 64 micro-batches of 1) under each schedule on 512 A100s."""
+  one = lambda **s: evaluate_fixed(MEGATRON_145B, "a100-80gb:512", system=cost.MEGATRON,
+                                   data_parallel=8, pipeline_stages=8, tensor_parallel=8,
+                                   microbatches=64, **s)
+  gpipe, f1b, inter = (one(pipeline_schedule="gpipe"), one(pipeline_schedule="1f1b"),
+                       one(pipeline_schedule="interleaved", virtual_stages=5))
+  assert gpipe["compute"][0] == f1b["compute"][0] == inter["compute"][0]
+  # Stage 0 holds M = 64 micro-batches' block inputs under GPipe, K = 8 under 1F1B, and
+  # K (1 + (K-1)/(K v)) under interleaved; on top of those, one block's full activations.
+  # Under GPipe the last stage holds more: its M micro-batches' logits too.
+  per_block, full = cost.activation_bytes_per_block(MEGATRON_145B, 1, 8, True, "mixed_bfloat16")
+  blocks, logits = 80 / 8, 8 * 2048 * 51200 / 8
+  assert gpipe["activations"][0] == pytest.approx(64 * (blocks * per_block + logits) + full)
+  assert f1b["activations"][0] == pytest.approx(8 * blocks * per_block + full)
+  assert inter["activations"][0] == pytest.approx((8 + 7 / 5) * blocks * per_block + full)
+  assert gpipe["memory_bytes"][0] > inter["memory_bytes"][0] > f1b["memory_bytes"][0]
+  # The same bubble for GPipe and 1F1B; interleaving cuts it and sends v times as often.
+  assert gpipe["bubble"][0] == pytest.approx(f1b["bubble"][0])
+  assert inter["bubble"][0] < f1b["bubble"][0] / 2
+  assert inter["pipeline_comm"][0] == pytest.approx(5 * f1b["pipeline_comm"][0])
+  assert inter["bubble_fraction"][0] == pytest.approx(7 / (5 * 64 + 7))
+
+
+def test_stages_across_nodes_send_on_the_inter_node_network():
+  """tfpar's stage boundary: b s h activation bytes, forward and back, per micro-batch."""
+  m, act = MEGATRON_145B, 2
+  inside = evaluate_fixed(m, "a100-80gb:64", data_parallel=8, pipeline_stages=8,
+                          tensor_parallel=1, microbatches=64, pipeline_schedule="1f1b")
+  across = evaluate_fixed(m, "a100-80gb:64", data_parallel=1, pipeline_stages=8,
+                          tensor_parallel=8, microbatches=512, pipeline_schedule="1f1b")
+  a100 = clusters.parse("a100-80gb:64")
+  n = m.seq_len * m.d_model * act  # b = 1
+  assert inside["pipeline_comm"][0] == pytest.approx(
+      64 * 2 * (n / a100.intra_bandwidth + a100.intra_latency))
+  assert across["pipeline_comm"][0] == pytest.approx(
+      512 * 2 * (n / a100.inter_bandwidth + a100.inter_latency))
+
+
+def test_megatrons_published_layout_is_planned_under_tfpar():
+  """Issue 16's example: Megatron's 530B layout, once refused ("a replica must sit in one node")."""
+  from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
+  from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+  from tfpar import plan as plan_cli  # pylint: disable=import-outside-toplevel
+  fv = tfpar_flags.define_plan_flags(absl_flags.FlagValues())
+  fv(["plan", "--num_layers=105", "--d_model=20480", "--num_heads=128", "--d_ff=81920",
+      "--seq_len=2048", "--vocab_size=51200", "--global_batch_size=1920",
+      "--precision=mixed_bfloat16", "--remat", "--cluster=a100-80gb:2240", "--data_parallel=8",
+      "--pipeline_stages=35", "--tensor_parallel=8", "--microbatches=240"])
+  _, _, _, ranked = plan_cli.answer(fv)
+  best = ranked.row(ranked.order[0])
+  assert best["fits"] and (best["data_parallel"], best["pipeline_stages"],
+                           best["tensor_parallel"]) == (8, 35, 8)
+  # GPipe would keep 240 micro-batches' activations: it does not fit, 1F1B does. Interleaving
+  # is not a candidate: 240 micro-batches do not split into rounds of K = 35.
+  by_schedule = {ranked.row(i)["pipeline_schedule"]: ranked.row(i)["fits"]
+                 for i in range(len(ranked.plans))}
+  assert by_schedule == {"gpipe": False, "1f1b": True}
+
+
+@pytest.fixture(scope="module")
+def gpt3_on_h100s():
+  """GPT-3 175B (96 blocks of 12,288, 96 heads, seq 2048) on 4,096 H100s, tfpar's layout."""
+  m = ModelConfig(vocab_size=51200, seq_len=2048, num_layers=96, d_model=12288, num_heads=96,
+                  d_ff=4 * 12288)
+  cluster = clusters.parse("h100-80gb:4096")
+  plans = search.candidates(m, cluster, 1536, cost.TFPAR)
+  return m, cluster, search.rank(m, cluster, plans, global_batch=1536,
+                                 precision="mixed_bfloat16", system=cost.TFPAR)
+
+
+def test_gpt3_175b_on_4096_h100s_finds_and_ranks_fitting_plans(gpt3_on_h100s):
+  m, cluster, ranked = gpt3_on_h100s
+  fitting = [ranked.row(i) for i in ranked.order if ranked.results["fits"][i]]
+  assert len(fitting) >= 10
+  times = [r["step_seconds"] for r in fitting]
+  assert times == sorted(times)
+  best = fitting[0]
+  assert best["memory_bytes_per_device"] <= cluster.memory_bytes
+  # A replica spans nodes (stages on different workers); tensor shards stay in one node.
+  assert best["pipeline_stages"] * best["tensor_parallel"] > cluster.devices_per_node
+  assert all(r["tensor_parallel"] <= cluster.devices_per_node for r in fitting)
+  assert {r["pipeline_schedule"] for r in fitting if r["pipeline_stages"] > 1} >= \
+      {"1f1b", "interleaved"}
+
+
+def test_training_run_time_energy_and_cost(gpt3_on_h100s):
+  m, cluster, ranked = gpt3_on_h100s
+  r = ranked.results
+  run = cost.training_run(r, 4096, cluster, global_batch=1536, seq_len=2048, train_tokens=300e9,
+                          pue=1.2, price_per_device_hour=2.0)
+  i = ranked.order[0]
+  steps = np.ceil(300e9 / (1536 * 2048))
+  assert run["train_steps"][i] == steps == 95368
+  assert run["wall_seconds"][i] == pytest.approx(steps * r["step_seconds"][i])
+  hours = 4096 * run["wall_seconds"][i] / 3600
+  assert run["device_hours"][i] == pytest.approx(hours)
+  assert run["energy_kwh"][i] == pytest.approx(hours * 700 / 1000 * 1.2)
+  assert run["cost"][i] == pytest.approx(hours * 2.0)
+  assert "cost" not in cost.training_run(r, 4096, cluster, global_batch=1536, seq_len=2048,
+                                         train_tokens=1e9, pue=1.0)
+
+
+def test_flags_of_a_plan_across_nodes():
+  from tfpar.planner import report  # pylint: disable=import-outside-toplevel
+  row = {"data_parallel": 4, "pipeline_stages": 4, "tensor_parallel": 8, "microbatches": 16,
+         "microbatch_size": 1, "remat": True, "pipeline_schedule": "interleaved",
+         "virtual_stages": 2}
+  a100 = clusters.parse("a100-80gb:128")
+  assert report.workers(row, a100) == (16, 8)  # A worker per node; a replica on 4 of them.
+  out = report.plan_flags(row, a100)
+  assert "--strategy=multi_worker_mirrored" in out and "--pipeline_schedule=interleaved" in out
+  assert "--virtual_stages=2" in out and "--global_batch_size=64" in out
+  assert "--pipeline_schedule=interleaved" not in report.plan_flags(row, a100,
+                                                                   schedule_flags=False)
+  small = dict(row, pipeline_stages=1, tensor_parallel=4, data_parallel=32)
+  assert report.workers(small, a100) == (32, 4)  # A replica in half a node: a worker each.
+
+
+def test_schedule_flags_are_the_training_flags_once_defined():
+  """If tfpar.schema defines --pipeline_schedule (the runtime), the planner reads that one."""
+  from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
+  from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+  fv = tfpar_flags.define_flags(absl_flags.FlagValues())
+  if "pipeline_schedule" not in fv:  # As tfpar.schema will define them for the runtime.
+    absl_flags.DEFINE_enum("pipeline_schedule", "gpipe", list(cost.SCHEDULES), "", flag_values=fv)
+    absl_flags.DEFINE_integer("virtual_stages", 1, "", flag_values=fv)
+  tfpar_flags.define_plan_flags(fv)  # No DuplicateFlagError.
+  fv(["plan", "--pipeline_schedule=interleaved", "--virtual_stages=3"])
+  assert (fv.pipeline_schedule, fv.virtual_stages) == ("interleaved", 3)
+
+
+PLAN_ERRORS = [
+    (["--pipeline_schedule=1f1b", "--virtual_stages=2"], "needs --pipeline_schedule=interleaved"),
+    (["--cluster=tpu-v5p:8", "--train_tokens=1e9"], "no published device power"),
+    (["--price_per_device_hour=2"], "give its length with --train_tokens"),
+    (["--train_tokens=1e9", "--pue=0.5"], "--pue=0.5 must be between 1"),
+    (["--train_tokens=-5"], "--train_tokens=-5 must be positive"),
+    (["--pipeline_stages=2", "--pipeline_schedule=interleaved", "--virtual_stages=3"],
+     "interleaved needs K x --virtual_stages to divide --num_layers"),
+    (["--tensor_parallel=16", "--num_heads=16", "--d_ff=64"], "sit in one node"),
+]
+
+
+@pytest.mark.parametrize("args, words", PLAN_ERRORS)
+def test_planner_refuses_in_one_line(args, words):
+  from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
+  from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+  from tfpar import plan as plan_cli  # pylint: disable=import-outside-toplevel
+  fv = tfpar_flags.define_plan_flags(absl_flags.FlagValues())
+  fv(["plan", "--flagfile=configs/gpt_tiny.flags", "--cluster=a100-80gb:8"] + args)
+  with pytest.raises(plan_cli.PlanError) as error:
+    plan_cli.answer(fv)
+  assert "\n" not in str(error.value) and words in str(error.value), str(error.value)
 
 
 # --- the command line ----------------------------------------------------------------------
@@ -226,9 +445,14 @@ def test_text_report_and_explain():
   proc = run_module("tfpar.plan", ["--num_layers=24", "--d_model=2304", "--num_heads=24",
                                    "--seq_len=2048", "--vocab_size=51200",
                                    "--global_batch_size=512", "--precision=mixed_bfloat16",
-                                   "--cluster=a100-80gb:32", "--explain"])
+                                   "--cluster=a100-80gb:32", "--explain", "--train_tokens=1e9",
+                                   "--pue=1.2", "--price_per_device_hour=2"])
   assert "best: D=" in proc.stdout and "not chosen:" in proc.stdout
-  assert "bubble = (K-1)/(M+K-1)" in proc.stdout and "efficiency = e_max" in proc.stdout
+  # 1e9 tokens in batches of 512 x 2048: 954 steps, priced.
+  assert "training run: 954 steps" in proc.stdout and "x PUE 1.2), cost " in proc.stdout
+  assert "energy = device-hours x 400 W x PUE 1.2" in proc.stdout
+  assert "bubble = (K-1)/(vM+K-1)" in proc.stdout and "efficiency = e_max" in proc.stdout
+  assert "searched " in proc.stdout and " fit) in " in proc.stdout
 
 
 def write_yaml(path, **fields):

@@ -92,8 +92,25 @@ def define_plan_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.Flag
           "Print the cost model's formulas with the best plan's numbers substituted.")
   _define(flags.DEFINE_enum, fv, "format", "text", list(PLAN_FORMATS), "Output format.")
   _define(flags.DEFINE_enum, fv, "system", "tfpar", ["tfpar", "megatron"],
-          "Layout to plan for: what tfpar runs (GPipe, embedding unsplit, a replica per worker) "
-          "or Megatron-LM's (1F1B, vocabulary-parallel embedding; for comparison).")
+          "Layout to plan for: what tfpar runs (embedding unsplit, stages balanced by "
+          "parameters) or Megatron-LM's (vocabulary-parallel embedding; for comparison).")
+  # The pipeline schedule: a training flag once the runtime defines it in tfpar.schema (the
+  # planner then reads that one); until then the planner's own, with the same name.
+  if "pipeline_schedule" not in fv:
+    from tfpar.planner import cost  # pylint: disable=import-outside-toplevel
+    _define(flags.DEFINE_enum, fv, "pipeline_schedule", "gpipe", list(cost.SCHEDULES),
+            "Pipeline schedule: gpipe, 1f1b or interleaved (with --virtual_stages). The "
+            "planner searches them all unless this is given.")
+  if "virtual_stages" not in fv:
+    _define(flags.DEFINE_integer, fv, "virtual_stages", 1,
+            "Model chunks per pipeline device under --pipeline_schedule=interleaved.")
+  _define(flags.DEFINE_float, fv, "train_tokens", None,
+          "Tokens to train on: adds wall-clock time, device-hours, energy and cost to the plans.")
+  _define(flags.DEFINE_float, fv, "pue", 1.1,
+          "Power usage effectiveness of the data center (facility energy / IT energy) for "
+          "--train_tokens' energy.")
+  _define(flags.DEFINE_float, fv, "price_per_device_hour", None,
+          "Price of one device for one hour (any currency) for --train_tokens' cost.")
   return fv
 
 

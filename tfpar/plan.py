@@ -1,16 +1,19 @@
 """Plan a large run before renting it: `python -m tfpar.plan --flagfile=X.flags --cluster=CLUSTER`.
 
 Reads the model from the same flags `tfpar.train` takes, searches every data
-x pipeline x tensor degree, micro-batch size and recompute setting the
-cluster allows, and prints the fastest plans that fit, with predicted memory
+x pipeline x tensor degree, micro-batch size, recompute setting and pipeline
+schedule the cluster allows (tensor shards inside a node, pipeline stages
+across nodes), and prints the fastest plans that fit, with predicted memory
 per device, the step time split into its parts, tokens/s, TFLOP/s per device
 and MFU, and why the others lose. Given --data_parallel, --pipeline_stages,
---tensor_parallel, --microbatches (and --remat) it evaluates that one plan.
+--tensor_parallel, --microbatches, --remat, --pipeline_schedule or
+--virtual_stages, it evaluates only plans with those values.
 
   python -m tfpar.plan --flagfile=configs/gpt_tiny.flags --cluster=a100-80gb:64 --top=5
   python -m tfpar.plan ... --format=json            # machine-readable
   python -m tfpar.plan ... --explain                # the formulas with numbers
   python -m tfpar.plan ... --emit_flags=best.flags  # then: python -m tfpar.train --flagfile=best.flags
+  python -m tfpar.plan ... --train_tokens=300e9 --price_per_device_hour=2.5  # time, energy, cost
 
 The cost model is tfpar.planner.cost (formulas and sources in docs/planner.md).
 Bad input ends with one line on stderr and exit status 2.
@@ -19,6 +22,7 @@ Bad input ends with one line on stderr and exit status 2.
 import json
 import os
 import sys
+import time
 
 from absl import app, flags
 
@@ -32,7 +36,8 @@ FLAGS = flags.FLAGS
 
 # Flags that a plan sets (the rest of the user's training flags are copied as given).
 PLAN_FLAGS = ("strategy", "num_cpu_devices", "data_parallel", "pipeline_stages", "tensor_parallel",
-              "microbatches", "remat", "global_batch_size", "stage_layers")
+              "microbatches", "remat", "global_batch_size", "stage_layers", "pipeline_schedule",
+              "virtual_stages")
 
 
 class PlanError(ValueError):
@@ -53,15 +58,22 @@ def fixed_degrees(fv) -> dict:
   if given("remat") and fv.remat == "selective":
     raise PlanError("--remat=selective is not in the planner's cost model yet (it models "
                     "--remat and --noremat): plan with --remat or --noremat, or leave it out")
+  schedule = fv.pipeline_schedule if given("pipeline_schedule") else None
+  if given("virtual_stages") and fv.virtual_stages > 1 and schedule not in (None, "interleaved"):
+    raise PlanError(f"--virtual_stages={fv.virtual_stages} needs --pipeline_schedule=interleaved "
+                    f"(not {schedule}): drop one of them")
   return dict(data_parallel=fv.data_parallel if given("data_parallel") else None,
               pipeline_stages=fv.pipeline_stages if given("pipeline_stages") else None,
               tensor_parallel=fv.tensor_parallel if given("tensor_parallel") else None,
               microbatches=fv.microbatches if given("microbatches") else None,
-              remat=fv.remat == "full" if given("remat") else None)
+              remat=fv.remat == "full" if given("remat") else None,
+              pipeline_schedule=schedule,
+              virtual_stages=fv.virtual_stages if given("virtual_stages") else None)
 
 
 def plan(m, cluster, *, global_batch, precision, system, fixed) -> search.Ranked:
   """Searches (or evaluates the fixed plan); raises PlanError when nothing can run or fit."""
+  start = time.perf_counter()
   plans = search.candidates(m, cluster, global_batch, system, **fixed)
   if not len(plans):
     given = {k: v for k, v in fixed.items() if v is not None}
@@ -69,13 +81,15 @@ def plan(m, cluster, *, global_batch, precision, system, fixed) -> search.Ranked
     raise PlanError(
         f"{what} cannot use the {console.count(cluster.devices, 'device')} of {cluster.name} with "
         f"--global_batch_size={global_batch}: D x K x T must equal the devices, D divide the "
-        "batch, T divide --num_heads and --d_ff and sit in one node, K <= --num_layers"
+        "batch, T divide --num_heads and --d_ff and sit in one node, K <= --num_layers; "
+        "interleaved needs K x --virtual_stages to divide --num_layers and K the micro-batches"
         + (" (tfpar runs only data parallelism on TPUs)" if cluster.kind == "tpu" and
            system is cost.TFPAR else ""))
   ranked = search.rank(m, cluster, plans, global_batch=global_batch, precision=precision,
                        system=system)
   if not ranked.results["fits"].any():
     raise PlanError(nothing_fits(m, cluster, ranked, global_batch, precision, system, fixed))
+  ranked.seconds = time.perf_counter() - start
   return ranked
 
 
@@ -88,16 +102,10 @@ def nothing_fits(m, cluster, ranked, global_batch, precision, system, fixed) -> 
           f"smallest plan ({report.degrees(smallest)}) needs {need / 2 ** 30:.1f} GiB per device, "
           f"a device has {cluster.memory_bytes / 2 ** 30:.1f} GiB")
   n = cluster.devices
-  if system.replica_in_node and n >= cluster.devices_per_node or \
-      system is cost.TFPAR and cluster.kind == "tpu":
-    # A tfpar replica never spans more than a node (or one TPU chip): more nodes do not help.
-    line += (f"; a tfpar replica stays in one node (or chip): use devices with >= "
-             f"{need / 2 ** 30:.0f} GiB, or a smaller model")
-    other = search.candidates(m, cluster, global_batch, cost.MEGATRON, **fixed)
-    if len(other) and cost.evaluate(m, cluster, other, global_batch=global_batch,
-                                    precision=precision, system=cost.MEGATRON)["fits"].any():
-      line += "; Megatron-LM's layout (--system=megatron: stages across nodes, 1F1B) would fit"
-    return line
+  if system is cost.TFPAR and cluster.kind == "tpu":
+    # tfpar on TPUs is data parallel: a replica never spans more than one chip.
+    return line + (f"; tfpar runs only data parallelism on TPUs: use chips with >= "
+                   f"{need / 2 ** 30:.0f} GiB, or a smaller model")
   for _ in range(16):  # Up to 65,536x the devices.
     n *= 2
     bigger = clusters.Cluster(**{**cluster.__dict__, "devices": n, "name": f"{n} devices"})
@@ -123,8 +131,9 @@ def check_writable(path: str) -> None:
 # What the cost model is built for, far past any model trained today (GPT-3: 96 blocks of
 # 12,288, 2,048 tokens); past these its arrays (one entry per block split) outgrow memory.
 LIMITS = {"num_layers": 4096, "d_model": 2 ** 20, "d_ff": 2 ** 22, "num_heads": 2 ** 16,
-          "seq_len": 2 ** 24, "vocab_size": 2 ** 24, "global_batch_size": 2 ** 24, "top": 10 ** 4}
-DEGREES = ("data_parallel", "pipeline_stages", "tensor_parallel", "microbatches")
+          "seq_len": 2 ** 24, "vocab_size": 2 ** 24, "global_batch_size": 2 ** 24, "top": 10 ** 4,
+          "virtual_stages": 4096, "train_tokens": 1e18}
+DEGREES = ("data_parallel", "pipeline_stages", "tensor_parallel", "microbatches", "virtual_stages")
 
 
 def _check_sizes(fv) -> None:
@@ -136,6 +145,36 @@ def _check_sizes(fv) -> None:
     if fv[name].present and fv[name].value is not None and fv[name].value <= 0:
       raise PlanError(f"--{name}={fv[name].value} must be positive: drop it to let the "
                       f"planner search, or pass e.g. --{name}=2")
+
+
+def add_training_run(fv, m, cluster, ranked: search.Ranked) -> None:
+  """--train_tokens: each plan's wall-clock time, device-hours, energy and cost, in its results."""
+  if fv.train_tokens is None:
+    return
+  ranked.results.update(cost.training_run(
+      ranked.results, cluster.devices, cluster, global_batch=fv.global_batch_size,
+      seq_len=m.seq_len, train_tokens=fv.train_tokens, pue=fv.pue,
+      price_per_device_hour=fv.price_per_device_hour))  # Every plan uses every device.
+
+
+def _check_training_run(fv, cluster) -> None:
+  for name in ("train_tokens", "price_per_device_hour"):
+    if fv[name].value is not None and not 0 < fv[name].value < float("inf"):
+      raise PlanError(f"--{name}={fv[name].value:g} must be positive, e.g. --{name}="
+                      f"{'300e9' if name == 'train_tokens' else '2.5'}")
+  if not 1 <= fv.pue <= 10:
+    raise PlanError(f"--pue={fv.pue:g} must be between 1 (no facility overhead) and 10; "
+                    "typical: 1.1 (Google) to 1.6 (average data center)")
+  if fv.price_per_device_hour is not None and fv.train_tokens is None:
+    raise PlanError("--price_per_device_hour prices a run: give its length with --train_tokens")
+  if fv.train_tokens is not None and cluster.power_watts is None:
+    raise PlanError(f"--cluster={fv.cluster} has no published device power for --train_tokens' "
+                    "energy: use a YAML cluster file with power_watts (docs/planner.md)")
+
+
+def train_has_schedules() -> bool:
+  """Whether tfpar.train defines --pipeline_schedule (the runtime's schedules) itself."""
+  return "pipeline_schedule" in tfpar_flags.define_flags(flags.FlagValues())
 
 
 def answer(fv):
@@ -159,10 +198,18 @@ def answer(fv):
                     f"{cost.COMPUTE_DTYPE[fv.precision]} (--precision={fv.precision})")
   if fv.emit_flags and system is not cost.TFPAR:
     raise PlanError("--emit_flags writes tfpar flags: use it with --system=tfpar")
+  _check_training_run(fv, cluster)
+  fixed = fixed_degrees(fv)
   if fv.emit_flags:
     check_writable(fv.emit_flags)
+    if not train_has_schedules():  # This tfpar.train runs GPipe only: plan what it runs.
+      if fixed["pipeline_schedule"] not in (None, "gpipe"):
+        raise PlanError(f"--emit_flags: this tfpar.train runs only --pipeline_schedule=gpipe, "
+                        f"not {fixed['pipeline_schedule']}: drop --pipeline_schedule")
+      fixed["pipeline_schedule"] = "gpipe"
   ranked = plan(m, cluster, global_batch=fv.global_batch_size, precision=fv.precision,
-                system=system, fixed=fixed_degrees(fv))
+                system=system, fixed=fixed)
+  add_training_run(fv, m, cluster, ranked)
   return m, cluster, system, ranked
 
 
@@ -188,7 +235,8 @@ def main(argv):
     training = tfpar_flags.define_flags(flags.FlagValues())
     given = [FLAGS[name].serialize() for name in training
              if name not in PLAN_FLAGS and FLAGS[name].present]
-    path = report.write_flagfile(FLAGS.emit_flags, given, best, cluster)
+    path = report.write_flagfile(FLAGS.emit_flags, given, best, cluster,
+                                 schedule_flags=train_has_schedules())
     print(f"wrote {path}: python -m tfpar.train --flagfile={path}", file=sys.stderr)
 
 

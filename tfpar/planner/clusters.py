@@ -7,15 +7,24 @@ can push while all of its peers push too.
 
 Sources of the built-in numbers:
 - A100 SXM (NVIDIA A100 datasheet): 312 TFLOP/s bf16/fp16 dense, 156 TF32;
+  40 or 80 GB HBM2e at 1,555 or 2,039 GB/s; 400 W TDP;
   NVLink 3 600 GB/s per GPU both directions (300 one way); 8 GPUs per node,
   one 200 Gb/s HDR InfiniBand adapter per GPU (25 GB/s), as in Narayanan et al. 2021.
-- H100 SXM (NVIDIA H100 datasheet): 989 TFLOP/s bf16/fp16 dense, 494 TF32;
-  NVLink 4 900 GB/s both directions (450 one way); 400 Gb/s NDR per GPU (50 GB/s).
+- H100 SXM5 80 GB (NVIDIA H100 Tensor Core GPU datasheet): 989 TFLOP/s bf16/fp16
+  dense (1,979 with sparsity), 494 TF32; 80 GB HBM3 at 3.35 TB/s; up to 700 W
+  TDP; NVLink 4 900 GB/s per GPU both directions (450 one way) through NVSwitch,
+  8 GPUs per node (DGX H100); one 400 Gb/s NDR InfiniBand adapter per GPU
+  (ConnectX-7, 50 GB/s; the DGX H100 user guide's eight compute-fabric ports).
 - TPU v4 (Cloud TPU docs): 275 TFLOP/s bf16, 32 GiB HBM, 4,096 chips per pod
-  on ICI with 1.1 PB/s all-reduce bandwidth per pod (268 GB/s per chip).
+  on ICI with 1.1 PB/s all-reduce bandwidth per pod (268 GB/s per chip);
+  192 W per chip at most (Jouppi et al. 2023, "TPU v4: An Optically
+  Reconfigurable Supercomputer", ISCA: 170 W mean).
 - TPU v5p (Cloud TPU docs): 459 TFLOP/s bf16, 95 GiB HBM, slices of up to
   6,144 chips on ICI (1,200 GB/s per chip both directions: 600 one way),
-  50 Gb/s data-center network per chip between slices.
+  50 Gb/s data-center network per chip between slices; no published power
+  (give power_watts in a YAML cluster for energy).
+Device power (power_watts) is the TDP: an upper bound of what the device
+draws in a busy step; hosts, NICs and switches are not counted.
 TPUs have no float32 matmul unit: float32 runs as three bf16 passes
 (XLA's precision HIGH), a third of the bf16 peak. Latencies (5 us inside a
 node, 10 us across) are typical NCCL/ICI figures, not measurements.
@@ -27,7 +36,7 @@ node, 10 us across) are typical NCCL/ICI figures, not measurements.
 
 import dataclasses
 import os
-from typing import Dict
+from typing import Dict, Optional
 
 import yaml
 
@@ -48,9 +57,9 @@ class Efficiency:
   (`python scripts/planner_table.py --fit` searches them; docs/planner.md);
   cpu constants come from scripts/planner_calibrate.py.
   """
-  max_efficiency: float = 0.70
-  width_half: float = 96.0
-  rows_half: float = 32.0
+  max_efficiency: float = 0.66
+  width_half: float = 64.0
+  rows_half: float = 0.0
   op_seconds: float = 0.0
 
 
@@ -73,6 +82,7 @@ class Cluster:
       and memory bandwidth (cpu:N): each runs at the host's full rate but they
       take turns, so a step costs the sum of every device's work and a
       pipeline stage's idle time is not lost (no bubble cost).
+    power_watts: a device's power (its TDP), for energy; None where unknown.
   """
   name: str
   kind: str
@@ -87,32 +97,33 @@ class Cluster:
   inter_latency: float
   efficiency: Efficiency = Efficiency()
   shared: bool = False
+  power_watts: Optional[float] = None
 
   @property
   def nodes(self) -> int:
     return -(-self.devices // self.devices_per_node)
 
 
-def _gpu(peak16, peak32, memory, hbm, intra, inter):
-  return dict(kind="gpu", memory_bytes=memory * GIB, memory_bandwidth=hbm,
+def _gpu(peak16, peak32, memory, hbm, intra, inter, watts):
+  return dict(kind="gpu", memory_bytes=memory * GIB, memory_bandwidth=hbm, power_watts=watts,
               peak_flops={"bfloat16": peak16, "float16": peak16, "float32": peak32},
               devices_per_node=8, intra_bandwidth=intra, intra_latency=5e-6,
               inter_bandwidth=inter, inter_latency=10e-6)
 
 
-def _tpu(peak16, memory, hbm, ici, dcn, slice_chips):
-  return dict(kind="tpu", memory_bytes=memory * GIB, memory_bandwidth=hbm,
+def _tpu(peak16, memory, hbm, ici, dcn, slice_chips, watts):
+  return dict(kind="tpu", memory_bytes=memory * GIB, memory_bandwidth=hbm, power_watts=watts,
               peak_flops={"bfloat16": peak16, "float16": peak16, "float32": peak16 / 3},
               devices_per_node=slice_chips, intra_bandwidth=ici, intra_latency=5e-6,
               inter_bandwidth=dcn, inter_latency=10e-6)
 
 
 BUILT_IN = {
-    "a100-40gb": _gpu(312e12, 156e12, 40, 1555e9, 300e9, 25e9),
-    "a100-80gb": _gpu(312e12, 156e12, 80, 2039e9, 300e9, 25e9),
-    "h100-80gb": _gpu(989e12, 494e12, 80, 3350e9, 450e9, 50e9),
-    "tpu-v4": _tpu(275e12, 32, 1200e9, 268e9, 6.25e9, 4096),
-    "tpu-v5p": _tpu(459e12, 95, 2765e9, 600e9, 6.25e9, 6144),
+    "a100-40gb": _gpu(312e12, 156e12, 40, 1555e9, 300e9, 25e9, 400.0),
+    "a100-80gb": _gpu(312e12, 156e12, 80, 2039e9, 300e9, 25e9, 400.0),
+    "h100-80gb": _gpu(989e12, 494e12, 80, 3350e9, 450e9, 50e9, 700.0),
+    "tpu-v4": _tpu(275e12, 32, 1200e9, 268e9, 6.25e9, 4096, 192.0),
+    "tpu-v5p": _tpu(459e12, 95, 2765e9, 600e9, 6.25e9, 6144, None),
     "cpu": dict(kind="cpu", memory_bytes=4 * GIB, memory_bandwidth=10e9,
                 peak_flops={"float32": 50e9, "bfloat16": 50e9, "float16": 50e9},
                 devices_per_node=1 << 30, intra_bandwidth=5e9, intra_latency=20e-6,
@@ -167,10 +178,11 @@ def from_yaml(path: str) -> Cluster:
   if missing:
     raise ClusterError(f"--cluster={path} is missing field(s) {', '.join(missing)}: add them "
                        "(see docs/planner.md for an example)")
-  unknown = sorted(set(raw) - set(REQUIRED) - {"name", "kind", "efficiency", "shared"})
+  optional = ("name", "kind", "efficiency", "shared", "power_watts")
+  unknown = sorted(set(raw) - set(REQUIRED) - set(optional))
   if unknown:
     raise ClusterError(f"--cluster={path} has unknown field(s) {', '.join(unknown)}: the fields "
-                       f"are {', '.join(REQUIRED)}, name, kind, efficiency, shared")
+                       f"are {', '.join(REQUIRED + optional)}")
   shared = raw.get("shared", False)
   if not isinstance(shared, bool):
     raise ClusterError(f"--cluster={path}: shared={shared!r} must be true or false")
@@ -200,7 +212,9 @@ def from_yaml(path: str) -> Cluster:
                  intra_latency=float(numbers["intra_latency"]),
                  inter_bandwidth=float(numbers["inter_bandwidth"]),
                  inter_latency=float(numbers["inter_latency"]),
-                 efficiency=Efficiency(**eff), shared=shared)
+                 efficiency=Efficiency(**eff), shared=shared,
+                 power_watts=(_positive(path, "power_watts", raw["power_watts"])
+                              if "power_watts" in raw else None))
 
 
 def _positive(path: str, key: str, value) -> float:

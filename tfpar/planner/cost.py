@@ -10,18 +10,24 @@ G, micro-batch b, M = G / (D b) micro-batches, recompute r (0 or 1):
   activations per block and micro-batch (Korthikanti et al. 2022, 16-bit values):
                                 s b h (10 + 24/T + 5 a s / (h T))   without recompute
                                 2 s b h                             with full recompute
-  pipeline bubble:              (K - 1) / (M + K - 1)               (Huang et al. 2019)
+  micro-batches in flight on stage k (activations kept for the backward):
+                                gpipe M; 1f1b min(M, K - k);
+                                interleaved (2(K-k-1) + (v-1)K + 1) / v  (Narayanan et al. 2021)
+  pipeline bubble:              (K - 1) / (v M + K - 1) of the step, v = 1 unless interleaved
+  stage-boundary send (per micro-batch, forward and backward, v times when interleaved):
+                                b s h act bytes on the inter-node link once K T spans nodes
   ring all-reduce of n bytes over p devices:  2 (p-1)/p n / bw + 2 (p-1) latency
   compute efficiency:           e_max / (1 + w/(h/T) + r0/(b s))    (constants fitted)
 
 Two Systems share the physics and differ in layout: "tfpar" is what tfpar
-runs today (GPipe: every micro-batch's activations live until its backward;
-the embedding, tied output projection and LayerNorms unsplit on a stage's
-first device; stages balanced by parameters; a replica inside one worker),
-"megatron" is Megatron-LM as in Narayanan et al. 2021 (1F1B: at most K
-micro-batches in flight; vocabulary-parallel embedding on the first and last
-stage; L/K blocks per stage; stages across nodes) and is what the published
-table is evaluated with.
+runs (the embedding, tied output projection and LayerNorms unsplit on a
+stage's first device; stages balanced by parameters, L/(K v) blocks per chunk
+when interleaved; float32 variables), "megatron" is Megatron-LM as in
+Narayanan et al. 2021 (vocabulary-parallel embedding on the first and last
+stage; L/K blocks per stage; the scatter/gather send between stages) and is
+what the published table is evaluated with. In both a tensor-parallel group
+sits inside a node and pipeline stages may span nodes. A plan names its
+schedule (SCHEDULES: gpipe, 1f1b, interleaved with v virtual stages).
 
 On a shared host (Cluster.shared: logical CPU devices of one machine) the
 devices take turns on the same cores: a step costs the sum of every
@@ -29,12 +35,12 @@ device's work, D M T sum_stages(compute + ops + tensor comm), and the bubble
 costs nothing (another stage works meanwhile).
 
 Everything is vectorised over candidate plans (numpy arrays), so thousands
-of plans cost one pass per distinct (K, T).
+of plans cost one pass per distinct (K, T, interleaved or not).
 """
 
 import dataclasses
 import functools
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -47,23 +53,31 @@ COMPUTE_DTYPE = {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_floa
 ACTIVATION_BYTES = {"float32": 4, "mixed_bfloat16": 2, "mixed_float16": 2}
 
 
+# Pipeline schedules, by the names of --pipeline_schedule: a plan holds the index.
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+GPIPE, ONE_F_ONE_B, INTERLEAVED = range(len(SCHEDULES))
+
+
 @dataclasses.dataclass(frozen=True)
 class System:
   """How a framework lays a plan out (see the module docstring).
 
   Attributes:
     name: "tfpar" or "megatron".
-    schedule: "gpipe" (M micro-batches in flight) or "1f1b" (at most K - k on stage k).
+    schedules: the pipeline schedules it runs (the search tries each); the first
+      is the one a plan that names none gets.
     vocab_parallel: embedding and logits split over the T shards.
     uniform_stages: L/K blocks per stage (K must divide L); else balanced by parameters.
-    replica_in_node: a replica's K x T devices sit in one node (tfpar: one worker).
+    scatter_gather: a stage boundary sends 1/T of the activation from each of the T
+      shards and all-gathers it inside the node (Narayanan et al. 2021, section 4.1);
+      else one device sends all of it.
     weight_bytes, grad_bytes, optimizer_bytes: bytes per parameter, by precision.
   """
   name: str
-  schedule: str
+  schedules: Tuple[str, ...]
   vocab_parallel: bool
   uniform_stages: bool
-  replica_in_node: bool
+  scatter_gather: bool
   weight_bytes: Dict[str, int]
   grad_bytes: Dict[str, int]
   optimizer_bytes: Dict[str, int]
@@ -71,14 +85,14 @@ class System:
 
 _FP32 = plan_lib.BYTES_PER_PARAM
 TFPAR = System(
-    name="tfpar", schedule="gpipe", vocab_parallel=False, uniform_stages=False,
-    replica_in_node=True,
+    name="tfpar", schedules=SCHEDULES, vocab_parallel=False, uniform_stages=False,
+    scatter_gather=False,
     # Variables stay float32 under every policy; their gradients are float32 too.
     weight_bytes={p: _FP32 for p in COMPUTE_DTYPE}, grad_bytes={p: _FP32 for p in COMPUTE_DTYPE},
     optimizer_bytes={p: plan_lib.OPTIMIZER_SLOTS * _FP32 for p in COMPUTE_DTYPE})
 MEGATRON = System(
-    name="megatron", schedule="1f1b", vocab_parallel=True, uniform_stages=True,
-    replica_in_node=False,
+    name="megatron", schedules=SCHEDULES[1:], vocab_parallel=True, uniform_stages=True,
+    scatter_gather=True,
     # Mixed precision: 16-bit weights, float32 main gradients, float32 master + Adam m, v.
     weight_bytes={"float32": 4, "mixed_bfloat16": 2, "mixed_float16": 2},
     grad_bytes={"float32": 4, "mixed_bfloat16": 4, "mixed_float16": 4},
@@ -158,16 +172,19 @@ class Stages:
   logits: np.ndarray  # [K] 1 on the stage computing the logits
 
 
-def stages(m: ModelConfig, k: int, t: int, system: System) -> Stages:
-  """Blocks and per-device parameters of each stage, from tfpar.parallel.plan's counts."""
-  return _stages(m, k, t, system.name)
+def stages(m: ModelConfig, k: int, t: int, system: System, uniform: bool = False) -> Stages:
+  """Blocks and per-device parameters of each stage, from tfpar.parallel.plan's counts.
+
+  `uniform` (an interleaved schedule's chunks) gives L/K blocks per stage whatever the System.
+  """
+  return _stages(m, k, t, system.name, uniform or system.uniform_stages)
 
 
 @functools.lru_cache(maxsize=None)
-def _stages(m: ModelConfig, k: int, t: int, system_name: str) -> Stages:
+def _stages(m: ModelConfig, k: int, t: int, system_name: str, uniform: bool) -> Stages:
   system = SYSTEMS[system_name]
   c = plan_lib.count_params(m, t)
-  if system.uniform_stages:
+  if uniform:
     blocks = np.full(k, m.num_layers // k)
   else:
     blocks = np.array(plan_lib.balance_stages(m.num_layers, k, c.block, c.embedding, c.head))
@@ -197,12 +214,12 @@ class Plans:
   T: np.ndarray
   b: np.ndarray  # micro-batch size (sequences)
   remat: np.ndarray  # bool
+  schedule: Optional[np.ndarray] = None  # index into SCHEDULES; None: the System's first
+  v: Optional[np.ndarray] = None  # virtual stages per device (interleaved), else 1
 
   def __len__(self):
     return len(self.D)
 
-  def take(self, index) -> "Plans":
-    return Plans(**{f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)})
 
 
 COMPONENTS = ("compute", "bubble", "tensor_comm", "pipeline_comm", "data_comm")
@@ -224,12 +241,15 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
     and `memory_bytes`, time components (seconds per step) and `step_seconds`,
     `fits`, `tokens_per_second`, `tflops_per_device` (executed FLOPs, recompute
     included, as Narayanan et al. count), `mfu` (model FLOPs, no recompute, over peak),
-    `efficiency`.
+    `efficiency`, `schedule` and `v`.
   """
   n = len(plans)
-  out = {key: np.zeros(n) for key in COMPONENTS + MEMORY_PARTS + ("efficiency",)}
+  out = {key: np.zeros(n) for key in COMPONENTS + MEMORY_PARTS + ("efficiency", "params_per_device")}
   D, K, T, b = (np.asarray(x, dtype=float) for x in (plans.D, plans.K, plans.T, plans.b))
   r = np.asarray(plans.remat, dtype=float)
+  sched = (np.full(n, SCHEDULES.index(system.schedules[0])) if plans.schedule is None
+           else np.asarray(plans.schedule, dtype=int))
+  v = np.ones(n) if plans.v is None else np.asarray(plans.v, dtype=float)
   M = global_batch / (D * b)
   s, h = m.seq_len, m.d_model
   act = ACTIVATION_BYTES[precision]
@@ -246,9 +266,10 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   lat = lambda span: np.where(span <= dpn, cluster.intra_latency, cluster.inter_latency)
   f_layer, f_logits = layer_flops(m), logits_flops(m)
   slot = np.zeros(n)
-  for k, t in set(zip(plans.K.tolist(), plans.T.tolist())):
-    idx = np.flatnonzero((plans.K == k) & (plans.T == t))
-    st = stages(m, int(k), int(t), system)
+  interleaved = sched == INTERLEAVED
+  for k, t, uniform in set(zip(plans.K.tolist(), plans.T.tolist(), interleaved.tolist())):
+    idx = np.flatnonzero((plans.K == k) & (plans.T == t) & (interleaved == uniform))
+    st = stages(m, int(k), int(t), system, uniform=uniform)
     tv = t if system.vocab_parallel else 1
     bi, ri, mi, ei = b[idx, None], r[idx, None], M[idx, None], eff[idx, None]  # [P, 1] vs [K]
     # Time of one micro-batch on each stage: matmuls, fixed per-op costs, tensor-parallel sums.
@@ -273,10 +294,10 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
       slot[idx] = (compute + ops + tp)[rows, busiest]
     # Memory of each stage's first device; the plan needs the largest.
     per_block, full = activation_bytes_per_block(m, bi, t, ri > 0, precision)
-    in_flight = mi if system.schedule == "gpipe" else np.minimum(mi, k - np.arange(k))
+    in_flight = micro_batches_in_flight(sched[idx, None], mi, v[idx, None], k)
     acts = in_flight * st.blocks * per_block + ri * full
-    acts = acts + st.logits * 8 * bi * s * m.vocab_size / tv * (in_flight if system.schedule ==
-                                                                "gpipe" else 1)
+    logits_in_flight = np.where(sched[idx, None] == GPIPE, mi, 1.0)
+    acts = acts + st.logits * 8 * bi * s * m.vocab_size / tv * logits_in_flight
     state = st.params * sum(per_param)
     worst = np.argmax(acts + state, axis=1)
     for part, bytes_per in zip(("weights", "gradients", "optimizer"), per_param):
@@ -284,17 +305,19 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
     out["activations"][idx] = acts[rows, worst]
     out["pipeline_buffers"][idx] = np.where(k > 1, 2 * b[idx] * s * h * act, 0.0)
     # The device holding the most parameters (its gradients are the largest all-reduce).
-    out["params_per_device"] = out.get("params_per_device", np.zeros(n))
     out["params_per_device"][idx] = st.params.max()
-  # Pipeline: activations to the next stage and gradients back, per micro-batch.
-  p2p = np.where(K > 1, 2 * p2p_seconds(b * s * h * act, bw(K * T), lat(K * T)), 0.0)
-  out["pipeline_comm"] = M * p2p
+  # Pipeline: activations to the next stage and gradients back, per micro-batch and
+  # boundary (v boundaries per device when interleaved), on the link K x T spans.
+  p2p = np.where(K > 1, 2 * stage_send_seconds(b * s * h * act, K, T, cluster, system), 0.0)
+  out["pipeline_comm"] = M * v * p2p
   # On a shared host a stage's idle time is another stage's working time: no bubble cost.
-  out["bubble"] = np.zeros(n) if cluster.shared else (K - 1) * (slot + p2p)
+  # Else the fill and drain: K - 1 chunk slots (a chunk is 1/v of a stage) and sends.
+  out["bubble"] = np.zeros(n) if cluster.shared else (K - 1) * (slot / v + p2p)
   # Data parallel: one all-reduce of the busiest device's gradients across D replicas.
   grads = out["params_per_device"] * system.grad_bytes[precision]
   out["data_comm"] = all_reduce_seconds(grads, D, bw(D * K * T), lat(D * K * T))
   out["M"] = M
+  out["schedule"], out["v"] = sched, v
   out["step_seconds"] = sum(out[c] for c in COMPONENTS)
   out["memory_bytes"] = sum(out[p] for p in MEMORY_PARTS)
   out["fits"] = out["memory_bytes"] <= cluster.memory_bytes
@@ -306,5 +329,63 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   # A shared host's devices take turns at its peak: the host is the unit of utilisation.
   units = 1 if cluster.shared else devices
   out["mfu"] = float(step_flops(m, global_batch, False)) / out["step_seconds"] / units / peak
-  out["bubble_fraction"] = (K - 1) / (M + K - 1)
+  out["bubble_fraction"] = bubble_fraction(K, M, v)
+  return out
+
+
+def bubble_fraction(K, M, v=1):
+  """Idle share of a step: (K-1)/(vM + K-1), i.e. (K-1)/(vM) of the ideal time (v = 1: GPipe, 1F1B)."""
+  return (K - 1) / (v * M + K - 1)
+
+
+def micro_batches_in_flight(schedule, M, v, K: int):
+  """Micro-batches whose activations stage k = 0..K-1 keeps at once, by schedule ([P, K]).
+
+  GPipe: all M (Huang et al. 2019). 1F1B: K - k warm-up forwards before the
+  first backward (Narayanan et al. 2021, section 2.2.1). Interleaved: stage k runs
+  2(K-k-1) + (v-1)K + 1 chunk forwards before its first backward, a chunk being
+  1/v of the stage (Megatron-LM's interleaved schedule; on stage 0 this is
+  K (1 + (K-1)/(K v)) micro-batches, Korthikanti et al. 2022).
+  """
+  k = np.arange(K)
+  return np.select([schedule == GPIPE, schedule == ONE_F_ONE_B],
+                   [M + 0 * k, np.minimum(M, K - k)],
+                   np.minimum(M * v, 2 * (K - k - 1) + (v - 1) * K + 1) / v)
+
+
+def stage_send_seconds(nbytes, K, T, cluster: Cluster, system: System):
+  """One stage-boundary send of an n-byte activation (or its gradient).
+
+  Inside a node while the replica's K x T devices fit in one, else on the
+  inter-node network (stages on different workers). With scatter/gather each
+  of the T shards sends n/T and the receivers all-gather inside the node.
+  """
+  span = np.asarray(K, dtype=float) * T
+  inter = span > cluster.devices_per_node
+  bw = np.where(inter, cluster.inter_bandwidth, cluster.intra_bandwidth)
+  lat = np.where(inter, cluster.inter_latency, cluster.intra_latency)
+  if not system.scatter_gather:
+    return p2p_seconds(nbytes, bw, lat)
+  return p2p_seconds(nbytes / T, bw, lat) + all_gather_seconds(
+      nbytes, T, cluster.intra_bandwidth, cluster.intra_latency)
+
+
+def training_run(results: Dict[str, np.ndarray], devices: int, cluster: Cluster, *,
+                 global_batch: int, seq_len: int, train_tokens: float, pue: float,
+                 price_per_device_hour: Optional[float] = None) -> Dict[str, np.ndarray]:
+  """Wall-clock time, device-hours, energy and cost of training on train_tokens tokens.
+
+  steps = ceil(tokens / (G s)); wall = steps x step seconds; device-hours =
+  devices x wall / 3600; energy = device-hours x the device's power (its TDP,
+  Cluster.power_watts) x PUE, in kWh; cost = device-hours x price.
+  """
+  steps = np.ceil(train_tokens / (global_batch * seq_len))
+  wall = steps * results["step_seconds"]
+  device_hours = devices * wall / 3600
+  out = {"train_steps": np.full(len(wall), steps), "wall_seconds": wall,
+         "device_hours": device_hours,
+         "energy_kwh": device_hours * cluster.power_watts / 1000 * pue,
+         "pue": np.full(len(wall), pue)}
+  if price_per_device_hour is not None:
+    out["cost"] = device_hours * price_per_device_hour
   return out

@@ -4,7 +4,11 @@ Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
 Clusters Using Megatron-LM" (SC21), Table 1: A100 80 GB, sequence 2048,
 vocabulary 51,200, mixed precision, Adam, full activation recompute, 8 GPUs
 per node, data-parallel size = GPUs / (TP x PP). The achieved TFLOP/s per GPU
-count narayanan_flops (recompute included).
+count narayanan_flops (recompute included). The micro-batch size and the
+schedule of each row are those of the script that ran the table,
+Megatron-LM's examples/sc21/run_table_1.sh: 1F1B where PP = 2 or 64,
+interleaved with --num-layers-per-virtual-pipeline-stage 5, 5, 3 and 1 (v = 3,
+2, 2, 3) for the 76B, 145B, 310B and 530B rows.
 
 `python scripts/planner_table.py` prints the docs/planner.md table from here.
 """
@@ -15,7 +19,7 @@ from typing import List
 import numpy as np
 
 from tfpar.config import ModelConfig
-from tfpar.planner import clusters, cost, search
+from tfpar.planner import clusters, cost, report, search
 
 SEQ_LEN, VOCAB = 2048, 51200
 
@@ -31,6 +35,16 @@ class Row:
   gpus: int
   batch: int
   tflops: float  # achieved per GPU
+  microbatch: int  # micro-batch size (sequences)
+  layers_per_chunk: int = 0  # --num-layers-per-virtual-pipeline-stage; 0: plain 1F1B
+
+  @property
+  def virtual_stages(self) -> int:
+    return self.layers // (self.pp * self.layers_per_chunk) if self.layers_per_chunk else 1
+
+  @property
+  def schedule(self) -> str:
+    return "interleaved" if self.virtual_stages > 1 else "1f1b"
 
   @property
   def model(self) -> ModelConfig:
@@ -43,16 +57,16 @@ class Row:
 
 
 TABLE_1 = [Row(*r) for r in [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 16),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 16),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 16),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 8),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 4),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 5),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 5),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 3),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 1),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 1),
 ]]
 PRECISION = "mixed_float16"
 
@@ -71,7 +85,8 @@ class Comparison:
 
 
 def compare(row: Row, efficiency: clusters.Efficiency = None, search_own: bool = True) -> Comparison:
-  """Evaluates the published plan and (search_own) searches the planner's own.
+  """Evaluates the published plan (its micro-batch and schedule) and (search_own) searches the
+  planner's own.
 
   `efficiency` replaces the cluster's constants (scripts/planner_table.py --fit).
   """
@@ -81,7 +96,10 @@ def compare(row: Row, efficiency: clusters.Efficiency = None, search_own: bool =
   kwargs = dict(global_batch=row.batch, precision=PRECISION, system=cost.MEGATRON)
   published = search.candidates(row.model, cluster, row.batch, cost.MEGATRON,
                                 data_parallel=row.dp, pipeline_stages=row.pp,
-                                tensor_parallel=row.tp, remat=True)
+                                tensor_parallel=row.tp, remat=True,
+                                microbatches=row.batch // (row.dp * row.microbatch),
+                                pipeline_schedule=row.schedule if row.pp > 1 else None,
+                                virtual_stages=row.virtual_stages)
   ranked_published = search.rank(row.model, cluster, published, **kwargs)
   published_best = ranked_published.row(ranked_published.order[0])
   if not search_own:
@@ -97,19 +115,21 @@ def compare_all(efficiency: clusters.Efficiency = None, search_own: bool = True)
 
 def table(comparisons: List[Comparison]) -> str:
   """The docs/planner.md table: published, predicted, picked."""
-  lines = ["| params (B) | GPUs | batch | published TP x PP | published TFLOP/s | predicted "
+  lines = ["| params (B) | GPUs | batch | published TP x PP, micro-batch, schedule | published TFLOP/s | predicted "
            "TFLOP/s (published plan) | error | GiB/GPU | step s | picked D x K x T, micro-batch, "
-           "recompute | picked step s | speed-up | picked GiB/GPU |",
+           "recompute, schedule | picked step s | speed-up | picked GiB/GPU |",
            "|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
   for c in comparisons:
     r, p, k = c.row, c.published, c.picked
     err = c.predicted_tflops / r.tflops - 1
     lines.append(
-        f"| {r.params_billion} | {r.gpus} | {r.batch} | {r.tp} x {r.pp} | {r.tflops:.0f} | "
+        f"| {r.params_billion} | {r.gpus} | {r.batch} | {r.tp} x {r.pp}, {r.microbatch}, "
+        f"{report.schedule(p)} | {r.tflops:.0f} | "
         f"{c.predicted_tflops:.1f} | {err:+.1%} | {p['memory_bytes_per_device'] / 2 ** 30:.1f} | "
         f"{p['step_seconds']:.2f} | "
         f"{k['data_parallel']} x {k['pipeline_stages']} x {k['tensor_parallel']}, "
-        f"{k['microbatch_size']}, {'on' if k['remat'] else 'off'} | {k['step_seconds']:.2f} | "
+        f"{k['microbatch_size']}, {'on' if k['remat'] else 'off'}, {report.schedule(k)} | "
+        f"{k['step_seconds']:.2f} | "
         f"{p['step_seconds'] / k['step_seconds']:.2f}x | "
         f"{k['memory_bytes_per_device'] / 2 ** 30:.1f} |")
   return "\n".join(lines)

@@ -8,11 +8,31 @@ from tfpar.planner import cost, search
 GIB = 2 ** 30
 
 
+def schedule(row: dict) -> str:
+  """gpipe, 1f1b or interleaved x v; '-' without a pipeline."""
+  if row["pipeline_stages"] == 1:
+    return "-"
+  name = row["pipeline_schedule"]
+  return f"{name} x{row['virtual_stages']}" if name == "interleaved" else name
+
+
 def degrees(row: dict) -> str:
   return (f"D={row['data_parallel']} x K={row['pipeline_stages']} x T={row['tensor_parallel']}, "
           f"{row['microbatches']} micro-batch{'es' if row['microbatches'] > 1 else ''} of "
           f"{row['microbatch_size']}, "
-          f"remat {'on' if row['remat'] else 'off'}")
+          f"remat {'on' if row['remat'] else 'off'}"
+          + (f", {schedule(row)}" if row["pipeline_stages"] > 1 else ""))
+
+
+def training_run(row: dict, cluster) -> str:
+  """--train_tokens: the run's length, time, device-hours, energy and cost, in one line."""
+  days = row["wall_seconds"] / 86400
+  line = (f"  training run: {row['train_steps']:,.0f} steps, {days:,.1f} days wall-clock, "
+          f"{row['device_hours']:,.0f} device-hours, {row['energy_kwh'] / 1000:,.1f} MWh "
+          f"({cluster.power_watts:g} W per device x PUE {row['pue']:g})")
+  if "cost" in row:
+    line += f", cost {row['cost']:,.0f}"
+  return line
 
 
 def human(n: float) -> str:
@@ -29,7 +49,7 @@ def _model_line(m, cluster, precision, system, global_batch) -> str:
           f"global batch {global_batch}, {precision}; cluster {cluster.name}: "
           f"{cluster.devices} x {cluster.memory_bytes / GIB:.0f} GiB, "
           f"{cluster.nodes} node(s) of {min(cluster.devices_per_node, cluster.devices)}; "
-          f"layout: {system.name} ({system.schedule})")
+          f"layout: {system.name}")
 
 
 def rejected(ranked: search.Ranked, top: int):
@@ -56,8 +76,8 @@ def rejected(ranked: search.Ranked, top: int):
 def text(m, cluster, ranked: search.Ranked, top: int, precision: str, system) -> str:
   g = int(round(ranked.results["M"][0] * ranked.plans.D[0] * ranked.plans.b[0]))
   lines = [_model_line(m, cluster, precision, system, g), "",
-           f"{'#':>2}  {'D x K x T':<14}{'b x M':<10}{'remat':<6}{'GiB/dev':>8}{'step s':>10}"
-           f"{'tokens/s':>12}{'TFLOP/s':>9}{'MFU':>7}{'bubble':>8}"]
+           f"{'#':>2}  {'D x K x T':<14}{'b x M':<10}{'remat':<6}{'schedule':<16}{'GiB/dev':>8}"
+           f"{'step s':>10}{'tokens/s':>12}{'TFLOP/s':>9}{'MFU':>7}{'bubble':>8}"]
   for n, i in enumerate(ranked.order[:top], 1):
     r = ranked.row(i)
     if not r["fits"]:
@@ -65,7 +85,8 @@ def text(m, cluster, ranked: search.Ranked, top: int, precision: str, system) ->
     lines.append(
         f"{n:>2}  {r['data_parallel']} x {r['pipeline_stages']} x {r['tensor_parallel']:<6}"
         f"{str(r['microbatch_size']) + ' x ' + str(r['microbatches']):<10}"
-        f"{'on' if r['remat'] else 'off':<6}{r['memory_bytes_per_device'] / GIB:>8.2f}"
+        f"{'on' if r['remat'] else 'off':<6}{schedule(r):<16}"
+        f"{r['memory_bytes_per_device'] / GIB:>8.2f}"
         f"{r['step_seconds']:>10.4g}{r['tokens_per_second']:>12,.0f}"
         f"{r['tflops_per_device']:>9.1f}{r['mfu']:>7.1%}{r['bubble_fraction']:>8.1%}")
   best = ranked.row(ranked.order[0])
@@ -78,10 +99,14 @@ def text(m, cluster, ranked: search.Ranked, top: int, precision: str, system) ->
             "  step: " + ", ".join(f"{k.replace('_', ' ')} {v:.4g} s"
                                    for k, v in best["time"].items()) +
             f" = {best['step_seconds']:.4g} s"]
+  if "wall_seconds" in best:
+    lines.append(training_run(best, cluster))
   why = rejected(ranked, top)
   if why:
     lines += ["", "not chosen:"]
     lines += [f"  {degrees(r)}: {reason}" for r, reason in why]
+  lines += ["", f"searched {count(len(ranked.plans), 'plan')} "
+            f"({int(ranked.results['fits'].sum()):,} fit) in {ranked.seconds:.2f} s"]
   return "\n".join(lines)
 
 
@@ -89,6 +114,7 @@ def to_json(m, cluster, ranked: search.Ranked, top: int, precision: str, system)
   return {"cluster": cluster.name, "system": system.name, "precision": precision,
           "model": {"num_layers": m.num_layers, "d_model": m.d_model, "num_heads": m.num_heads,
                     "d_ff": m.d_ff, "seq_len": m.seq_len, "vocab_size": m.vocab_size},
+          "searched": len(ranked.plans), "search_seconds": ranked.seconds,
           "plans": [ranked.row(i) for i in ranked.order[:top] if ranked.results["fits"][i]],
           "rejected": [{**r, "reason": reason} for r, reason in rejected(ranked, top)]}
 
@@ -97,8 +123,8 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
   """The cost model's formulas with the best plan's numbers in them."""
   i = ranked.order[0]
   r, p = ranked.results, ranked.row(i)
-  D, K, T, b, M = (p["data_parallel"], p["pipeline_stages"], p["tensor_parallel"],
-                   p["microbatch_size"], p["microbatches"])
+  D, K, T, b, M, v = (p["data_parallel"], p["pipeline_stages"], p["tensor_parallel"],
+                      p["microbatch_size"], p["microbatches"], p["virtual_stages"])
   rc = int(p["remat"])
   s, h, f, a, L, V = m.seq_len, m.d_model, m.d_ff, m.num_heads, m.num_layers, m.vocab_size
   g = D * b * M
@@ -121,57 +147,95 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
       + (f"2sbh x {act}/2 = 2*{s}*{b}*{h}*{act / 2:g}" if rc else
          f"sbh(10 + 24/T + 5as/(hT)) x {act}/2 = {s}*{b}*{h}*(10 + 24/{T} + 5*{a}*{s}/({h}*{T}))"
          f"*{act / 2:g}")
-      + f"; {'M' if system.schedule == 'gpipe' else 'min(M, K)'} micro-batches in flight "
-      f"({system.schedule}) -> activations {p['memory']['activations'] / GIB:.3f} GiB",
+      + f"; {IN_FLIGHT[p['pipeline_schedule']]} micro-batches in flight on stage k "
+      f"({p['pipeline_schedule']}) -> activations {p['memory']['activations'] / GIB:.3f} GiB",
       f"  efficiency = e_max / (1 + w/(h/T) + r0/(bs)) = {e.max_efficiency} / (1 + "
       f"{e.width_half}/{h / T:g} + {e.rows_half}/{b * s}) = {r['efficiency'][i]:.3f} of "
       f"{peak / 1e12:g} TFLOP/s",
-      f"  bubble = (K-1)/(M+K-1) = {K - 1}/{M + K - 1} = {p['bubble_fraction']:.1%} -> "
+      f"  bubble = (K-1)/(vM+K-1) = {K - 1}/({v}*{M}+{K - 1}) = {p['bubble_fraction']:.1%} -> "
       f"{p['time']['bubble']:.4g} s",
       f"  tensor all-reduce per sub-block = 2(T-1)/T n/bw + 2(T-1) lat, n = bsh x {act} B = "
       f"{b * s * h * act:,} B, {4 + 2 * rc} per block -> {p['time']['tensor_comm']:.4g} s per step",
-      f"  pipeline send per micro-batch = n/bw + lat, twice (activation, gradient) -> "
+      f"  pipeline send per micro-batch = "
+      f"{'n/T/bw + lat + all-gather in the node' if system.scatter_gather else 'n/bw + lat'}, "
+      f"twice (activation, gradient), v={v} "
+      f"times, on the {'inter' if K * T > cluster.devices_per_node else 'intra'}-node link "
+      f"(K x T = {K * T} devices, {cluster.devices_per_node} per node) -> "
       f"{p['time']['pipeline_comm']:.4g} s",
       f"  data all-reduce = 2(D-1)/D n/bw + 2(D-1) lat, n = {r['params_per_device'][i]:,.0f} x "
       f"{bpp[1]} B over D={D} -> {p['time']['data_comm']:.4g} s",
-      f"  step = M x slot + (K-1) x slot + data all-reduce = {p['step_seconds']:.4g} s; "
+      f"  step = M x slot + (K-1) x (slot/v + send) + data all-reduce = {p['step_seconds']:.4g} s; "
       f"TFLOP/s per device = step FLOPs / step / {D * K * T} = {p['tflops_per_device']:.2f}; "
       f"MFU = G(3 L layer + 3 logits) / step / devices / peak = {p['mfu']:.1%}",
   ]
+  if "wall_seconds" in p:
+    lines.append(
+        f"  training run: steps = ceil(tokens / (G s)) = {p['train_steps']:,.0f}; wall = steps x "
+        f"step = {p['wall_seconds']:,.0f} s; device-hours = {D * K * T} x wall / 3600 = "
+        f"{p['device_hours']:,.0f}; energy = device-hours x {cluster.power_watts:g} W x PUE "
+        f"{p['pue']:g} = "
+        f"{p['energy_kwh']:,.0f} kWh" + (f"; cost = device-hours x price = {p['cost']:,.0f}"
+                                         if "cost" in p else ""))
   return "\n".join(lines)
 
 
-def plan_flags(row: dict, cluster) -> list:
-  """The tfpar.train flags that run this plan on this cluster."""
+IN_FLIGHT = {"gpipe": "M", "1f1b": "min(M, K-k)", "interleaved": "(2(K-k-1) + (v-1)K + 1)/v"}
+
+
+def workers(row: dict, cluster) -> tuple:
+  """(worker processes, devices each) that run this plan; (1, N) inside one node or on TPUs.
+
+  Across nodes a worker holds one replica where its K x T devices divide a node,
+  else a node's devices, with pipeline stages on different workers.
+  """
+  n = row["data_parallel"] * row["pipeline_stages"] * row["tensor_parallel"]
+  if cluster.kind == "tpu" or n <= cluster.devices_per_node:
+    return 1, n
+  kt = row["pipeline_stages"] * row["tensor_parallel"]
+  per = kt if cluster.devices_per_node % kt == 0 else cluster.devices_per_node
+  return n // per, per
+
+
+def plan_flags(row: dict, cluster, schedule_flags: bool = True) -> list:
+  """The tfpar.train flags that run this plan on this cluster.
+
+  `schedule_flags`: write --pipeline_schedule and --virtual_stages (False where
+  tfpar.train does not define them yet, and the plan is GPipe).
+  """
   d, k, t, mb = row["data_parallel"], row["pipeline_stages"], row["tensor_parallel"], \
       row["microbatches"]
-  n = d * k * t
+  n_workers, per_worker = workers(row, cluster)
   out = [f"--global_batch_size={d * row['microbatch_size'] * mb}"]
   model_parallel = k > 1 or t > 1 or mb > 1 or row["remat"]
   if cluster.kind == "tpu":
     out.append("--strategy=tpu")
-  elif n > cluster.devices_per_node:
-    out.append("--strategy=multi_worker_mirrored")  # One worker per replica (K x T devices).
+  elif n_workers > 1:
+    out.append("--strategy=multi_worker_mirrored")
   else:
     out.append("--strategy=mirrored" if d > 1 else "--strategy=one_device")
-  if cluster.kind == "cpu" and (k * t if n > cluster.devices_per_node else n) > 1:
-    out.append(f"--num_cpu_devices={k * t if n > cluster.devices_per_node else n}")
+  if cluster.kind == "cpu" and per_worker > 1:
+    out.append(f"--num_cpu_devices={per_worker}")
   if model_parallel:
     out += [f"--data_parallel={d}", f"--pipeline_stages={k}", f"--tensor_parallel={t}",
             f"--microbatches={mb}", "--remat" if row["remat"] else "--noremat"]
+  if k > 1 and schedule_flags:
+    out += [f"--pipeline_schedule={row['pipeline_schedule']}",
+            f"--virtual_stages={row['virtual_stages']}"]
   return out
 
 
-def write_flagfile(path: str, given, row: dict, cluster) -> str:
+def write_flagfile(path: str, given, row: dict, cluster, schedule_flags: bool = True) -> str:
   """The user's training flags as given (`--name=value` lines), then the plan's, as a flagfile."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel  # gfile: gs:// works too.
-  n = row["data_parallel"] * row["pipeline_stages"] * row["tensor_parallel"]
+  n_workers, per_worker = workers(row, cluster)
   header = [f"# Written by python -m tfpar.plan for {cluster.name}: {degrees(row)}.",
             f"# Predicted: {row['memory_bytes_per_device'] / GIB:.2f} GiB per device, "
             f"{row['step_seconds']:.4g} s per step, {row['tokens_per_second']:,.0f} tokens/s."]
-  if cluster.kind != "tpu" and n > cluster.devices_per_node:
-    header.append(f"# Launch {count(row['data_parallel'], 'worker')} (TF_CONFIG), each with "
-                  f"{count(row['pipeline_stages'] * row['tensor_parallel'], 'device')}.")
+  if n_workers > 1:
+    header.append(f"# Launch {count(n_workers, 'worker')} (TF_CONFIG), each with "
+                  f"{count(per_worker, 'device')}"
+                  + ("; pipeline stages span workers." if per_worker != row["pipeline_stages"] *
+                     row["tensor_parallel"] else "."))
   with tf.io.gfile.GFile(path, "w") as f:
-    f.write("\n".join(header + list(given) + plan_flags(row, cluster)) + "\n")
+    f.write("\n".join(header + list(given) + plan_flags(row, cluster, schedule_flags)) + "\n")
   return path

@@ -1,12 +1,14 @@
-"""Search: every D x K x T x micro-batch x recompute plan a cluster allows, ranked by the cost model.
+"""Search: every D x K x T x micro-batch x recompute x schedule plan a cluster allows, ranked.
 
 Candidates: T divides the head count and d_ff and stays inside a node (tensor
 parallelism sums activations twice per sub-block: it needs the fastest link);
-K <= L (and divides L where the System wants uniform stages); D = N / (K T)
-divides the global batch; the micro-batch b divides G / D; recompute on and
-off. With tfpar, a replica's K x T devices sit in one worker, so across nodes
-K T divides the devices of a node, and on TPUs only data parallelism runs.
-The candidates of 4,096 devices number a few thousand: one vectorised pass.
+K <= L (and divides L where the System wants uniform stages); pipeline stages
+may sit on different nodes; D = N / (K T) divides the global batch; the
+micro-batch b divides G / D; recompute on and off; with K > 1 each schedule
+the System runs: GPipe, 1F1B, and interleaved with v virtual stages where
+K v divides L and K divides M (Megatron-LM's conditions). With tfpar on TPUs
+only data parallelism runs. The candidates of 4,096 devices number a few
+thousand: one vectorised pass.
 """
 
 import dataclasses
@@ -19,23 +21,48 @@ from tfpar.planner import cost
 from tfpar.planner.clusters import Cluster
 
 MAX_MICROBATCH = 64  # Beyond this b the matmuls are as efficient as they get.
+# What cost.training_run adds to the results (with --train_tokens).
+RUN_KEYS = ("train_steps", "wall_seconds", "device_hours", "energy_kwh", "pue", "cost")
 
 
 def divisors(n: int) -> List[int]:
   return [i for i in range(1, n + 1) if n % i == 0]
 
 
+def schedules(m: ModelConfig, k: int, mb: int, system: cost.System,
+              pipeline_schedule: Optional[str], virtual_stages: Optional[int]):
+  """(schedule index, v) pairs for K stages and M micro-batches; a given schedule or v fixes it."""
+  if k == 1:  # No pipeline: the schedule changes nothing; one entry (unless one was asked for).
+    names = [pipeline_schedule or system.schedules[0]]
+  else:
+    names = [pipeline_schedule] if pipeline_schedule else list(system.schedules)
+  out = []
+  for name in names:
+    if name != "interleaved":
+      if virtual_stages in (None, 1):
+        out.append((cost.SCHEDULES.index(name), 1))
+      continue
+    if k == 1 or m.num_layers % k or mb % k:
+      continue
+    chunks = [v for v in divisors(m.num_layers // k) if v > 1]
+    for v in chunks if virtual_stages is None else [virtual_stages] if virtual_stages in chunks \
+        else []:
+      out.append((cost.INTERLEAVED, v))
+  return out
+
+
 def candidates(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost.System, *,
                data_parallel: Optional[int] = None, pipeline_stages: Optional[int] = None,
                tensor_parallel: Optional[int] = None, microbatches: Optional[int] = None,
-               remat: Optional[bool] = None) -> cost.Plans:
+               remat: Optional[bool] = None, pipeline_schedule: Optional[str] = None,
+               virtual_stages: Optional[int] = None) -> cost.Plans:
   """All plans using every device of the cluster; any degree given fixes that degree."""
   n, dpn = cluster.devices, cluster.devices_per_node
   rows = []
   # A tensor-parallel group sits inside one node: T divides the node (or the whole host).
   t_options = [t for t in divisors(m.num_heads) if m.d_ff % t == 0 and n % t == 0 and
                (dpn % t == 0 if n > dpn else t <= n)]
-  for t in t_options if tensor_parallel is None else [tensor_parallel]:
+  for t in t_options if tensor_parallel is None else [t for t in t_options if t == tensor_parallel]:
     for k in divisors(n // t) if pipeline_stages is None else [pipeline_stages]:
       if k > m.num_layers or (system.uniform_stages and m.num_layers % k):
         continue
@@ -43,8 +70,6 @@ def candidates(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost
         continue
       d = n // (k * t)
       if data_parallel is not None and d != data_parallel:
-        continue
-      if system.replica_in_node and n > dpn and dpn % (k * t):
         continue
       if system is cost.TFPAR and cluster.kind == "tpu" and k * t > 1:
         continue  # tfpar's TPUStrategy path is data parallel only.
@@ -57,12 +82,12 @@ def candidates(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost
           continue
         if microbatches is None and b > MAX_MICROBATCH:
           continue
-        for r in (False, True) if remat is None else (remat,):
-          rows.append((d, k, t, b, r))
-  if not rows:
-    return cost.Plans(*(np.zeros(0, dtype=int) for _ in range(4)), np.zeros(0, dtype=bool))
-  a = np.array(rows)
-  return cost.Plans(D=a[:, 0], K=a[:, 1], T=a[:, 2], b=a[:, 3], remat=a[:, 4].astype(bool))
+        for sched, v in schedules(m, k, mb, system, pipeline_schedule, virtual_stages):
+          for r in (False, True) if remat is None else (remat,):
+            rows.append((d, k, t, b, r, sched, v))
+  a = np.array(rows, dtype=int).reshape(-1, 7)
+  return cost.Plans(D=a[:, 0], K=a[:, 1], T=a[:, 2], b=a[:, 3], remat=a[:, 4].astype(bool),
+                    schedule=a[:, 5], v=a[:, 6])
 
 
 @dataclasses.dataclass
@@ -71,6 +96,7 @@ class Ranked:
   plans: cost.Plans
   results: Dict[str, np.ndarray]
   order: np.ndarray  # indices: fitting plans by step time, then the others by memory
+  seconds: float = 0.0  # how long the search took (candidates, cost model, ranking)
 
   def row(self, i: int) -> dict:
     """One plan as a plain dict (what --format=json prints)."""
@@ -78,6 +104,8 @@ class Ranked:
     out = {"data_parallel": int(p.D[i]), "pipeline_stages": int(p.K[i]),
            "tensor_parallel": int(p.T[i]), "microbatch_size": int(p.b[i]),
            "microbatches": int(round(r["M"][i])), "remat": bool(p.remat[i]),
+           "pipeline_schedule": cost.SCHEDULES[int(r["schedule"][i])],
+           "virtual_stages": int(r["v"][i]),
            "fits": bool(r["fits"][i]), "memory_bytes_per_device": float(r["memory_bytes"][i]),
            "memory": {k: float(r[k][i]) for k in cost.MEMORY_PARTS},
            "step_seconds": float(r["step_seconds"][i]),
@@ -85,6 +113,9 @@ class Ranked:
            "tokens_per_second": float(r["tokens_per_second"][i]),
            "tflops_per_device": float(r["tflops_per_device"][i]), "mfu": float(r["mfu"][i]),
            "bubble_fraction": float(r["bubble_fraction"][i])}
+    for key in RUN_KEYS:
+      if key in r:
+        out[key] = float(r[key][i])
     if not out["fits"]:
       out["rejected"] = "out of memory"
     return out
