@@ -121,6 +121,7 @@ class ModelParallelEngine(Engine):
   def __init__(self, cfg: Config, strategy, data, *, sharding: str = "data", task=None):
     super().__init__(cfg, data, sharding=sharding, task=task)
     local = strategies.compute_devices(cfg.dist.num_cpu_devices)
+    self.across = isinstance(strategy, remote.Workers)
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
       resolver = strategy.cluster_resolver
       self.plan = plan_lib.make_plan(cfg, [], worker_devices=_worker_devices(resolver, local),
@@ -128,7 +129,7 @@ class ModelParallelEngine(Engine):
       self.worker_index = _worker_index(resolver)
       self.strategy = strategy
       rows = [self.worker_index]
-    elif isinstance(strategy, remote.Workers):  # Stages across workers: every row runs here.
+    elif self.across:  # Stages across workers: every row runs in this program.
       self.plan = plan_lib.make_plan(cfg, [], worker_devices=_worker_devices(
           strategy.cluster_resolver, local), family=self.task.family)
       self.worker_index, self.strategy = 0, None
@@ -246,7 +247,9 @@ class ModelParallelEngine(Engine):
     per_device = {dev: f"params {plan_lib.kib(b['parameters'])} + "
                        f"optimizer {plan_lib.kib(b['optimizer'])}"
                   for dev, b in self.measured_bytes().items()}
-    return {"strategy": type(self.strategy).__name__ if self.strategy else "none (D=1)",
+    how = ("one program over the workers' devices" if self.across else
+           type(self.strategy).__name__ if self.strategy else "none (D=1)")
+    return {"strategy": how,
             "replicas": self.num_replicas,
             "plan": f"D={p.data_parallel} x K={p.pipeline_stages} x T={p.tensor_parallel}, "
                     f"M={p.microbatches}, bubble {p.bubble:.1%}, remat {p.remat}, "
