@@ -108,10 +108,13 @@ def _run(cfg: Config, cluster: Cluster) -> dict:
     return {}
   across = strategies.stages_across_workers(cfg)
   if across and not cluster.is_chief:  # The chief places this worker's stages (parallel/remote).
-    remote.serve(cluster)
+    remote.serve(cluster, cfg.train.model_dir)
     return {}
   keras.mixed_precision.set_global_policy(cfg.train.precision)
-  strategy = remote.connect(cluster) if across else strategies.make_strategy(cfg.dist, cluster)
+  if across:
+    strategy = remote.connect(cluster, cfg.train.model_dir)
+  else:
+    strategy = strategies.make_strategy(cfg.dist, cluster)
   preemption.watch()  # Again: multi-worker strategies install TF's own SIGTERM handler.
   is_chief = cluster.is_chief
   num_workers = cluster.num_workers if cfg.dist.strategy == "multi_worker_mirrored" else 1

@@ -17,14 +17,32 @@ where it lives).
 
 The servers keep serving while the chief comes and goes (a chief restarted by
 Kubernetes reconnects to them, as TensorFlow's ClusterCoordinator documents for
-its servers); SIGTERM ends a server with status 75 (it has nothing to save);
-tfpar.launch ends them once the chief exits 0.
+its servers); tfpar.launch ends them once the chief exits 0.
+
+Preemption. A stage server that gets SIGTERM cannot save (the chief holds the
+step) and must not vanish (the chief's next step would fail and lose the
+steps since the last checkpoint). It writes `<model_dir>/.preempted-worker-I`
+and serves on; the chief polls for such a file every PEER_POLL_SECONDS and
+takes it as its own preemption notice (it sends itself SIGTERM: tfpar.training.
+preemption saves after the current chunk and exits 75); the server exits 75
+once the chief is gone. The next start resumes at the next step. A server
+killed outright (SIGKILL, a lost host) fails the chief's next step (status 1,
+naming the worker); a restart resumes from the latest checkpoint.
 """
+
+import os
+import signal
+import threading
+import time
 
 import tensorflow as tf
 
+from tfpar import status, storage
 from tfpar.cluster import Cluster
-from tfpar.parallel.parameter_server.server import start_server, watch_chief
+from tfpar.parallel.parameter_server.server import reachable, start_server, watch_chief
+
+PEER_POLL_SECONDS = 1.0
+MARKER = ".preempted-"  # <model_dir>/.preempted-worker-1: that server was sent SIGTERM
 
 
 class Workers:
@@ -38,9 +56,16 @@ class Workers:
     self.cluster_resolver = resolver
 
 
-def connect(cluster: Cluster) -> Workers:
-  """Makes this process the chief task of the cluster, able to place ops on every worker."""
+def connect(cluster: Cluster, model_dir: str) -> Workers:
+  """Makes this process the chief task of the cluster, able to place ops on every worker.
+
+  Also relays the servers' preemption notices (see the module docstring).
+  """
   del cluster  # TF_CONFIG says the same; the resolver reads it.
+  for stale in storage.glob(os.path.join(model_dir, MARKER + "*")):  # A previous attempt's.
+    storage.discard(stale)
+  threading.Thread(target=_relay_notices, args=(model_dir,), name="tfpar-peer-notices",
+                   daemon=True).start()
   resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
   # This process is its own task of the cluster (by default it would join as a
   # task of a new job "localhost" and wait for another process to serve its address).
@@ -53,7 +78,39 @@ def chief_address(cluster: Cluster) -> str:
   return (cluster.spec.get("chief") or cluster.spec["worker"])[0]
 
 
-def serve(cluster: Cluster) -> None:
-  """Serves this worker's devices to the chief until SIGTERM (75) or the chief stays away (1)."""
-  me = start_server(cluster, threads=cluster.num_tasks + 1)
-  watch_chief(me, chief_address(cluster))
+def _relay_notices(model_dir: str) -> None:
+  """The chief's thread: a server's notice becomes this process's own SIGTERM."""
+  while True:
+    time.sleep(PEER_POLL_SECONDS)
+    found = storage.glob(os.path.join(model_dir, MARKER + "*"))
+    if found:
+      who = os.path.basename(found[0])[len(MARKER):].replace("-", " ")
+      print(f"tfpar: {who} was sent SIGTERM: saving after this chunk of steps", flush=True)
+      os.kill(os.getpid(), signal.SIGTERM)
+      return
+
+
+def serve(cluster: Cluster, model_dir: str) -> None:
+  """Serves this worker's devices to the chief, until it stays away (exit 1) or, after
+  SIGTERM, has saved and left (75)."""
+  notice = threading.Event()
+  marker = os.path.join(model_dir, f"{MARKER}{cluster.task_type}-{cluster.task_index}")
+
+  chief = chief_address(cluster)
+
+  def on_sigterm():
+    if not reachable(chief):  # The chief is done (or not up): nothing to save.
+      print(f"tfpar: {cluster.task_type} {cluster.task_index}: SIGTERM, chief gone, exiting",
+            flush=True)
+      os._exit(status.PREEMPTED)  # pylint: disable=protected-access
+    if not notice.is_set():
+      print(f"tfpar: {cluster.task_type} {cluster.task_index}: SIGTERM: the chief saves, this "
+            "server serves until it has", flush=True)
+      try:
+        storage.write_atomically(marker, "SIGTERM\n")
+      except (OSError, tf.errors.OpError):  # No notice possible: go, as a server always did.
+        os._exit(status.PREEMPTED)  # pylint: disable=protected-access
+      notice.set()
+
+  me = start_server(cluster, threads=cluster.num_tasks + 1, on_sigterm=on_sigterm)
+  watch_chief(me, chief, preempted=notice)

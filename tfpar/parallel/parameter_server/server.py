@@ -62,19 +62,20 @@ def reachable(address: str) -> bool:
     return False
 
 
-def start_server(cluster: Cluster, threads: int) -> str:
-  """Starts this task's gRPC server for the process's life; SIGTERM exits 75. Returns its name.
+def start_server(cluster: Cluster, threads: int, on_sigterm=None) -> str:
+  """Starts this task's gRPC server for the process's life. Returns its name.
 
   `threads`: the fewest inter-op threads that cannot hang the cluster (TF's
-  default pool has one per core; see the package docstring).
+  default pool has one per core; see the package docstring). SIGTERM calls
+  `on_sigterm()`, by default exits 75 at once.
   """
   me = f"{cluster.task_type} {cluster.task_index}"
 
-  def on_sigterm(signum, frame):  # pylint: disable=unused-argument
+  def exit_now():
     print(f"tfpar: {me}: SIGTERM, exiting (a server has nothing to save)", flush=True)
     os._exit(status.PREEMPTED)  # pylint: disable=protected-access  # Servers cannot be stopped.
 
-  signal.signal(signal.SIGTERM, on_sigterm)
+  signal.signal(signal.SIGTERM, lambda signum, frame: (on_sigterm or exit_now)())
   config = tf.compat.v1.ConfigProto()
   if (os.cpu_count() or 1) < threads:
     config.inter_op_parallelism_threads = threads
@@ -110,8 +111,12 @@ def serve(cluster: Cluster) -> None:
   watch_chief(me, cluster.spec["chief"][0])
 
 
-def watch_chief(me: str, chief: str) -> None:
-  """Serves on while the chief comes and goes; exits 1 once it stayed away CHIEF_WAIT_SECONDS."""
+def watch_chief(me: str, chief: str, preempted=None) -> None:
+  """Serves on while the chief comes and goes; exits 1 once it stayed away CHIEF_WAIT_SECONDS.
+
+  `preempted`: a threading.Event; once set, the first poll that finds the
+  chief gone (it saved and exited) exits 75.
+  """
   print(f"tfpar: {me} serving; waits for chief {chief}", flush=True)
   seen, last_seen = False, time.monotonic()
   while True:
@@ -121,6 +126,9 @@ def watch_chief(me: str, chief: str) -> None:
         print(f"tfpar: {me}: chief {chief} connected", flush=True)
       seen, last_seen = True, time.monotonic()
       continue
+    if preempted is not None and preempted.is_set():
+      print(f"tfpar: {me}: chief {chief} gone after the preemption notice, exiting", flush=True)
+      os._exit(status.PREEMPTED)  # pylint: disable=protected-access
     if seen:
       print(f"tfpar: {me}: chief {chief} unreachable; serving on, for its restart", flush=True)
       seen = False
