@@ -42,8 +42,13 @@ def compute_devices(num_cpu_devices: int = 0):
 
 
 def stages_across_workers(cfg) -> bool:
-  """tfpar.rules.stages_across_workers on this worker's devices (after setup_devices)."""
-  return rules.stages_across_workers(cfg, len(compute_devices(cfg.dist.num_cpu_devices)))
+  """tfpar.rules.stages_across_workers on this worker's devices.
+
+  Counted without starting TensorFlow's runtime (a MultiWorkerMirroredStrategy
+  must configure its collectives first): the GPUs, else --num_cpu_devices.
+  """
+  gpus = len(tf.config.list_physical_devices("GPU"))
+  return rules.stages_across_workers(cfg, gpus or max(1, cfg.dist.num_cpu_devices))
 
 
 def make_strategy(dist: DistConfig, cluster: Cluster) -> tf.distribute.Strategy:
