@@ -36,6 +36,9 @@ input, 75 preempted, else a failure):
   preempted): the servers keep serving and it reconnects to them, as
   TensorFlow's ClusterCoordinator documents. A ps task that dies fails the job
   (TensorFlow needs the coordinator and ps restarted): every task restarts.
+- Pipeline stages across workers (tfpar.parallel.remote): the workers other
+  than the chief serve its stages; the job ends when the chief does (the
+  servers are then stopped), and any task's failure restarts the whole job.
 - SIGTERM or Ctrl-C to the launcher: every task gets SIGTERM and up to
   `--grace_period` seconds to save (then SIGKILL); the launcher exits 75 if
   every task saved (exited 75 or 0), else 128 + the signal. If the launcher
