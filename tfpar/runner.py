@@ -112,7 +112,7 @@ def _run(cfg: Config, cluster: Cluster) -> dict:
     return {}
   keras.mixed_precision.set_global_policy(cfg.train.precision)
   if across:
-    strategy = remote.connect(cluster, cfg.train.model_dir)
+    strategy = remote.connect(cfg.train.model_dir)
   else:
     strategy = strategies.make_strategy(cfg.dist, cluster)
   preemption.watch()  # Again: multi-worker strategies install TF's own SIGTERM handler.

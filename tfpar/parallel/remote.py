@@ -56,12 +56,11 @@ class Workers:
     self.cluster_resolver = resolver
 
 
-def connect(cluster: Cluster, model_dir: str) -> Workers:
-  """Makes this process the chief task of the cluster, able to place ops on every worker.
+def connect(model_dir: str) -> Workers:
+  """Makes this process the chief task of TF_CONFIG's cluster, able to place ops on every worker.
 
   Also relays the servers' preemption notices (see the module docstring).
   """
-  del cluster  # TF_CONFIG says the same; the resolver reads it.
   for stale in storage.glob(os.path.join(model_dir, MARKER + "*")):  # A previous attempt's.
     storage.discard(stale)
   threading.Thread(target=_relay_notices, args=(model_dir,), name="tfpar-peer-notices",
