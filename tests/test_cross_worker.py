@@ -35,20 +35,22 @@ def drop_checkpoint(model_dir, step):
     os.remove(path)
 
 
+def launch_args(num_workers, args):
+  return [f"--num_workers={num_workers}", "--"] + BASE + CROSS + args
+
+
 def run_cross_worker(tmp_path):
-  """{name: model_dir} of the runs of the module docstring, or AssertionError with their output."""
+  """({name: model_dir}, the 4-worker launcher's output) of the module docstring's runs."""
   dirs = {name: str(tmp_path / name) for name in ("two", "one_nojit", "four")}
-  launch = lambda n, args: ("tfpar.launch", [f"--num_workers={n}", "--"] + BASE + CROSS + args,
-                            {"timeout": 600})
   two, one = run_modules([
-      launch(2, [f"--model_dir={dirs['two']}"]),
+      ("tfpar.launch", launch_args(2, [f"--model_dir={dirs['two']}"]), {"timeout": 600}),
       ("tfpar.train", BASE + NO_XLA + [f"--model_dir={dirs['one_nojit']}"], {"timeout": 600})])
+  for proc in (two, one):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   shutil.copytree(dirs["one_nojit"], dirs["four"])
   drop_checkpoint(dirs["four"], STEPS)
-  four = run_module(*launch(4, NO_XLA + [f"--model_dir={dirs['four']}"])[:2], timeout=600,
-                    check=False)
-  for proc in (two, one, four):
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  four = run_module("tfpar.launch", launch_args(4, NO_XLA + [f"--model_dir={dirs['four']}"]),
+                    timeout=600)
   return dirs, four.stdout + four.stderr
 
 
