@@ -108,12 +108,30 @@ def test_microbatches_checked_against_the_per_replica_batch():
   one_line_naming(error, "--microbatches")
 
 
-def test_across_workers_each_worker_needs_k_times_t_devices():
-  cfg = make_config(TINY + ["--model_dir=/tmp/unused", "--strategy=multi_worker_mirrored",
-                            "--pipeline_stages=2", "--num_cpu_devices=2"])
-  workers = [[f"/job:worker/replica:0/task:{w}/device:CPU:{j}" for j in range(2)] for w in range(2)]
-  plan = plan_lib.make_plan(cfg, [], worker_devices=workers)
-  assert plan.data_parallel == 2 and plan.devices[1][1] == (workers[1][1],)
-  with pytest.raises(ConfigError) as error:
-    plan_lib.make_plan(cfg, [], worker_devices=[w[:1] for w in workers])
-  one_line_naming(error, "--num_cpu_devices")
+def test_across_workers_a_replica_fits_one_worker_or_spans_whole_workers():
+  def workers(n, g):
+    return [[f"/job:worker/replica:0/task:{w}/device:CPU:{j}" for j in range(g)] for w in range(n)]
+
+  def plan(flags, n, g):
+    cfg = make_config(TINY + ["--model_dir=/tmp/unused", "--strategy=multi_worker_mirrored",
+                              "--pipeline_stages=2"] + flags)
+    return plan_lib.make_plan(cfg, [], worker_devices=workers(n, g))
+
+  fits = plan(["--num_cpu_devices=2"], 2, 2)  # Each worker one replica of 2 stages.
+  assert fits.data_parallel == 2 and fits.devices[1][1] == (workers(2, 2)[1][1],)
+  assert fits.stage_workers == [["worker:0", "worker:0"], ["worker:1", "worker:1"]]
+  spans = plan([], 4, 1)  # 2 replicas of 2 stages, each stage its own worker.
+  assert spans.data_parallel == 2
+  assert spans.stage_workers == [["worker:0", "worker:1"], ["worker:2", "worker:3"]]
+  # Stages 0 and 1 on worker 0's two devices, 2 and 3 on worker 1's: T=2 stays in a worker.
+  four = plan(["--pipeline_stages=4", "--num_layers=4", "--tensor_parallel=2"], 4, 4)
+  assert four.data_parallel == 2 and four.stage_workers[1] == ["worker:2"] * 2 + ["worker:3"] * 2
+  assert four.devices[0][1] == tuple(workers(4, 4)[0][2:4])
+  for flags, n, g, named in ((["--tensor_parallel=2"], 2, 1, "--tensor_parallel"),
+                             ([], 3, 1, "multiple of 2 workers"),
+                             (["--pipeline_stages=3", "--num_layers=3"], 4, 2, "whole workers"),
+                             (["--data_parallel=2"], 2, 1, "--data_parallel"),
+                             (["--grad_compression=bf16"], 2, 1, "--grad_compression")):
+    with pytest.raises(ConfigError) as error:
+      plan(flags, n, g)
+    one_line_naming(error, named)

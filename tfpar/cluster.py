@@ -260,12 +260,16 @@ def check_cluster(cfg, cluster: Cluster) -> None:
     rules.check_batch(t.global_batch_size, cluster.num_workers,
                 flag=f"{cluster.num_workers} workers in TF_CONFIG")
   if s.strategy == "multi_worker_mirrored" and p.model_parallel:
+    # Each worker's device count (GPUs, or --num_cpu_devices) is known once TensorFlow
+    # starts: tfpar.parallel.plan applies rules.worker_layout then. Here, what holds for any.
     workers = cluster.num_workers
-    if p.data_parallel not in (None, workers):
-      raise rules.ConfigError(f"--data_parallel={p.data_parallel} does not match the {workers} "
-                        "workers: across workers each worker is one replica; drop "
-                        f"--data_parallel or set it to {workers}")
-    rules.check_batch(t.global_batch_size, workers, p.microbatches, flag=f"{workers} workers")
+    if p.data_parallel is not None and workers % p.data_parallel:
+      raise rules.ConfigError(f"--data_parallel={p.data_parallel} does not divide the {workers} "
+                        "workers: a replica sits in one worker or spans whole workers; drop "
+                        "--data_parallel or use a divisor of the worker count")
+    if p.data_parallel is not None:
+      rules.check_batch(t.global_batch_size, p.data_parallel, p.microbatches,
+                        flag=f"--data_parallel={p.data_parallel}")
   if s.strategy == "parameter_server":
     num_ps = len(cluster.spec.get("ps", []))
     if num_ps and s.ps_shards > num_ps:

@@ -25,7 +25,8 @@ from tfpar import console, tokenizer
 # pylint: disable=unused-import  # The names other modules import from here.
 from tfpar.cluster import check_cluster
 from tfpar.rules import (MAX_COLLECTIVE_TIMEOUT, MAX_CPU_DEVICES, MAX_INT, MAX_SEED, check_batch,
-                         check_model_split, validate, validate_model)
+                         check_model_split, stages_across_workers, validate, validate_model,
+                         worker_layout)
 from tfpar.rundir import (CLASS_NAMES, RESUME_FIXED, RUN_CONFIG, check_run, from_saved, load,
                           read_saved, saved_class_names)
 from tfpar.schema import (COMPRESSIONS, ON_NONFINITE, VOCAB_SIZE, CompressionConfig, Config,

@@ -298,3 +298,59 @@ def _validate_parallel(cfg: Config) -> None:
       raise ConfigError(f"--data_parallel x --pipeline_stages x --tensor_parallel = {dp}x"
                         f"{p.pipeline_stages}x{p.tensor_parallel} = {needed} does not match "
                         f"--num_cpu_devices={s.num_cpu_devices}: make them equal")
+
+
+def stages_across_workers(cfg: Config, devices_per_worker: int) -> bool:
+  """Whether a replica spans workers: multi-worker, K x T more than a worker's G devices.
+
+  Then the chief runs every stage and the other workers serve theirs
+  (tfpar.parallel.remote); tfpar.launch ends them when the chief is done.
+  """
+  p = cfg.parallel
+  return (cfg.dist.strategy == "multi_worker_mirrored" and p.model_parallel and
+          p.pipeline_stages * p.tensor_parallel > devices_per_worker)
+
+
+def worker_layout(p: ParallelConfig, num_workers: int, devices_per_worker: int,
+                  compression: str = "none") -> tuple:
+  """(D, workers per replica W) of a model-parallel plan over N workers of G devices each.
+
+  A replica's K x T devices fill either part of one worker (K x T <= G: W=1,
+  D=N, each worker one replica on its first K x T devices) or W = K x T / G
+  whole workers (stages on different workers, D = N / W). A tensor-parallel
+  group never leaves its worker: T must divide G then.
+
+  Args:
+    p: the parallel settings (K, T, --data_parallel).
+    num_workers: N, the computing workers (the chief included).
+    devices_per_worker: G, each worker's devices (GPUs, or --num_cpu_devices).
+    compression: --grad_compression, which stages across workers do not take yet.
+  """
+  k, t, n, g = p.pipeline_stages, p.tensor_parallel, num_workers, devices_per_worker
+  if k * t <= g:
+    d, w = n, 1
+  else:
+    if g % t:
+      raise ConfigError(f"--tensor_parallel={t} does not fit a worker of {count(g, 'device')}: "
+                        "a tensor-parallel group stays inside one worker; use a T that divides "
+                        f"{g} (or --num_cpu_devices={k * t} to hold a whole replica per worker)")
+    if (k * t) % g:
+      raise ConfigError(f"--pipeline_stages x --tensor_parallel = {k}x{t} = {k * t} devices "
+                        f"per replica do not fill whole workers of {count(g, 'device')}: use "
+                        f"a multiple of {g}, or --num_cpu_devices={k * t}")
+    w = k * t // g
+    if n % w:
+      raise ConfigError(f"a replica of {k}x{t} devices spans {w} workers of "
+                        f"{count(g, 'device')}, and {count(n, 'worker')} do not split into "
+                        f"replicas: use a multiple of {w} workers")
+    d = n // w
+    if compression != "none":
+      raise ConfigError(f"--grad_compression={compression} does not combine with pipeline "
+                        "stages on different workers yet: use --grad_compression=none, or "
+                        f"--num_cpu_devices={k * t} (a whole replica per worker)")
+  if p.data_parallel not in (None, d):
+    where = "one replica per worker" if w == 1 else f"a replica spans {w} workers"
+    raise ConfigError(f"--data_parallel={p.data_parallel} does not match {count(n, 'worker')} "
+                      f"of {count(g, 'device')} under {k}x{t} devices per replica ({where}): "
+                      f"drop --data_parallel or set it to {d}")
+  return d, w

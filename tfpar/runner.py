@@ -17,6 +17,7 @@ from tfpar import tokenizer
 from tfpar.cluster import Cluster, ClusterError, PeerError
 from tfpar.config import Config, ConfigError
 from tfpar.data import corpus as corpus_lib
+from tfpar.parallel import remote
 from tfpar.training import loop, preemption
 from tfpar.training.checkpoint import (CheckpointMismatchError, CheckpointUnreadableError,
                                        NonFiniteStateError)
@@ -108,14 +109,23 @@ def _run(cfg: Config, cluster: Cluster) -> dict:
     from tfpar.parallel import parameter_server  # pylint: disable=import-outside-toplevel
     parameter_server.serve(cluster)
     return {}
+  across = strategies.stages_across_workers(cfg)
+  if across and not cluster.is_chief:  # The chief places this worker's stages (parallel/remote).
+    remote.serve(cluster, cfg.train.model_dir)
+    return {}
   keras.mixed_precision.set_global_policy(cfg.train.precision)
-  strategy = strategies.make_strategy(cfg.dist, cluster)
+  if across:
+    strategy = remote.connect(cfg.train.model_dir)
+  else:
+    strategy = strategies.make_strategy(cfg.dist, cluster)
   preemption.watch()  # Again: multi-worker strategies install TF's own SIGTERM handler.
   is_chief = cluster.is_chief
   num_workers = cluster.num_workers if cfg.dist.strategy == "multi_worker_mirrored" else 1
   worker_index = cluster.worker_index if num_workers > 1 else 0
   task = tasks.make(cfg)
-  data, sharding = task.load_data(worker_index=worker_index, num_workers=num_workers)
+  # Stages across workers: the chief reads every replica's input.
+  data, sharding = task.load_data(worker_index=worker_index,
+                                  num_workers=1 if across else num_workers)
   engine = engines.make(cfg, strategy, data, sharding=sharding, task=task)
   if cfg.dist.strategy == "parameter_server":
     num_workers = engine.num_workers  # For the logs (the chief reads the data for all of them).

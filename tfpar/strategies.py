@@ -8,6 +8,7 @@ anything else; the loop, model and data code are the same for all of them.
 
 import tensorflow as tf
 
+from tfpar import rules
 from tfpar.cluster import Cluster
 from tfpar.config import ConfigError, DistConfig
 
@@ -38,6 +39,16 @@ def compute_devices(num_cpu_devices: int = 0):
     return [d.name for d in gpus]
   cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
   return cpus[:num_cpu_devices] if num_cpu_devices else cpus
+
+
+def stages_across_workers(cfg) -> bool:
+  """tfpar.rules.stages_across_workers on this worker's devices.
+
+  Counted without starting TensorFlow's runtime (a MultiWorkerMirroredStrategy
+  must configure its collectives first): the GPUs, else --num_cpu_devices.
+  """
+  gpus = len(tf.config.list_physical_devices("GPU"))
+  return rules.stages_across_workers(cfg, gpus or max(1, cfg.dist.num_cpu_devices))
 
 
 def make_strategy(dist: DistConfig, cluster: Cluster) -> tf.distribute.Strategy:

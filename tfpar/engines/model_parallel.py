@@ -56,9 +56,9 @@ from tfpar import strategies
 from tfpar.config import Config
 from tfpar.engines.base import Engine, build_model
 from tfpar.parallel import plan as plan_lib
-from tfpar.parallel import schedules, tensor
+from tfpar.parallel import remote, schedules, tensor
 from tfpar.parallel.compression import make_exchange
-from tfpar.parallel.pipeline import Pipeline
+from tfpar.parallel.pipeline import Pipeline, split_batch
 from tfpar.training.checkpoint import assign_canonical, model_layout, read_canonical
 from tfpar.training.step import apply_gradients, reduce_gradients
 
@@ -121,6 +121,7 @@ class ModelParallelEngine(Engine):
   def __init__(self, cfg: Config, strategy, data, *, sharding: str = "data", task=None):
     super().__init__(cfg, data, sharding=sharding, task=task)
     local = strategies.compute_devices(cfg.dist.num_cpu_devices)
+    self.across = isinstance(strategy, remote.Workers)
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
       resolver = strategy.cluster_resolver
       self.plan = plan_lib.make_plan(cfg, [], worker_devices=_worker_devices(resolver, local),
@@ -128,6 +129,11 @@ class ModelParallelEngine(Engine):
       self.worker_index = _worker_index(resolver)
       self.strategy = strategy
       rows = [self.worker_index]
+    elif self.across:  # Stages across workers: every row runs in this program.
+      self.plan = plan_lib.make_plan(cfg, [], worker_devices=_worker_devices(
+          strategy.cluster_resolver, local), family=self.task.family)
+      self.worker_index, self.strategy = 0, None
+      rows = list(range(self.plan.data_parallel))
     else:
       self.plan = plan_lib.make_plan(cfg, local, family=self.task.family)
       self.worker_index = 0
@@ -185,6 +191,8 @@ class ModelParallelEngine(Engine):
 
   def _run(self, fn, inputs, targets):
     """(per-copy (loss, grads), summed loss) of fn over the data-parallel replicas."""
+    if self.strategy is None and len(self.copies) > 1:  # Every replica in this program.
+      return self._run_here(inputs, targets)
     if self.strategy is None:
       out = fn(inputs, targets)
       return [out], out[0]
@@ -194,6 +202,24 @@ class ModelParallelEngine(Engine):
     per_copy = [tf.nest.pack_sequence_as(out, [x[r] for x in local])
                 for r in range(len(self.copies))]
     return per_copy, total
+
+  def _run_here(self, inputs, targets):
+    """_run of a training step whose D copies all run in this program (stages across workers).
+
+    Copy r takes the r-th of D equal slices of the global batch (each loss is
+    already a share of the global mean, so any split sums to the same); each
+    gradient is summed on copy 0's device for its variable, where every copy
+    reads it: a reduction to one device, like MirroredStrategy's on one host.
+    """
+    xs, ys = split_batch(inputs, len(self.copies)), split_batch(targets, len(self.copies))
+    outs = [copy.pipeline.loss_and_grads(x, y) for copy, x, y in zip(self.copies, xs, ys)]
+    summed = []
+    for i, v in enumerate(self.copies[0].model.trainable_variables):
+      with tf.device(v.value.device):
+        summed.append(tf.add_n([tf.convert_to_tensor(grads[i]) for _, grads in outs]))
+    with tf.device(self.copies[0].devices[-1][0]):
+      loss = tf.add_n([loss for loss, _ in outs])
+    return [(loss, summed)] * len(self.copies), loss
 
   def _replica_step(self, inputs, targets, compressed):
     replica_train = lambda x, y: self._replica_train(x, y, compressed)
@@ -221,7 +247,9 @@ class ModelParallelEngine(Engine):
     per_device = {dev: f"params {plan_lib.kib(b['parameters'])} + "
                        f"optimizer {plan_lib.kib(b['optimizer'])}"
                   for dev, b in self.measured_bytes().items()}
-    return {"strategy": type(self.strategy).__name__ if self.strategy else "none (D=1)",
+    how = ("one program over the workers' devices" if self.across else
+           type(self.strategy).__name__ if self.strategy else "none (D=1)")
+    return {"strategy": how,
             "replicas": self.num_replicas,
             "plan": f"D={p.data_parallel} x K={p.pipeline_stages} x T={p.tensor_parallel}, "
                     f"M={p.microbatches}, bubble {p.bubble:.1%}, remat {p.remat}, "

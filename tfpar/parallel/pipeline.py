@@ -125,7 +125,8 @@ class Pipeline:
     """per_microbatch(outputs, targets) of every micro-batch, on the last stage."""
     devices = self.stage_devices
     last = len(devices) - 1
-    xs, ys = _split(inputs, self.microbatches), _split(targets, self.microbatches)  # M x [B/M, ...]
+    m = self.microbatches
+    xs, ys = split_batch(inputs, m), split_batch(targets, m)  # M x [B/M, ...]
     results = []
     for x, y in zip(xs, ys):
       h = x
@@ -198,7 +199,7 @@ def _chain(fns):
   return fns[0] if len(fns) == 1 else chained
 
 
-def _split(batch, m: int) -> list:
+def split_batch(batch, m: int) -> list:
   """A batch (a tensor or a nest of them, e.g. a dict of targets) as m micro-batches."""
   parts = [tf.split(t, m) for t in tf.nest.flatten(batch)]
   return [tf.nest.pack_sequence_as(batch, [p[i] for p in parts]) for i in range(m)]

@@ -3,7 +3,11 @@
 A plan is a D x K x T grid of devices: D data-parallel replicas (model copies),
 each split into K pipeline stages, each stage split over T tensor-parallel
 shards. Device (d, k, t) is the flat index d*K*T + k*T + t of the devices the
-run may use (or, across workers, local device k*T + t of worker d).
+run may use; across N workers of G devices, the flat index into the workers'
+devices in worker order: local device k*T + t of worker d when a replica fits
+one worker (K x T <= G), else a replica spans W = K x T / G whole workers and
+stage k of replica d sits on worker d*W + k*T // G (tfpar.rules.worker_layout:
+a tensor-parallel group never leaves its worker).
 
 Stages hold contiguous blocks. By default the blocks are balanced by parameter
 count, with the embedding counted on stage 0 and the head (final LayerNorm; the
@@ -155,6 +159,12 @@ class ParallelPlan:
     """Each replica's first device: its data-parallel endpoint and optimizer step counter."""
     return [row[0][0] for row in self.devices]
 
+  @property
+  def stage_workers(self) -> List[List[Optional[str]]]:
+    """[d][k]: the worker holding stage k of replica d ('worker:1'); None on one host."""
+    return [[device_key(shards[0]).rpartition("/")[0] or None for shards in row]
+            for row in self.devices]
+
   def params_on(self, k: int, t: int) -> int:
     """Parameters held by device (., k, t)."""
     stage, c = self.stages[k], self.counts
@@ -183,6 +193,7 @@ class ParallelPlan:
             "bubble": self.bubble,
             "stages": [dataclasses.asdict(s) for s in self.stages],
             "devices": [[list(shards) for shards in row] for row in self.devices],
+            "stage_workers": self.stage_workers,
             "bytes_per_device": self.bytes_per_device()}
 
   def format(self) -> str:
@@ -260,16 +271,10 @@ def make_plan(cfg: Config, devices: Sequence[str], *,
   config_lib.check_model_split(m, p, cfg.train.precision)  # The rules config checked: the same ones.
   # Only the device counts are new here: the devices are known now.
   if worker_devices is not None:
-    d = len(worker_devices)
-    if p.data_parallel not in (None, d):
-      raise ConfigError(f"--data_parallel={p.data_parallel} does not match the {d} workers: "
-                        "across workers each worker is one replica; drop --data_parallel or "
-                        f"set it to {d}")
-    short = [w for w in worker_devices if len(w) < k * t]
-    if short:
-      raise ConfigError(f"--pipeline_stages x --tensor_parallel = {k}x{t} = {k * t} devices per "
-                        f"worker, but a worker has {len(short[0])}: set --num_cpu_devices={k * t}")
-    flat = [dev for w in worker_devices for dev in list(w)[:k * t]]
+    # One replica per worker (on its first K x T devices), or a replica over whole workers.
+    d, w = config_lib.worker_layout(p, len(worker_devices), min(len(x) for x in worker_devices),
+                                    cfg.compression.method)
+    flat = [dev for x in worker_devices for dev in list(x)[:k * t // w]]
   else:
     n = len(devices)
     d = p.data_parallel or max(1, n // (k * t))

@@ -62,6 +62,30 @@ def reachable(address: str) -> bool:
     return False
 
 
+def start_server(cluster: Cluster, threads: int, on_sigterm=None) -> str:
+  """Starts this task's gRPC server for the process's life. Returns its name.
+
+  `threads`: the fewest inter-op threads that cannot hang the cluster (TF's
+  default pool has one per core; see the package docstring). SIGTERM calls
+  `on_sigterm()`, by default exits 75 at once.
+  """
+  me = f"{cluster.task_type} {cluster.task_index}"
+
+  def exit_now():
+    print(f"tfpar: {me}: SIGTERM, exiting (a server has nothing to save)", flush=True)
+    os._exit(status.PREEMPTED)  # pylint: disable=protected-access  # Servers cannot be stopped.
+
+  signal.signal(signal.SIGTERM, lambda signum, frame: (on_sigterm or exit_now)())
+  config = tf.compat.v1.ConfigProto()
+  if (os.cpu_count() or 1) < threads:
+    config.inter_op_parallelism_threads = threads
+  server = tf.distribute.Server(tf.train.ClusterSpec(cluster.spec), job_name=cluster.task_type,
+                                task_index=cluster.task_index, protocol="grpc", config=config,
+                                start=True)
+  del server  # Lives until the process ends.
+  return me
+
+
 def serve(cluster: Cluster) -> None:
   """Runs this worker or ps task's gRPC server for the chief, across chief restarts.
 
@@ -83,24 +107,16 @@ def serve(cluster: Cluster) -> None:
   check_cluster(cluster)
   if cluster.task_type not in ("worker", "ps"):
     raise ClusterError(f"serve() is for worker and ps tasks, not {cluster.task_type!r}")
-  me = f"{cluster.task_type} {cluster.task_index}"
+  me = start_server(cluster, threads=len(cluster.spec["worker"]) + 1)
+  watch_chief(me, cluster.spec["chief"][0])
 
-  def on_sigterm(signum, frame):  # pylint: disable=unused-argument
-    print(f"tfpar: {me}: SIGTERM, exiting (a server has nothing to save)", flush=True)
-    os._exit(status.PREEMPTED)  # pylint: disable=protected-access  # Servers cannot be stopped.
 
-  signal.signal(signal.SIGTERM, on_sigterm)
-  config = tf.compat.v1.ConfigProto()
-  # TF's default pool has one inter-op thread per core; fewer than
-  # num_workers + 1 can hang the cluster (see the package docstring).
-  min_threads = len(cluster.spec["worker"]) + 1
-  if (os.cpu_count() or 1) < min_threads:
-    config.inter_op_parallelism_threads = min_threads
-  server = tf.distribute.Server(tf.train.ClusterSpec(cluster.spec), job_name=cluster.task_type,
-                                task_index=cluster.task_index, protocol="grpc", config=config,
-                                start=True)
-  del server  # Lives until the process ends.
-  chief = cluster.spec["chief"][0]
+def watch_chief(me: str, chief: str, preempted=None) -> None:
+  """Serves on while the chief comes and goes; exits 1 once it stayed away CHIEF_WAIT_SECONDS.
+
+  `preempted`: a threading.Event; once set, the first poll that finds the
+  chief gone (it saved and exited) exits 75.
+  """
   print(f"tfpar: {me} serving; waits for chief {chief}", flush=True)
   seen, last_seen = False, time.monotonic()
   while True:
@@ -110,6 +126,9 @@ def serve(cluster: Cluster) -> None:
         print(f"tfpar: {me}: chief {chief} connected", flush=True)
       seen, last_seen = True, time.monotonic()
       continue
+    if preempted is not None and preempted.is_set():
+      print(f"tfpar: {me}: chief {chief} gone after the preemption notice, exiting", flush=True)
+      os._exit(status.PREEMPTED)  # pylint: disable=protected-access
     if seen:
       print(f"tfpar: {me}: chief {chief} unreachable; serving on, for its restart", flush=True)
       seen = False

@@ -1,0 +1,128 @@
+"""Pipeline stages on different worker processes train exactly like one device.
+
+Real processes on 127.0.0.1 (tfpar.launch), started with the session's first
+test (conftest.EARLY) and shared by every test here:
+
+  two     2 workers x 1 stage each (D=1, K=2), XLA on, 4 steps;
+  four    4 workers as D=2 x K=2, XLA off, resumed at step 2 from a checkpoint
+          one device wrote (the reference `one_nojit` itself).
+
+Each is held to one device's loss per step at relative 1e-5 and its gradient
+norm at 1e-4; the 2-worker run's final weights and AdamW slots to one
+device's; its step-2 checkpoint restores on one device and trains on to the
+same losses.
+"""
+
+import glob
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import TINY, read_metrics, run_module, run_modules, train_in_process
+
+STEPS = 4
+BASE = TINY + [f"--train_steps={STEPS}", "--eval_every=0", "--checkpoint_every=2"]
+CROSS = ["--strategy=multi_worker_mirrored", "--pipeline_stages=2", "--microbatches=2"]
+NO_XLA = ["--jit_compile=false"]
+
+
+def drop_checkpoint(model_dir, step):
+  """Removes ckpt-`step` (restore then takes the newest one left)."""
+  for path in glob.glob(os.path.join(model_dir, "checkpoints", f"ckpt-{step}.*")):
+    os.remove(path)
+
+
+def launch_args(num_workers, args):
+  return [f"--num_workers={num_workers}", "--"] + BASE + CROSS + args
+
+
+def run_cross_worker(tmp_path):
+  """({name: model_dir}, the 4-worker launcher's output) of the module docstring's runs."""
+  dirs = {name: str(tmp_path / name) for name in ("two", "one_nojit", "four")}
+  two, one = run_modules([
+      ("tfpar.launch", launch_args(2, [f"--model_dir={dirs['two']}"]), {"timeout": 600}),
+      ("tfpar.train", BASE + NO_XLA + [f"--model_dir={dirs['one_nojit']}"], {"timeout": 600})])
+  for proc in (two, one):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  shutil.copytree(dirs["one_nojit"], dirs["four"])
+  drop_checkpoint(dirs["four"], STEPS)
+  four = run_module("tfpar.launch", launch_args(4, NO_XLA + [f"--model_dir={dirs['four']}"]),
+                    timeout=600)
+  return dirs, four.stdout + four.stderr
+
+
+@pytest.fixture(scope="module")
+def cross_worker_runs(early_runs):
+  return early_runs["cross_worker_runs"].result()
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+  model_dir = str(tmp_path_factory.mktemp("one_device"))
+  train_in_process(BASE + [f"--model_dir={model_dir}"])
+  return model_dir
+
+
+def assert_same_steps(model_dir, reference_dir, steps):
+  got = {r["step"]: r for r in read_metrics(model_dir)}
+  want = {r["step"]: r for r in read_metrics(reference_dir)}
+  assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+  for key, rtol in (("loss", 1e-5), ("grad_norm", 1e-4)):
+    np.testing.assert_allclose([got[s][key] for s in steps], [want[s][key] for s in steps],
+                               rtol=rtol, err_msg=key)
+
+
+def test_two_workers_one_stage_each_match_one_device(cross_worker_runs, one_device):
+  dirs, _ = cross_worker_runs
+  assert_same_steps(dirs["two"], one_device, range(1, STEPS + 1))
+
+
+def test_plan_says_which_worker_holds_which_stage(cross_worker_runs):
+  dirs, four_out = cross_worker_runs
+  for name, workers in (("two", [["worker:0", "worker:1"]]),
+                        ("four", [["worker:0", "worker:1"], ["worker:2", "worker:3"]])):
+    with open(os.path.join(dirs[name], "plan.json")) as f:
+      plan = json.load(f)
+    assert plan["stage_workers"] == workers
+    assert plan["data_parallel"] == len(workers)
+  assert "stage 1: blocks 1-1 + head" in four_out
+  assert "[worker:1/CPU:0 | worker:3/CPU:0]" in four_out
+  assert "job succeeded (4 tasks)" in four_out
+
+
+def test_two_workers_final_weights_and_slots_are_one_devices(cross_worker_runs, one_device):
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  dirs, _ = cross_worker_runs
+  got, want = (tf.train.load_checkpoint(os.path.join(d, "checkpoints", f"ckpt-{STEPS}"))
+               for d in (dirs["two"], one_device))
+  names = [n for n in want.get_variable_to_shape_map() if n.startswith("state/")]
+  assert sorted(got.get_variable_to_shape_map()) == sorted(want.get_variable_to_shape_map())
+  assert len(names) > 50
+  for name in names:
+    a, b = got.get_tensor(name), want.get_tensor(name)
+    if "attn.Skey.Sbias" in name:
+      # Softmax ignores a shift shared by all keys: this bias's gradient is 0 in exact
+      # arithmetic, so it and its slots are rounding noise (~1e-7) in both runs.
+      assert max(np.abs(a).max(), np.abs(b).max()) < 1e-5, name
+      continue
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=name)
+
+
+def test_four_workers_d2_k2_resume_one_devices_checkpoint_and_match_it(cross_worker_runs):
+  dirs, four_out = cross_worker_runs
+  assert f"resumed from {dirs['four']}/checkpoints/ckpt-2 at step 2" in four_out
+  assert_same_steps(dirs["four"], dirs["one_nojit"], range(3, STEPS + 1))
+
+
+def test_cross_worker_checkpoint_restores_on_one_device(cross_worker_runs, one_device, tmp_path,
+                                                        capsys):
+  dirs, _ = cross_worker_runs
+  model_dir = str(tmp_path / "restored")
+  shutil.copytree(dirs["two"], model_dir)
+  drop_checkpoint(model_dir, STEPS)
+  train_in_process(BASE + [f"--model_dir={model_dir}"])
+  assert f"resumed from {model_dir}/checkpoints/ckpt-2 at step 2" in capsys.readouterr().out
+  assert_same_steps(model_dir, one_device, range(1, STEPS + 1))
