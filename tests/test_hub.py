@@ -20,12 +20,14 @@ import keras_hub
 import numpy as np
 import pytest
 import sentencepiece
+import tensorflow as tf
 
 from conftest import TINY, make_config, run_module
-from tfpar import hub, rundir, strategies
+from tfpar import rundir, strategies, tokenizer
 from tfpar.cluster import Cluster
 from tfpar.config import ConfigError
 from tfpar.data.pipeline import Corpus
+from tfpar.engines.data_parallel import DataParallelEngine
 from tfpar.engines.model_parallel import ModelParallelEngine
 from tfpar.export import export
 from tfpar.generate import load_model
@@ -87,39 +89,82 @@ def test_tfpar_from_a_preset_gives_keras_hubs_logits(presets, name, flags, tmp_p
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+def train_and_export(presets, tmp_path_factory, name, flags, plan):
+  """2 steps from the preset `name` under `plan`, then exported; the run's tokenizer is the
+  preset's where it has one (--init_from's default), else bytes."""
+  run = tmp_path_factory.mktemp(f"{name}_run")
+  cfg = make_config(TINY + flags + plan + [
+      f"--init_from={presets['root'] / name}", f"--model_dir={run}", "--train_steps=2",
+      "--eval_every=0", "--jit_compile=false"])
+  data = np.frombuffer(TEXT.encode(), np.uint8)
+  engine_class = ModelParallelEngine if cfg.parallel.model_parallel else DataParallelEngine
+  engine = engine_class(cfg, strategies.make_strategy(cfg.dist, Cluster()),
+                        Corpus(train=data, eval=data[:1024], files=()))
+  loop.run(cfg, engine, on_restored=lambda: rundir.write_config(cfg))
+  out = str(tmp_path_factory.mktemp(f"{name}_export") / "preset")
+  task = export(str(run), out)
+  model, _ = load_model(str(run))
+  return dict(run=str(run), out=out, task=task, cfg=cfg, ours=np.asarray(model(TOKENS)))
+
+
 @pytest.fixture(scope="module")
 def exported(presets, tmp_path_factory):
   """A Llama fine-tuned from its preset under pipeline 2 x 2 micro-batches, then exported."""
-  run = tmp_path_factory.mktemp("run")
-  cfg = make_config(TINY + LLAMA_FLAGS + [
-      f"--init_from={presets['root'] / 'llama'}", f"--model_dir={run}", "--train_steps=2",
-      "--eval_every=0", "--jit_compile=false", "--num_cpu_devices=2", "--pipeline_stages=2",
-      "--microbatches=2"])
-  data = np.frombuffer(TEXT.encode(), np.uint8)
-  engine = ModelParallelEngine(cfg, strategies.make_strategy(cfg.dist, Cluster()),
-                               Corpus(train=data, eval=data[:1024], files=()))
-  loop.run(cfg, engine, on_restored=lambda: rundir.write_config(cfg))
-  out = str(tmp_path_factory.mktemp("export") / "preset")
-  task = export(str(run), out)
-  return dict(run=str(run), out=out, task=task, engine=engine)
+  return train_and_export(presets, tmp_path_factory, "llama", LLAMA_FLAGS, [
+      "--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=2"])
+
+
+def assert_trained_from(start, backbone):
+  """Started from `start`'s weights and trained: 2 AdamW steps of at most ~lr each (positions:
+  the run's --seq_len first rows of the preset's)."""
+  first = {w.path: np.asarray(w) for w in start.weights}
+  for w in backbone.weights:
+    moved = np.abs(np.asarray(w) - first[w.path][tuple(map(slice, w.shape))]).max()
+    assert 0 < moved < 3 * 3e-3, (w.path, moved)
+
+
+def test_init_from_defaults_the_tokenizer_to_its_preset_s(presets, tmp_path):
+  llama, gpt2 = presets["root"] / "llama", presets["root"] / "gpt2"
+  m = make_config(TINY + LLAMA_FLAGS[:-1] + [f"--init_from={llama}",
+                                              f"--model_dir={tmp_path}"]).model
+  assert (m.tokenizer, m.vocab_size) == (f"keras_hub:{llama}", VOCAB)  # Both from the preset.
+  m = make_config(TINY + LLAMA_FLAGS + [f"--init_from={llama}", f"--tokenizer=keras_hub:{llama}/",
+                                        f"--model_dir={tmp_path}"]).model
+  assert m.tokenizer == f"keras_hub:{llama}/"  # Naming it is no conflict.
+  m = make_config(TINY + GPT_FLAGS + [f"--init_from={gpt2}", f"--model_dir={tmp_path}"]).model
+  assert m.tokenizer == "bytes"  # A backbone alone: bytes, unless --tokenizer says otherwise.
 
 
 def test_an_export_after_pipeline_training_gives_tfpars_logits_in_keras_hub(presets, exported):
+  assert exported["cfg"].model.tokenizer == f"keras_hub:{presets['root'] / 'llama'}"
   assert exported["task"] == "LlamaCausalLM"
   lm = keras_hub.models.LlamaCausalLM.from_preset(exported["out"])
-  model, _ = load_model(exported["run"])
-  ours = np.asarray(model(TOKENS))
-  theirs = keras_hub_logits(lm.backbone, TOKENS)
+  theirs, ours = keras_hub_logits(lm.backbone, TOKENS), exported["ours"]
   np.testing.assert_allclose(theirs, ours, rtol=1e-5, atol=1e-5 * np.abs(ours).max())
-  # It started from the preset's weights and trained: 2 AdamW steps of at most ~lr each.
-  start = {w.path: np.asarray(w) for w in presets["llama"].weights}
-  for w in lm.backbone.weights:
-    moved = np.abs(np.asarray(w) - start[w.path]).max()
-    assert 0 < moved < 3 * 3e-3, (w.path, moved)
+  assert_trained_from(presets["llama"], lm.backbone)
   # The round trip keeps the tokenizer.
   assert lm.preprocessor.tokenizer.vocabulary_size() == VOCAB
   sample = "def wrap(text, width=70):"
   np.testing.assert_array_equal(lm.preprocessor.tokenizer(sample), presets["tokenizer"](sample))
+
+
+def test_a_byte_level_gpt_exports_with_a_tokenizer_of_the_same_ids(presets, tmp_path_factory):
+  """GPT-2 from its preset (no tokenizer: bytes), 2 steps on one device, exported: keras-hub's
+  logits are tfpar's and its GPT2Tokenizer gives tfpar's byte ids, in Python and in a graph."""
+  done = train_and_export(presets, tmp_path_factory, "gpt2", GPT_FLAGS, [])
+  assert (done["cfg"].model.tokenizer, done["task"]) == ("bytes", "GPT2CausalLM")
+  lm = keras_hub.models.GPT2CausalLM.from_preset(done["out"])
+  theirs, ours = keras_hub_logits(lm.backbone, TOKENS), done["ours"]
+  np.testing.assert_allclose(theirs, ours, rtol=1e-5, atol=1e-5 * np.abs(ours).max())
+  assert_trained_from(presets["gpt2"], lm.backbone)
+  tok = lm.preprocessor.tokenizer
+  text = TEXT + "\tété, 東京 😀\r\n  \u00a0x\u3000y\n\n\n"
+  want = tokenizer.load("bytes").encode(text)
+  np.testing.assert_array_equal(tok(text), want)
+  # keras-hub's graph path drops U+096C (its splitting marker) from any text: none here.
+  np.testing.assert_array_equal(tf.function(tok)(tf.constant(text)), want)
+  assert tok.detokenize(want) == text
+  assert lm.generate("def ", max_length=8).startswith("def ")
 
 
 def test_presets_that_cannot_map_are_refused_in_one_line(presets, tmp_path):
@@ -136,7 +181,9 @@ def test_presets_that_cannot_map_are_refused_in_one_line(presets, tmp_path):
        "--num_kv_heads=4 disagrees with the LlamaBackbone"),
       (GPT_FLAGS + ["--seq_len=128"], root / "gpt2", "--seq_len=128 is longer than the 64"),
       (LLAMA_FLAGS[:-1] + ["--vocab_size=300"], root / "llama",
-       "its tokenizer has 320 tokens, more than --vocab_size=300"),
+       f"--tokenizer=keras_hub:{root / 'llama'} has 320 pieces, more than --vocab_size=300"),
+      (LLAMA_FLAGS + ["--tokenizer=bytes"], root / "llama",
+       f"--tokenizer=bytes is not the tokenizer of --init_from={root / 'llama'}"),
       (LLAMA_FLAGS, bad, "lacks"),
       (LLAMA_FLAGS, tmp_path / "none", "is not a directory"),
   ]
