@@ -27,7 +27,6 @@ from tfpar import rundir, strategies, tokenizer
 from tfpar.cluster import Cluster
 from tfpar.config import ConfigError
 from tfpar.data.pipeline import Corpus
-from tfpar.engines.data_parallel import DataParallelEngine
 from tfpar.engines.model_parallel import ModelParallelEngine
 from tfpar.export import export
 from tfpar.generate import load_model
@@ -76,7 +75,7 @@ def presets(tmp_path_factory):
   gpt2 = keras_hub.models.GPT2Backbone(vocabulary_size=VOCAB, num_layers=2, num_heads=4,
                                        hidden_dim=32, intermediate_dim=64, max_sequence_length=64)
   gpt2.save_to_preset(str(root / "gpt2"))
-  return dict(root=root, llama=llama, gpt2=gpt2, tokenizer=tokenizer)
+  return dict(root=root, llama=llama, gpt2=gpt2, tokenizer=tokenizer, proto=proto.getvalue())
 
 
 @pytest.mark.parametrize("name, flags", [("llama", LLAMA_FLAGS), ("gpt2", GPT_FLAGS)])
@@ -89,38 +88,22 @@ def test_tfpar_from_a_preset_gives_keras_hubs_logits(presets, name, flags, tmp_p
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def train_and_export(presets, tmp_path_factory, name, flags, plan):
-  """2 steps from the preset `name` under `plan`, then exported; the run's tokenizer is the
-  preset's where it has one (--init_from's default), else bytes."""
-  run = tmp_path_factory.mktemp(f"{name}_run")
-  cfg = make_config(TINY + flags + plan + [
-      f"--init_from={presets['root'] / name}", f"--model_dir={run}", "--train_steps=2",
-      "--eval_every=0", "--jit_compile=false"])
-  data = np.frombuffer(TEXT.encode(), np.uint8)
-  engine_class = ModelParallelEngine if cfg.parallel.model_parallel else DataParallelEngine
-  engine = engine_class(cfg, strategies.make_strategy(cfg.dist, Cluster()),
-                        Corpus(train=data, eval=data[:1024], files=()))
-  loop.run(cfg, engine, on_restored=lambda: rundir.write_config(cfg))
-  out = str(tmp_path_factory.mktemp(f"{name}_export") / "preset")
-  task = export(str(run), out)
-  model, _ = load_model(str(run))
-  return dict(run=str(run), out=out, task=task, cfg=cfg, ours=np.asarray(model(TOKENS)))
-
-
 @pytest.fixture(scope="module")
 def exported(presets, tmp_path_factory):
-  """A Llama fine-tuned from its preset under pipeline 2 x 2 micro-batches, then exported."""
-  return train_and_export(presets, tmp_path_factory, "llama", LLAMA_FLAGS, [
-      "--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=2"])
-
-
-def assert_trained_from(start, backbone):
-  """Started from `start`'s weights and trained: 2 AdamW steps of at most ~lr each (positions:
-  the run's --seq_len first rows of the preset's)."""
-  first = {w.path: np.asarray(w) for w in start.weights}
-  for w in backbone.weights:
-    moved = np.abs(np.asarray(w) - first[w.path][tuple(map(slice, w.shape))]).max()
-    assert 0 < moved < 3 * 3e-3, (w.path, moved)
+  """A Llama fine-tuned from its preset under pipeline 2 x 2 micro-batches, then exported; its
+  tokenizer is the preset's (--init_from's default)."""
+  run = tmp_path_factory.mktemp("run")
+  cfg = make_config(TINY + LLAMA_FLAGS + [
+      f"--init_from={presets['root'] / 'llama'}", f"--model_dir={run}", "--train_steps=2",
+      "--eval_every=0", "--jit_compile=false", "--num_cpu_devices=2", "--pipeline_stages=2",
+      "--microbatches=2"])
+  data = np.frombuffer(TEXT.encode(), np.uint8)
+  engine = ModelParallelEngine(cfg, strategies.make_strategy(cfg.dist, Cluster()),
+                               Corpus(train=data, eval=data[:1024], files=()))
+  loop.run(cfg, engine, on_restored=lambda: rundir.write_config(cfg))
+  out = str(tmp_path_factory.mktemp("export") / "preset")
+  task = export(str(run), out)
+  return dict(run=str(run), out=out, task=task, cfg=cfg)
 
 
 def test_init_from_defaults_the_tokenizer_to_its_preset_s(presets, tmp_path):
@@ -139,32 +122,64 @@ def test_an_export_after_pipeline_training_gives_tfpars_logits_in_keras_hub(pres
   assert exported["cfg"].model.tokenizer == f"keras_hub:{presets['root'] / 'llama'}"
   assert exported["task"] == "LlamaCausalLM"
   lm = keras_hub.models.LlamaCausalLM.from_preset(exported["out"])
-  theirs, ours = keras_hub_logits(lm.backbone, TOKENS), exported["ours"]
+  model, _ = load_model(exported["run"])
+  ours = np.asarray(model(TOKENS))
+  theirs = keras_hub_logits(lm.backbone, TOKENS)
   np.testing.assert_allclose(theirs, ours, rtol=1e-5, atol=1e-5 * np.abs(ours).max())
-  assert_trained_from(presets["llama"], lm.backbone)
+  # It started from the preset's weights and trained: 2 AdamW steps of at most ~lr each.
+  start = {w.path: np.asarray(w) for w in presets["llama"].weights}
+  for w in lm.backbone.weights:
+    moved = np.abs(np.asarray(w) - start[w.path]).max()
+    assert 0 < moved < 3 * 3e-3, (w.path, moved)
   # The round trip keeps the tokenizer.
   assert lm.preprocessor.tokenizer.vocabulary_size() == VOCAB
   sample = "def wrap(text, width=70):"
   np.testing.assert_array_equal(lm.preprocessor.tokenizer(sample), presets["tokenizer"](sample))
 
 
-def test_a_byte_level_gpt_exports_with_a_tokenizer_of_the_same_ids(presets, tmp_path_factory):
-  """GPT-2 from its preset (no tokenizer: bytes), 2 steps on one device, exported: keras-hub's
-  logits are tfpar's and its GPT2Tokenizer gives tfpar's byte ids, in Python and in a graph."""
-  done = train_and_export(presets, tmp_path_factory, "gpt2", GPT_FLAGS, [])
-  assert (done["cfg"].model.tokenizer, done["task"]) == ("bytes", "GPT2CausalLM")
-  lm = keras_hub.models.GPT2CausalLM.from_preset(done["out"])
-  theirs, ours = keras_hub_logits(lm.backbone, TOKENS), done["ours"]
-  np.testing.assert_allclose(theirs, ours, rtol=1e-5, atol=1e-5 * np.abs(ours).max())
-  assert_trained_from(presets["gpt2"], lm.backbone)
-  tok = lm.preprocessor.tokenizer
-  text = TEXT + "\tété, 東京 😀\r\n  \u00a0x\u3000y\n\n\n"
-  want = tokenizer.load("bytes").encode(text)
+def test_bytes_in_keras_hub_are_a_gpt2_tokenizer_of_tfpar_s_ids():
+  """On real text, non-ASCII and odd whitespace included, in keras-hub's Python path and in its
+  TensorFlow path (what tf.function and tf.data run; here eagerly), and back."""
+  bytes_ = tokenizer.ByteTokenizer()
+  tok = bytes_.to_keras_hub()
+  text = TEXT + "\tété, 東京 😀\r\n  \u00a0x\u3000y \u2009 \u202fz\n\n\n"
+  want = bytes_.encode(text)
   np.testing.assert_array_equal(tok(text), want)
-  # keras-hub's graph path drops U+096C (its splitting marker) from any text: none here.
-  np.testing.assert_array_equal(tf.function(tok)(tf.constant(text)), want)
   assert tok.detokenize(want) == text
-  assert lm.generate("def ", max_length=8).startswith("def ")
+  # keras-hub's TensorFlow path drops U+096C (its splitting marker) from any text: none here.
+  graph = type(tok)(vocabulary=tok.vocabulary, merges=tok.merges, _allow_python_workflow=False)
+  short = text[:1000] + text[-40:]
+  np.testing.assert_array_equal(graph(short), bytes_.encode(short))
+  assert (tok.vocabulary_size(), tok.end_token_id, tok.start_token_id) == (256, 0, 0)
+
+
+@pytest.mark.parametrize("name, flags, spec, task", [
+    ("gpt2", GPT_FLAGS, "bytes", "GPT2CausalLM"),
+    ("llama", LLAMA_FLAGS, "bytes", "LlamaCausalLM"),
+    ("gpt2", GPT_FLAGS, "sentencepiece:sp.model", "GPT2CausalLM")])
+def test_either_tokenizer_goes_with_either_architecture(presets, name, flags, spec, task, tmp_path):
+  """A preset of a byte-level GPT, a Llama of bytes and a GPT of SentencePiece ids (what
+  tfpar.export writes, preset.save): the backbone gives the original's logits, the
+  CausalLM's preprocessor holds the run's tokenizer and turns text into a prompt and back (a
+  Llama of SentencePiece ids generates in tests/test_tokenizer.py; compiling `generate` costs
+  seconds, so once here)."""
+  ours = (tokenizer.ByteTokenizer() if spec == "bytes"
+          else tokenizer.SentencePieceTokenizer(spec, presets["proto"]))
+  m = make_config(TINY + flags + [f"--model_dir={tmp_path}"]).model
+  out = str(tmp_path / "preset")
+  assert preset.save(m, preset.load_weights(str(presets["root"] / name), m), out,
+                     ours.to_keras_hub()) == task
+  lm = getattr(keras_hub.models, task).from_preset(out)
+  want = keras_hub_logits(presets[name], TOKENS)
+  np.testing.assert_allclose(keras_hub_logits(lm.backbone, TOKENS), want, rtol=1e-5,
+                             atol=1e-5 * np.abs(want).max())
+  sample = "def wrap(text, width=70):  # été"
+  np.testing.assert_array_equal(lm.preprocessor.tokenizer(sample), ours.encode(sample))
+  if name == "llama":
+    assert lm.generate("def ", max_length=8).startswith("def")
+  else:
+    prompt = lm.preprocessor.generate_preprocess(["def "], sequence_length=8)
+    assert lm.preprocessor.generate_postprocess(prompt)[0].startswith("def")
 
 
 def test_presets_that_cannot_map_are_refused_in_one_line(presets, tmp_path):

@@ -133,6 +133,8 @@ class SentencePieceTokenizer(Tokenizer):
   def to_keras_hub(self):
     """keras-hub's LlamaTokenizer of this model (it needs the pieces <s> and </s>)."""
     import keras_hub  # pylint: disable=import-outside-toplevel
+    import sentencepiece  # pylint: disable=import-outside-toplevel
+    sentencepiece.set_min_log_level(1)  # Not its INFO line on the identity normalisation.
     try:
       return keras_hub.models.LlamaTokenizer(proto=self.proto)
     except ValueError as e:
