@@ -114,6 +114,7 @@ class SentencePieceTokenizer(Tokenizer):
   def __init__(self, spec: str, model_proto: bytes):
     import sentencepiece  # pylint: disable=import-outside-toplevel
     self.spec, self.proto = spec, model_proto
+    sentencepiece.set_min_log_level(1)  # Not its INFO line on an identity normalisation.
     self._sp = sentencepiece.SentencePieceProcessor()
     try:
       self._sp.LoadFromSerializedProto(model_proto)
@@ -133,8 +134,6 @@ class SentencePieceTokenizer(Tokenizer):
   def to_keras_hub(self):
     """keras-hub's LlamaTokenizer of this model (it needs the pieces <s> and </s>)."""
     import keras_hub  # pylint: disable=import-outside-toplevel
-    import sentencepiece  # pylint: disable=import-outside-toplevel
-    sentencepiece.set_min_log_level(1)  # Not its INFO line on the identity normalisation.
     try:
       return keras_hub.models.LlamaTokenizer(proto=self.proto)
     except ValueError as e:
