@@ -7,8 +7,9 @@ tfpar's model flags and its weight paths to tfpar's canonical names
 (tfpar.training.checkpoint): tfpar.hub.llama (LlamaBackbone), tfpar.hub.gpt2
 (GPT2Backbone). A run started with `--init_from=PRESET_DIR` assigns the
 preset's weights in the canonical layout, so any parallel plan fine-tunes
-them; `python -m tfpar.export --format=keras_hub` writes a run back as a
-preset that keras-hub's CausalLM loads.
+them, reading the ids of the preset's tokenizer (`tokenizer_of`: what
+--tokenizer defaults to); `python -m tfpar.export --format=keras_hub` writes a
+run back as a preset that keras-hub's CausalLM loads.
 
 This module is TF-free (tfpar.rules calls `check` before TensorFlow starts);
 tfpar.hub.preset reads and writes weights with keras-hub.
@@ -67,8 +68,8 @@ def tokenizer_of(preset: str):
 
 
 def _same_tokenizer(spec: str, own: str) -> bool:
-  kind, path = spec.partition(":")[::2]
-  return kind == "keras_hub" and os.path.normpath(path) == os.path.normpath(own.partition(":")[2])
+  (kind, path), preset = spec.partition(":")[::2], own.partition(":")[2]
+  return kind == "keras_hub" and os.path.abspath(path) == os.path.abspath(preset)
 
 
 def check(m, preset: str) -> None:
