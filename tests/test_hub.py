@@ -3,11 +3,15 @@
 The presets are made in this process: a randomly initialised LlamaBackbone
 with a SentencePiece tokenizer trained on real text (Python standard library
 source), saved as a LlamaCausalLM; a GPT2Backbone alone. tfpar's model
-initialised from each gives keras-hub's logits on the same tokens to 1e-5; a
-Llama fine-tuned from its preset for 2 steps under a pipeline plan (2 stages,
-2 micro-batches) and exported loads in `LlamaCausalLM.from_preset`, whose
-logits equal tfpar's own to 1e-5, with the tokenizer it started from. Presets
-that cannot map are refused in one line before TensorFlow starts.
+initialised from each gives keras-hub's logits on the same tokens to 1e-5, and
+--init_from makes the preset's tokenizer the run's. A Llama fine-tuned from its
+preset for 2 steps under a pipeline plan (2 stages, 2 micro-batches) and
+exported loads in `LlamaCausalLM.from_preset`, whose logits equal tfpar's own
+to 1e-5, with the tokenizer it started from. Presets of a byte-level GPT, a
+Llama of bytes and a GPT of SentencePiece ids hold the run's tokenizer as
+keras-hub's (bytes: a GPT2Tokenizer of tfpar's ids). Presets that cannot map,
+and a --tokenizer other than the preset's, are refused in one line before
+TensorFlow starts.
 """
 
 import inspect
@@ -180,6 +184,17 @@ def test_either_tokenizer_goes_with_either_architecture(presets, name, flags, sp
   else:
     prompt = lm.preprocessor.generate_preprocess(["def "], sequence_length=8)
     assert lm.preprocessor.generate_postprocess(prompt)[0].startswith("def")
+
+
+def test_a_sentencepiece_model_keras_hub_cannot_hold_is_refused_in_one_line():
+  proto = io.BytesIO()
+  sentencepiece.SentencePieceTrainer.train(
+      sentence_iterator=iter(TEXT.splitlines()), model_writer=proto, vocab_size=VOCAB,
+      model_type="bpe", bos_id=-1, eos_id=-1, minloglevel=2)  # No <s>, no </s>.
+  ours = tokenizer.SentencePieceTokenizer("sentencepiece:no_bos.model", proto.getvalue())
+  with pytest.raises(tokenizer.TokenizerError, match="keras-hub's LlamaTokenizer refuses it") as e:
+    ours.to_keras_hub()
+  assert "\n" not in str(e.value)
 
 
 def test_presets_that_cannot_map_are_refused_in_one_line(presets, tmp_path):
