@@ -1,6 +1,7 @@
 """tfpar.tokenizer: one SentencePiece model trained by the real CLI on stdlib source, used
 every way (round trips, a keras-hub preset holding it, bad specs, the CLI's refusals), and one
-tiny tfpar.train run on its ids, sampled from with tfpar.generate after its directory moved."""
+tiny Llama trained by tfpar.train on its ids, sampled from with tfpar.generate after its
+directory moved and exported to keras-hub, both with the run's own copy of the model."""
 
 import contextlib
 import json
