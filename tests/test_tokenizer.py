@@ -1,7 +1,9 @@
 """tfpar.tokenizer: one SentencePiece model trained by the real CLI on stdlib source, used
 every way (round trips, a keras-hub preset holding it, bad specs, the CLI's refusals), and one
-tiny tfpar.train run on its ids, sampled from with tfpar.generate after its directory moved."""
+tiny Llama trained by tfpar.train on its ids, sampled from with tfpar.generate after its
+directory moved and exported to keras-hub, both with the run's own copy of the model."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -87,13 +89,24 @@ def test_a_file_that_is_not_a_model(tmp_path):
 
 @pytest.fixture(scope="module")
 def sp_run(trained, tmp_path_factory):
-  """4 steps on the tokenizer's ids (vocab_size from the tokenizer), then the dir moved."""
+  """A Llama, 4 steps on the tokenizer's ids (vocab_size from the tokenizer), then the dir moved."""
   root = tmp_path_factory.mktemp("run")
   run_module("tfpar.train", [*TINY, f"--data={STDLIB}/[a-c]*.py", f"--model_dir={root}/a",
                              f"--tokenizer=sentencepiece:{trained[0]}", "--train_steps=4",
-                             "--eval_every=4", "--checkpoint_every=4", "--nojit_compile"])
+                             "--architecture=llama", "--num_kv_heads=2", "--eval_every=4",
+                             "--checkpoint_every=4", "--nojit_compile"])
   shutil.move(f"{root}/a", f"{root}/b")
   return str(root / "b")
+
+
+@contextlib.contextmanager
+def only_the_run_s_copy(trained):
+  """The tokenizer's file moved away for a while: only the run's own copy is left."""
+  os.rename(trained[0], trained[0] + ".gone")
+  try:
+    yield
+  finally:
+    os.rename(trained[0] + ".gone", trained[0])
 
 
 def test_a_run_records_its_tokenizer_and_reports_loss_per_byte(trained, sp_run):
@@ -107,13 +120,31 @@ def test_a_run_records_its_tokenizer_and_reports_loss_per_byte(trained, sp_run):
 
 
 def test_generate_decodes_with_the_run_s_copy(trained, sp_run):
-  os.rename(trained[0], trained[0] + ".gone")  # Only the run's own copy is left.
-  try:
+  with only_the_run_s_copy(trained):
     proc = run_module("tfpar.generate", [f"--model_dir={sp_run}", "--prompt=def ",
                                          "--max_new_tokens=5", "--temperature=0"])
-  finally:
-    os.rename(trained[0] + ".gone", trained[0])
   assert proc.stdout.startswith("def ") and len(proc.stdout) > len("def \n")
+
+
+def test_export_writes_the_run_s_tokenizer_into_the_preset(trained, sp_run, tmp_path):
+  """A preset of the Llama trained on SentencePiece ids holds its tokenizer (from the run's own
+  copy): LlamaCausalLM.from_preset gives tfpar's ids, tfpar's logits, and generates."""
+  import keras_hub  # pylint: disable=import-outside-toplevel
+  from tfpar.export import export  # pylint: disable=import-outside-toplevel
+  from tfpar.generate import load_model  # pylint: disable=import-outside-toplevel
+  with only_the_run_s_copy(trained):
+    assert export(sp_run, str(tmp_path / "preset")) == "LlamaCausalLM"
+  lm = keras_hub.models.LlamaCausalLM.from_preset(str(tmp_path / "preset"))
+  sp = tokenizer.load(f"sentencepiece:{trained[0]}")
+  ids = sp.encode(TEXT)
+  np.testing.assert_array_equal(lm.preprocessor.tokenizer(TEXT), ids)  # Same ids, same text.
+  tokens = ids[None, :16]
+  model, _ = load_model(sp_run)
+  ours = np.asarray(model(tokens))
+  hidden = lm.backbone({"token_ids": tokens, "padding_mask": np.ones_like(tokens)})
+  theirs = np.asarray(lm.backbone.token_embedding(hidden, reverse=True))
+  np.testing.assert_allclose(theirs, ours, rtol=1e-5, atol=1e-5 * np.abs(ours).max())
+  assert lm.generate("def ", max_length=8).startswith("def")
 
 
 def test_bad_input_is_one_line_exit_2_and_leaves_no_file(trained, tmp_path):

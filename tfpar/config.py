@@ -21,7 +21,7 @@ one line and exit status 2.
 import dataclasses
 from typing import Tuple
 
-from tfpar import console, tokenizer
+from tfpar import console, hub, tokenizer
 # pylint: disable=unused-import  # The names other modules import from here.
 from tfpar.cluster import check_cluster
 from tfpar.rules import (MAX_COLLECTIVE_TIMEOUT, MAX_CPU_DEVICES, MAX_INT, MAX_SEED, check_batch,
@@ -66,13 +66,20 @@ def _section(kind, f, **resolved):
                  for s in settings(kind)})
 
 
-def _vocab_size(f) -> int:
+def _tokenizer(f) -> str:
+  """--tokenizer, or the tokenizer of the --init_from preset where it holds one, or bytes."""
+  spec = getattr(f, "tokenizer", None)
+  if spec is None and getattr(f, "init_from", None):
+    spec = hub.tokenizer_of(f.init_from)
+  return spec or tokenizer.BYTES
+
+
+def _vocab_size(f, spec: str) -> int:
   """--vocab_size, or the tokenizer's vocabulary; one smaller than that vocabulary is refused.
 
   Reads a tokenizer file (through tf.io.gfile) only when one is named: the
   embedding's rows must be known before the model is built.
   """
-  spec = getattr(f, "tokenizer", tokenizer.BYTES)
   try:
     kind, _ = tokenizer.parse(spec)
     if kind == tokenizer.BYTES:
@@ -91,8 +98,9 @@ def _vocab_size(f) -> int:
 def model_from_flags(f) -> ModelConfig:
   """The validated model shape alone (tfpar.plan needs no model_dir or data)."""
   llama = f.architecture == "llama"
+  spec = _tokenizer(f)
   m = _section(ModelConfig, f, d_ff=f.d_ff if f.d_ff is not None else 4 * f.d_model,
-               vocab_size=_vocab_size(f),
+               tokenizer=spec, vocab_size=_vocab_size(f, spec),
                positions=f.positions or ("rotary" if llama else "learned"))
   validate_model(m)
   return m

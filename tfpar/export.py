@@ -6,11 +6,12 @@ then, anywhere keras-hub runs: `keras_hub.models.LlamaCausalLM.from_preset("pres
 (GPT2CausalLM for --architecture=gpt). Wiring only: the run is found and its
 latest checkpoint restored as tfpar.generate does (any parallel plan may
 have written it), its canonical weights mapped to the backbone's
-(tfpar.hub), and keras-hub's `save_to_preset` writes the directory. A run
-started from a preset (--init_from) takes that preset's tokenizer along, so
-the CausalLM has its preprocessor; a byte-level run exports the backbone
-alone. Bad input ends with one line on stderr and exit status 2, before
-anything is written.
+(tfpar.hub), and keras-hub's `save_to_preset` writes the directory. The
+CausalLM's preprocessor holds the run's tokenizer as keras-hub's
+(tfpar.tokenizer's `to_keras_hub`): a preset's own (--init_from), the run's
+copy of its SentencePiece model as a LlamaTokenizer, or bytes as a GPT-2
+byte-level tokenizer with the same ids. Bad input ends with one line on
+stderr and exit status 2, before anything is written.
 """
 
 import os
@@ -19,7 +20,7 @@ from typing import Sequence
 
 from absl import flags
 
-from tfpar import console, generate
+from tfpar import console, generate, tokenizer
 from tfpar.schema import ConfigError
 
 FORMATS = ("keras_hub",)
@@ -52,13 +53,13 @@ def check_out(out) -> None:
 
 def export(model_dir: str, out: str) -> str:
   """Writes the run's latest weights to the preset `out`; returns the CausalLM class to load it."""
-  from tfpar import rundir  # pylint: disable=import-outside-toplevel
   from tfpar.hub import preset  # pylint: disable=import-outside-toplevel
   from tfpar.training import checkpoint  # pylint: disable=import-outside-toplevel
   model, _ = generate.load_model(model_dir)
-  m = rundir.load(model_dir).model
+  m = model.config
+  hub_tokenizer = tokenizer.for_run(m.tokenizer, model_dir).to_keras_hub()
   weights = checkpoint.read_canonical(checkpoint.model_layout(model))
-  return preset.save(m, weights, out, tokenizer_from=m.init_from)
+  return preset.save(m, weights, out, hub_tokenizer)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -71,7 +72,8 @@ def main(argv: Sequence[str]) -> None:
     generate.check_run_dir(fv.model_dir)
     check_out(fv.out)
     task = export(fv.model_dir, fv.out)
-  except (generate.GenerateError, ConfigError, CheckpointMismatchError) as e:
+  except (generate.GenerateError, ConfigError, CheckpointMismatchError,
+          tokenizer.TokenizerError) as e:
     fail(str(e))
   print(f"tfpar.export: wrote {os.path.join(fv.out, '')} (keras_hub.models.{task}.from_preset)",
         flush=True)

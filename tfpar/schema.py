@@ -65,8 +65,9 @@ class ModelConfig:
   tokenizer: str = setting(
       "bytes", "--task=lm: how text becomes ids: 'bytes' (256 byte values, no file), "
       "'sentencepiece:PATH' (a .model file; python -m tfpar.tokenizer train writes one) or "
-      "'keras_hub:PRESET_DIR' (the tokenizer of a keras-hub preset). config.json records it "
-      "and tfpar.generate decodes with it.")
+      "'keras_hub:PRESET_DIR' (the tokenizer of a keras-hub preset; the default with an "
+      "--init_from preset that holds one). config.json records it and tfpar.generate decodes "
+      "with it.", flag_default=None)
   vocab_size: int = setting(
       VOCAB_SIZE, "Embedding rows (default: the tokenizer's vocabulary, 256 for bytes; larger "
       "sizes pad it, or model another tokenizer's vocabulary for tfpar.plan).",

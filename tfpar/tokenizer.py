@@ -56,6 +56,10 @@ class Tokenizer:
     """Ids -> text; the separator and ids no text maps to are dropped."""
     raise NotImplementedError
 
+  def to_keras_hub(self):
+    """The same tokenizer as a keras-hub tokenizer (what tfpar.export puts in a preset)."""
+    raise NotImplementedError
+
   def stream_bytes_per_token(self, ids: np.ndarray) -> float:
     """UTF-8 bytes per id of a packed stream (a separator counts as the NUL byte it stands for)."""
     ids = np.asarray(ids)
@@ -82,13 +86,35 @@ class ByteTokenizer(Tokenizer):
   def decode(self, ids: Sequence[int]) -> str:
     return corpus.decode(ids)
 
+  def to_keras_hub(self):
+    """A GPT2Tokenizer whose ids are these bytes' on any text without NUL.
+
+    GPT-2's byte-level BPE maps each byte to a printable character
+    (bytes_to_unicode); with these 256 characters as its vocabulary at their
+    byte values and no merge that can apply, every byte of a text is its own
+    token. keras-hub needs two more things: its end token '<|endoftext|>' in
+    the vocabulary, which takes id 0 (tfpar's document separator, the NUL byte
+    that tfpar.data strips out of documents), and at least one merge, whose
+    two parts and result it requires in the vocabulary: bytes 0xFD and 0xFE
+    (never in UTF-8 text), merged into id 255, the place of byte 0xFF (never in
+    UTF-8 text either).
+    """
+    import keras_hub  # pylint: disable=import-outside-toplevel
+    from keras_hub.src.tokenizers.byte_pair_tokenizer import bytes_to_unicode  # pylint: disable=import-outside-toplevel
+    char = {b[0]: c for b, c in zip(*bytes_to_unicode())}
+    vocabulary = {"<|endoftext|>": 0, **{char[b]: b for b in range(1, 255)},
+                  char[0xFD] + char[0xFE]: 255}
+    return keras_hub.models.GPT2Tokenizer(vocabulary=vocabulary,
+                                          merges=[f"{char[0xFD]} {char[0xFE]}"])
+
 
 class SentencePieceTokenizer(Tokenizer):
   """A SentencePiece model from its serialized bytes."""
 
   def __init__(self, spec: str, model_proto: bytes):
     import sentencepiece  # pylint: disable=import-outside-toplevel
-    self.spec = spec
+    self.spec, self.proto = spec, model_proto
+    sentencepiece.set_min_log_level(1)  # Not its INFO line on an identity normalisation.
     self._sp = sentencepiece.SentencePieceProcessor()
     try:
       self._sp.LoadFromSerializedProto(model_proto)
@@ -104,6 +130,16 @@ class SentencePieceTokenizer(Tokenizer):
 
   def decode(self, ids: Sequence[int]) -> str:
     return self._sp.decode([int(i) for i in ids])
+
+  def to_keras_hub(self):
+    """keras-hub's LlamaTokenizer of this model (it needs the pieces <s> and </s>)."""
+    import keras_hub  # pylint: disable=import-outside-toplevel
+    try:
+      return keras_hub.models.LlamaTokenizer(proto=self.proto)
+    except ValueError as e:
+      raise TokenizerError(f"--tokenizer={self.spec}: keras-hub's LlamaTokenizer refuses it "
+                           f"({str(e).splitlines()[0][:160]}): train one with python -m "
+                           "tfpar.tokenizer train, which has them") from None
 
 
 class KerasHubTokenizer(Tokenizer):
@@ -130,6 +166,9 @@ class KerasHubTokenizer(Tokenizer):
     out = self._tok.detokenize(np.asarray(ids, np.int32))
     out = out.numpy() if hasattr(out, "numpy") else out
     return out.decode("utf-8", "replace") if isinstance(out, bytes) else str(out)
+
+  def to_keras_hub(self):
+    return self._tok
 
 
 def parse(spec: Optional[str]):

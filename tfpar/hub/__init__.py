@@ -7,8 +7,9 @@ tfpar's model flags and its weight paths to tfpar's canonical names
 (tfpar.training.checkpoint): tfpar.hub.llama (LlamaBackbone), tfpar.hub.gpt2
 (GPT2Backbone). A run started with `--init_from=PRESET_DIR` assigns the
 preset's weights in the canonical layout, so any parallel plan fine-tunes
-them; `python -m tfpar.export --format=keras_hub` writes a run back as a
-preset that keras-hub's CausalLM loads.
+them, reading the ids of the preset's tokenizer (`tokenizer_of`: what
+--tokenizer defaults to); `python -m tfpar.export --format=keras_hub` writes a
+run back as a preset that keras-hub's CausalLM loads.
 
 This module is TF-free (tfpar.rules calls `check` before TensorFlow starts);
 tfpar.hub.preset reads and writes weights with keras-hub.
@@ -49,26 +50,26 @@ def backbone_of(preset: str):
   return BACKBONES[name], saved.get("config", {})
 
 
-def tokenizer_vocabulary(preset: str):
-  """The vocabulary size of the preset's tokenizer, or None where it has none.
+def tokenizer_of(preset: str):
+  """'keras_hub:PRESET' where the preset holds a tokenizer (what --tokenizer defaults to with
+  --init_from), else None (a backbone alone, or a remote preset, read only once TF runs).
 
-  Raises ConfigError where tokenizer.json names files the preset lacks.
+  Raises ConfigError where its tokenizer.json names files the preset lacks.
   """
-  if not os.path.exists(os.path.join(preset, "tokenizer.json")):
+  if "://" in preset or not os.path.exists(os.path.join(preset, "tokenizer.json")):
     return None
   kind = read_json(preset, "tokenizer.json").get("class_name")
-  files = [os.path.join(preset, "assets", "tokenizer", n) for n in TOKENIZER_FILES.get(kind, ())]
-  missing = [f for f in files if not os.path.isfile(f)]
-  if missing:
-    raise ConfigError(f"--init_from={preset}: its {kind} lacks {missing[0]}: copy the whole "
-                      "preset directory, assets included")
-  if kind == "LlamaTokenizer":
-    import sentencepiece  # pylint: disable=import-outside-toplevel
-    return sentencepiece.SentencePieceProcessor(model_file=files[0]).get_piece_size()
-  if kind == "GPT2Tokenizer":
-    with open(files[0], encoding="utf-8") as f:
-      return len(json.load(f))
-  return None
+  for name in TOKENIZER_FILES.get(kind, ()):
+    path = os.path.join(preset, "assets", "tokenizer", name)
+    if not os.path.isfile(path):
+      raise ConfigError(f"--init_from={preset}: its {kind} lacks {path}: copy the whole "
+                        "preset directory, assets included")
+  return f"keras_hub:{preset}"
+
+
+def _same_tokenizer(spec: str, own: str) -> bool:
+  (kind, path), preset = spec.partition(":")[::2], own.partition(":")[2]
+  return kind == "keras_hub" and os.path.abspath(path) == os.path.abspath(preset)
 
 
 def check(m, preset: str) -> None:
@@ -83,10 +84,10 @@ def check(m, preset: str) -> None:
     if config.get(key, want) != want:
       raise ConfigError(f"--init_from={preset}: its {key}={config[key]} is not what tfpar's "
                         f"{module.ARCHITECTURE} computes ({want}): use a preset with {want}")
-  vocabulary = tokenizer_vocabulary(preset)
-  if vocabulary is not None and vocabulary > m.vocab_size:
-    raise ConfigError(f"--init_from={preset}: its tokenizer has {vocabulary} tokens, more than "
-                      f"--vocab_size={m.vocab_size}: pass --vocab_size={vocabulary} or more")
+  own = tokenizer_of(preset)
+  if own is not None and not _same_tokenizer(m.tokenizer, own):
+    raise ConfigError(f"--tokenizer={m.tokenizer} is not the tokenizer of --init_from={preset}, "
+                      f"whose weights read its ids: drop --tokenizer (it defaults to {own})")
   flags = module.flags_of(config)
   ours = {**{k: getattr(m, k) for k in flags}, "num_kv_heads": m.kv_heads}
   for key, value in flags.items():

@@ -2,9 +2,8 @@
 
 `load_weights(preset, m)`: the preset's backbone weights under tfpar's
 canonical names, at tfpar's shapes (tfpar.hub.llama / gpt2 say which is
-which). `save(m, weights, out, tokenizer_from=None)`: a CausalLM preset of
-those weights (with the tokenizer of the preset `tokenizer_from`, where
-there is one; else the backbone alone).
+which). `save(m, weights, out, tokenizer)`: a CausalLM preset of those
+weights with that keras-hub tokenizer (tfpar.tokenizer's `to_keras_hub`).
 """
 
 import keras_hub
@@ -52,14 +51,11 @@ def backbone(m, weights: dict):
   return model
 
 
-def save(m, weights: dict, out: str, tokenizer_from=None) -> str:
-  """Writes a keras-hub preset of `weights` to `out`; returns the CausalLM class it loads as."""
+def save(m, weights: dict, out: str, tokenizer) -> str:
+  """Writes a keras-hub CausalLM preset of `weights` and `tokenizer` (a keras-hub tokenizer)
+  to `out`; returns the CausalLM class it loads as."""
   model = backbone(m, weights)
   task, preprocessor = CAUSAL_LM[type(model).__name__]
-  if tokenizer_from is None:
-    model.save_to_preset(out)
-    return task
-  tokenizer = keras_hub.tokenizers.Tokenizer.from_preset(tokenizer_from)
   lm = getattr(keras_hub.models, task)(
       backbone=model, preprocessor=getattr(keras_hub.models, preprocessor)(tokenizer))
   lm.save_to_preset(out)
