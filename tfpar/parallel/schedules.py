@@ -152,7 +152,7 @@ class OneFOneB(Schedule):
     grads, losses, previous = [None] * len(variables), [], {}  # previous[device]: its last F or B
     for tick in zip(*timetable(k_all, len(xs), self.virtual)):
       for kind, c, m in filter(None, tick):
-        with tf.device(pipeline.stage_devices[c]), \
+        with tf.device(pipeline.stage_devices[c]), tf.name_scope(f"{kind}{c}_{m}"), \
             tf.control_dependencies(previous.get(c % k_all, [])):
           if kind == "F":  # Waits for the device's previous unit: its input does.
             x[c, m] = tf.identity(xs[m] if c == 0 else out[c - 1, m])
@@ -164,12 +164,13 @@ class OneFOneB(Schedule):
             d = tf.gradients(out[c, m], wrt, grad_ys=dy, stop_gradients=[x[c, m]])
             if c:
               dx[c, m], d = d[0], d[1:]
-            done = [g for g in ([dx[c, m]] if c else []) + d if g is not None]
-            for i, g in enumerate(d):  # Summed as they come: no M gradients kept.
-              if g is not None:
+            done = [dx[c, m]] if c else []
+            for i, g in enumerate(d):  # Summed as they come, before the device's next unit
+              if g is not None:  # (else Grappler makes the adds one AddN of all M at the end).
                 with tf.device(variables[i].value.device):
                   g = tf.convert_to_tensor(g)
                   grads[i] = g if grads[i] is None else grads[i] + g
+                done.append(grads[i])
         previous[c % k_all] = [t.op for t in done]
         if kind == "F" and c == chunks - 1:
           losses.append(out[c, m])
