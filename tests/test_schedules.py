@@ -8,12 +8,21 @@ replica), then the loss and gradient norm of each of 3 training steps. 1F1B
 and interleaved each run once with XLA and once without, over 2 devices
 (pipeline 2) and 4 (2 replicas x 2 stages). The schedules' orders themselves
 (bubble, activations in flight, no deadlock) are checked without TensorFlow.
+
+scripts/pipeline_memory.py runs once (one round, GPipe and 1F1B at K=2, M=8,
+each in its own process, started with this module's first test): 1F1B's
+measured peak must be below GPipe's on every stage.
 """
+
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from conftest import TINY, build_engine, canonical_grads
+from conftest import REPO, TINY, build_engine, canonical_grads, in_background, selected_tests_use
 from tfpar.parallel import schedules
 
 STEPS = 3
@@ -99,3 +108,41 @@ def test_orders_run_without_deadlock_in_the_bubble_the_formula_gives(stages, mic
 def test_the_docstring_draws_the_timetables():
   assert schedules.draw(4, 6) in schedules.__doc__
   assert schedules.draw(2, 4, 2) in schedules.__doc__
+
+
+def run_pipeline_memory(tmp_path):
+  """scripts/pipeline_memory.py, one round: (CompletedProcess, its JSON report)."""
+  out = tmp_path / "memory.json"
+  proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "pipeline_memory.py"),
+                         "--rounds=1", "--steps=1", "--warmup=1", f"--out={out}"],
+                        capture_output=True, text=True, cwd=REPO, timeout=900,
+                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO))
+  return proc, json.loads(out.read_text()) if proc.returncode == 0 else None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def memory_started(request, tmp_path_factory):
+  """The script's run, started with the module's first test when a selected test reads it."""
+  if selected_tests_use(request, "memory_run"):
+    return in_background(run_pipeline_memory, tmp_path_factory.mktemp("memory"))
+  return None
+
+
+@pytest.fixture(scope="module")
+def memory_run(memory_started):
+  return memory_started.result()
+
+
+def test_1f1b_peak_activation_bytes_are_below_gpipes_on_every_stage(memory_run):
+  proc, report = memory_run
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert "| gpipe | 8, 8 |" in proc.stdout and "| 1f1b | 2, 1 |" in proc.stdout, proc.stdout
+  runs = {run["schedule"]: run for run in report["runs"]}
+  assert len({run["pid"] for run in runs.values()}) == 2  # Each in a process of its own.
+  gpipe, one_f_one_b = runs["gpipe"], runs["1f1b"]
+  for stage, measured in gpipe["measured_bytes_per_stage"].items():
+    assert 0 < one_f_one_b["measured_bytes_per_stage"][stage] < measured, (stage, report)
+    assert one_f_one_b["predicted_bytes_per_stage"][stage] < gpipe["predicted_bytes_per_stage"][
+        stage]
+  assert 0 < one_f_one_b["all_stages_bytes"] < gpipe["all_stages_bytes"]
+  assert min(gpipe["tokens_per_sec"], one_f_one_b["tokens_per_sec"]) > 0
