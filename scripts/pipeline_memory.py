@@ -28,7 +28,7 @@ and measures, in this order:
     per block, 16-bit formula doubled for float32, plus the logits): an
     estimate of the activations alone, the same for every order of ops.
   * tokens/s: --steps timed training steps (optimizer included) after
-    --warmup untimed ones, without the profiler.
+    --warmup untimed ones, without the profiler (--steps=0: not measured).
 
 The parent alternates the schedules for --rounds rounds and prints medians;
 the logical devices share the host's cores, so tokens/s compares the
@@ -149,11 +149,14 @@ def measure(schedule: str) -> dict:
   tf.profiler.experimental.stop()
   peaks = peaks_per_stage(xplane.memory_events(os.path.join(workdir, "trace")), devices,
                           stage_by_device)
-  iterator = engine.train_iterator(0)
-  engine.train(iterator, FLAGS.warmup)
-  start = time.perf_counter()
-  engine.train(iterator, FLAGS.steps)
-  seconds = time.perf_counter() - start
+  tokens_per_sec = None
+  if FLAGS.steps:
+    iterator = engine.train_iterator(0)
+    engine.train(iterator, FLAGS.warmup)
+    start = time.perf_counter()
+    engine.train(iterator, FLAGS.steps)
+    tokens_per_sec = (FLAGS.steps * cfg.train.global_batch_size * cfg.model.seq_len /
+                      (time.perf_counter() - start))
   predicted = plan.activation_bytes()
   return {"schedule": schedule, "pid": os.getpid(), "bubble": plan.bubble,
           "in_flight": plan.in_flight,
@@ -161,7 +164,7 @@ def measure(schedule: str) -> dict:
           "other_bytes": peaks.get("other", 0), "all_stages_bytes": int(all_stages),
           "predicted_bytes_per_stage": {f"stage {k}": predicted[plan_lib.device_key(row[k][0])]
                                         for row in plan.devices[:1] for k in range(len(row))},
-          "tokens_per_sec": FLAGS.steps * cfg.train.global_batch_size * cfg.model.seq_len / seconds}
+          "tokens_per_sec": tokens_per_sec}
 
 
 def child(schedule: str) -> dict:
@@ -193,8 +196,9 @@ def main(_):
         "predicted": mine[0]["predicted_bytes_per_stage"], "in_flight": mine[0]["in_flight"],
         "other": med([run["other_bytes"] for run in mine]),
         "all_stages": med([run["all_stages_bytes"] for run in mine]),
-        "tokens_per_sec": med([run["tokens_per_sec"] for run in mine]), "bubble": mine[0]["bubble"]}
-  reference = rows[FLAGS.schedules[0]]["tokens_per_sec"]
+        "tokens_per_sec": med([run["tokens_per_sec"] or 0 for run in mine]),
+        "bubble": mine[0]["bubble"]}
+  reference = rows[FLAGS.schedules[0]]["tokens_per_sec"] or 1
   print(f"K={FLAGS.stages} stages, M={FLAGS.microbatches} micro-batches, {FLAGS.rounds} rounds "
         f"(medians), 1-minute load {os.getloadavg()[0]:.1f}; MiB per stage, measured (predicted)")
   print("| schedule | in flight | " + " | ".join(rows[FLAGS.schedules[0]]["measured"]) +

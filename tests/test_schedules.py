@@ -2,11 +2,11 @@
 
 Each plan's engine is built in this process (conftest.build_engine, a 4-layer
 TINY model: interleaving needs K v chunks) and compared with one device (the
-same engine over one device: one tf.gradients of the full batch's loss): the
-gradients of one batch, weight by weight, within a relative 1e-5 (plans of one
-replica), then the loss and gradient norm of each of 3 training steps. 1F1B
-and interleaved each run once with XLA and once without, over 2 devices
-(pipeline 2) and 4 (2 replicas x 2 stages). The schedules' orders themselves
+same engine over one device: one tf.gradients of the full batch's loss). On a
+pipeline of 2 devices, with XLA: one batch's loss and every weight's gradient
+(within 1e-5 of its norm). On 2 replicas x 2 stages (4 devices), without XLA:
+the loss and gradient norm of each of 3 training steps. Both for 1F1B and for
+interleaved 1F1B; the orders cost a trace each, so each plan traces once. The schedules' orders themselves
 (bubble, activations in flight, no deadlock) are checked without TensorFlow.
 
 scripts/pipeline_memory.py runs once (one round, GPipe and 1F1B at K=2, M=8,
@@ -29,7 +29,7 @@ STEPS = 3
 BASE = TINY + ["--num_layers=4", f"--train_steps={STEPS}", "--eval_every=0",
                "--checkpoint_every=100"]
 NO_XLA = ["--jit_compile=false"]
-PIPELINE = ["--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=4"]
+PIPELINE = ["--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=2"]
 HYBRID = ["--strategy=mirrored", "--num_cpu_devices=4", "--data_parallel=2", "--pipeline_stages=2",
           "--microbatches=2"]
 ONE_F_ONE_B = ["--pipeline_schedule=1f1b"]
@@ -37,8 +37,8 @@ INTERLEAVED = ["--pipeline_schedule=interleaved", "--virtual_stages=2"]
 PLANS = {
     "1f1b_pipeline_xla": PIPELINE + ONE_F_ONE_B,
     "1f1b_hybrid": HYBRID + ONE_F_ONE_B + NO_XLA,
-    "interleaved_pipeline": PIPELINE + INTERLEAVED + NO_XLA,
-    "interleaved_hybrid_xla": HYBRID + INTERLEAVED,
+    "interleaved_pipeline_xla": PIPELINE + INTERLEAVED,
+    "interleaved_hybrid": HYBRID + INTERLEAVED + NO_XLA,
 }
 
 
@@ -79,9 +79,10 @@ def test_schedule_matches_one_device(one_device, tmp_path, name):
     for weight, want in want_grads.items():
       error = np.linalg.norm(grads[weight] - want)
       assert error <= 1e-5 * max(np.linalg.norm(want), 1e-3 * scale), (weight, error)
-  losses, norms = train(engine)
-  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-  np.testing.assert_allclose(norms, want_norms, rtol=1e-4)
+  else:
+    losses, norms = train(engine)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    np.testing.assert_allclose(norms, want_norms, rtol=1e-4)
 
 
 @pytest.mark.parametrize("stages,microbatches,virtual", [(2, 4, 1), (4, 8, 1), (4, 3, 1),
@@ -114,7 +115,7 @@ def run_pipeline_memory(tmp_path):
   """scripts/pipeline_memory.py, one round: (CompletedProcess, its JSON report)."""
   out = tmp_path / "memory.json"
   proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "pipeline_memory.py"),
-                         "--rounds=1", "--steps=1", "--warmup=1", f"--out={out}"],
+                         "--rounds=1", "--steps=0", "--num_layers=2", f"--out={out}"],
                         capture_output=True, text=True, cwd=REPO, timeout=900,
                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO))
   return proc, json.loads(out.read_text()) if proc.returncode == 0 else None
@@ -145,4 +146,3 @@ def test_1f1b_peak_activation_bytes_are_below_gpipes_on_every_stage(memory_run):
     assert one_f_one_b["predicted_bytes_per_stage"][stage] < gpipe["predicted_bytes_per_stage"][
         stage]
   assert 0 < one_f_one_b["all_stages_bytes"] < gpipe["all_stages_bytes"]
-  assert min(gpipe["tokens_per_sec"], one_f_one_b["tokens_per_sec"]) > 0

@@ -72,9 +72,12 @@ its own, and its backward is its own `tf.gradients` (of the chunk's output,
 given the output gradient that came back from the next chunk, stopped at the
 chunk's input), placed with its forward ops. Every F and B on a device waits
 (a control dependency on the input, or on the incoming gradient) for the
-device's previous F or B in `order`; the gradients of each variable are
-summed over micro-batches on its device, as GPipe's one tf.gradients sums
-them. `timetable` simulates the orders (one slot per F or B, with the
+device's previous F or B in `order`. Each weight's gradient is added to its
+running sum over micro-batches, on the weight's device, before the device's
+next F or B starts (without that wait Grappler folds the adds into one AddN
+at the end, and all M gradients stay alive as under GPipe's one
+tf.gradients). Each unit's ops sit in a name scope "F{c}_{m}" or "B{c}_{m}"
+(a profile shows the order). The sum is GPipe's up to float rounding. `timetable` simulates the orders (one slot per F or B, with the
 dataflow's dependencies): it draws the diagrams above, finds the bubble the
 formulas give, and would raise on an order that deadlocks.
 """
