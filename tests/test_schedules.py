@@ -68,7 +68,11 @@ def one_device(tmp_path_factory):
 def test_schedule_matches_one_device(one_device, tmp_path, name):
   engine = build_engine(BASE + PLANS[name] + [f"--model_dir={tmp_path}"])
   batch, (want_loss, want_grads), (want_losses, want_norms) = one_device
-  assert engine.plan.schedule == name.split("_")[0]
+  with open(tmp_path / "plan.json", encoding="utf-8") as f:
+    recorded = json.load(f)
+  assert recorded["schedule"] == engine.plan.schedule == name.split("_")[0]
+  assert recorded["bubble"] == engine.plan.bubble > 0
+  assert recorded["in_flight_microbatches"] == engine.plan.in_flight
   if engine.plan.data_parallel == 1:  # Copy 0 sees the whole batch: its gradients are one device's.
     loss, grads = loss_and_grads(engine, batch)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
