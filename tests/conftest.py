@@ -282,6 +282,18 @@ def train_in_process(args):
   return runner.run(cfg, Cluster())
 
 
+def build_engine(args):
+  """The engine the runner would build for these flags, on a small synthetic corpus."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from tfpar import engines, strategies  # pylint: disable=import-outside-toplevel
+  from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
+  from tfpar.data.pipeline import Corpus  # pylint: disable=import-outside-toplevel
+  cfg = make_config(args)
+  tokens = np.arange(4096, dtype=np.uint8)
+  corpus = Corpus(train=tokens, eval=tokens[:512], files=())
+  return engines.make(cfg, strategies.make_strategy(cfg.dist, Cluster()), corpus)
+
+
 def canonical_grads(model, grads):
   """{canonical name: full gradient} of `model`'s trainable variables (shards concatenated
   along their partitioning rule's axis): what a twin compares with one device's."""

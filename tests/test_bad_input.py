@@ -71,6 +71,12 @@ BAD = [
     # Checks that used to run only once TensorFlow had started.
     (["--remat", "--dropout=0.1"] + PIPELINE, None, "remat"),
     (["--precision=mixed_float16"] + PIPELINE, None, "precision"),
+    (["--virtual_stages=2", "--microbatches=2"] + PIPELINE, None, "virtual_stages"),
+    (["--pipeline_schedule=interleaved", "--microbatches=2"] + PIPELINE, None, "virtual_stages"),
+    (["--pipeline_schedule=interleaved", "--virtual_stages=2", "--microbatches=1",
+      "--num_layers=4"] + PIPELINE, None, "microbatches"),
+    (["--pipeline_schedule=interleaved", "--virtual_stages=2", "--num_layers=2",
+      "--microbatches=2"] + PIPELINE, None, "num_layers"),
     (["--strategy=mirrored", "--num_cpu_devices=3"], None, "global_batch_size"),
     (["--strategy=multi_worker_mirrored"], MWMS(3), "global_batch_size"),
     # A TF_CONFIG left in the environment: each task would train alone (issue 18).

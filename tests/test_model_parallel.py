@@ -15,6 +15,7 @@ import os
 import numpy as np
 import pytest
 
+import conftest
 from conftest import TINY, read_metrics, run_module, train_in_process
 
 STEPS = 5
@@ -127,20 +128,8 @@ PLANS = {
 
 
 def build_engine(plan_args, model_dir):
-  """The engine the runner would build for these flags, on a small synthetic corpus."""
-  from conftest import make_config  # pylint: disable=import-outside-toplevel
-  from tfpar import strategies  # pylint: disable=import-outside-toplevel
-  from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
-  from tfpar.data.pipeline import Corpus  # pylint: disable=import-outside-toplevel
-  from tfpar.parallel.hybrid import ModelParallelEngine  # pylint: disable=import-outside-toplevel
-  from tfpar.training.engine import DataParallelEngine  # pylint: disable=import-outside-toplevel
-  cfg = make_config(BASE + plan_args + [f"--model_dir={model_dir}"])
-  tokens = np.arange(4096, dtype=np.uint8)
-  corpus = Corpus(train=tokens, eval=tokens[:512], files=())
-  strategy = strategies.make_strategy(cfg.dist, Cluster())
-  if cfg.parallel.model_parallel:
-    return ModelParallelEngine(cfg, strategy, corpus)
-  return DataParallelEngine(cfg, strategy, corpus)
+  """The engine the runner would build for these flags (conftest.build_engine)."""
+  return conftest.build_engine(BASE + plan_args + [f"--model_dir={model_dir}"])
 
 
 def test_each_device_holds_its_planned_share(tmp_path):

@@ -36,6 +36,24 @@ def test_stage_layers_override():
   assert [s.blocks for s in plan.stages] == [(0, 1, 2), (3,)]
 
 
+def test_schedules_set_bubble_chunks_and_predicted_activations():
+  base = ["--num_layers=8", "--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=8"]
+  gpipe, one_f_one_b, interleaved = (plan_for(base + extra, DEVICES[:2]) for extra in (
+      [], ["--pipeline_schedule=1f1b"], ["--pipeline_schedule=interleaved", "--virtual_stages=2"]))
+  assert gpipe.bubble == one_f_one_b.bubble == pytest.approx(1 / 9)
+  assert interleaved.bubble == pytest.approx(1 / 17)  # (K-1)/(vM+K-1)
+  # Interleaved: chunks of 2 blocks, chunk c on stage c mod K.
+  assert interleaved.chunks == [(0, (0, 1)), (1, (2, 3)), (0, (4, 5)), (1, (6, 7))]
+  assert [s.blocks for s in interleaved.stages] == [(0, 1, 4, 5), (2, 3, 6, 7)]
+  assert "stage 0: blocks 0-1, 4-5 + embedding" in interleaved.format()
+  assert "1/17" in interleaved.format()
+  # Activations: GPipe keeps M = 8 micro-batches on each stage, 1F1B K - k.
+  assert gpipe.in_flight == [8, 8] and one_f_one_b.in_flight == [2, 1]
+  for device, nbytes in gpipe.activation_bytes().items():
+    assert one_f_one_b.activation_bytes()[device] < nbytes / 3
+    assert one_f_one_b.activation_bytes()[device] < interleaved.activation_bytes()[device] < nbytes
+
+
 def test_grid_bubble_and_plan_json(tmp_path):
   plan = plan_for(["--strategy=mirrored", "--num_cpu_devices=8", "--pipeline_stages=2",
                    "--tensor_parallel=2", "--microbatches=2"])

@@ -121,7 +121,7 @@ def validate(cfg: Config) -> None:
                       (t.keep_checkpoints, "keep_checkpoints"), (t.steps_per_call, "steps_per_call"),
                       (s.num_cpu_devices, "num_cpu_devices"), (s.ps_shards, "ps_shards"),
                       (p.pipeline_stages, "pipeline_stages"), (p.microbatches, "microbatches"),
-                      (p.tensor_parallel, "tensor_parallel")):
+                      (p.tensor_parallel, "tensor_parallel"), (p.virtual_stages, "virtual_stages")):
     _positive(value, flag)
   if t.profile_steps and not 1 <= t.profile_steps[0] <= t.profile_steps[1] <= t.train_steps:
     raise ConfigError(f"--profile_steps={t.profile_steps[0]},{t.profile_steps[1]} must satisfy "
@@ -255,6 +255,7 @@ def check_model_split(m: ModelConfig, p: ParallelConfig, precision: str = "float
     if any(n <= 0 for n in p.stage_layers) or sum(p.stage_layers) != m.num_layers:
       raise ConfigError(f"--stage_layers={','.join(map(str, p.stage_layers))} must be positive "
                         f"and sum to --num_layers={m.num_layers}")
+  check_schedule(m, p)
   if m.num_heads % p.tensor_parallel:
     raise ConfigError(f"--tensor_parallel={p.tensor_parallel} does not divide --num_heads="
                       f"{m.num_heads}: pick a T that divides the head count")
@@ -276,6 +277,24 @@ def check_model_split(m: ModelConfig, p: ParallelConfig, precision: str = "float
                       "(no loss scaling there yet): use --precision=mixed_bfloat16 or float32")
 
 
+def check_schedule(m: ModelConfig, p: ParallelConfig) -> None:
+  """What --pipeline_schedule and --virtual_stages need of the model's split."""
+  k, v = p.pipeline_stages, p.virtual_stages
+  if p.pipeline_schedule != "interleaved":
+    if v != 1:
+      raise ConfigError(f"--virtual_stages={v} is for --pipeline_schedule=interleaved, not "
+                        f"{p.pipeline_schedule}: drop it or use --pipeline_schedule=interleaved")
+    return
+  if k < 2 or v < 2:
+    raise ConfigError(f"--pipeline_schedule=interleaved needs --pipeline_stages >= 2 and "
+                      f"--virtual_stages >= 2 (got {k} and {v}): e.g. --virtual_stages=2, or "
+                      "--pipeline_schedule=1f1b")
+  if m.num_layers % (k * v) or p.stage_layers is not None:
+    raise ConfigError(f"--pipeline_schedule=interleaved cuts --num_layers={m.num_layers} into "
+                      f"--pipeline_stages x --virtual_stages = {k}x{v} = {k * v} equal chunks: "
+                      f"use a multiple of {k * v} layers (and no --stage_layers)")
+
+
 def _validate_parallel(cfg: Config) -> None:
   t, s, p = cfg.train, cfg.dist, cfg.parallel
   if not p.model_parallel:
@@ -292,6 +311,10 @@ def _validate_parallel(cfg: Config) -> None:
   if s.strategy == "multi_worker_mirrored":
     dp = p.data_parallel or 1
   check_batch(t.global_batch_size, dp, p.microbatches, flag=f"--data_parallel={dp}")
+  if p.pipeline_schedule == "interleaved" and p.microbatches % p.pipeline_stages:
+    raise ConfigError(f"--pipeline_schedule=interleaved runs micro-batches in groups of "
+                      f"--pipeline_stages={p.pipeline_stages}: make --microbatches="
+                      f"{p.microbatches} a multiple of {p.pipeline_stages}")
   if s.strategy != "multi_worker_mirrored":
     needed = dp * p.pipeline_stages * p.tensor_parallel
     if s.num_cpu_devices > 1 and needed != s.num_cpu_devices:

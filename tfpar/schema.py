@@ -22,6 +22,7 @@ PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 ON_NONFINITE = ("stop", "skip")
 REMAT = ("none", "full", "selective")  # What blocks recompute in the backward pass.
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # tfpar.parallel.schedules.
 CAUSAL_ATTENTION = ("query_blocks", "online_softmax")  # tfpar.layers.attention.CAUSAL_CORES.
 OPTIMIZER_SHARDING = ("none", "zero1", "zero2")  # tfpar.parallel.zero.
 ARCHITECTURES = ("gpt", "llama")  # --architecture: tfpar.models.GPT, tfpar.models.Llama.
@@ -226,6 +227,13 @@ class ParallelConfig:
   microbatches: int = setting(1, "Micro-batches per replica batch in the pipeline.")
   stage_layers: Optional[Tuple[int, ...]] = setting(
       None, "Blocks per pipeline stage, e.g. 3,3,2 (default: balanced).")
+  pipeline_schedule: str = setting(
+      "gpipe", "Order of the pipeline's forwards and backwards: gpipe (every micro-batch's "
+      "activations kept until the backward), 1f1b (at most K micro-batches' on stage 0) or "
+      "interleaved (1F1B over --virtual_stages chunks per device: a v times smaller bubble).",
+      choices=PIPELINE_SCHEDULES)
+  virtual_stages: int = setting(
+      1, "--pipeline_schedule=interleaved: chunks of blocks per device (v >= 2).")
   tensor_parallel: int = setting(1, "Devices each attention and MLP block is split over.")
   data_parallel: Optional[int] = setting(
       None, "Model replicas for model-parallel runs (default: what the devices allow).")
@@ -244,7 +252,8 @@ class ParallelConfig:
   def model_parallel(self) -> bool:
     """True when the model itself is split (pipeline, tensor, or an explicit plan)."""
     return (self.pipeline_stages > 1 or self.tensor_parallel > 1 or self.remat != "none"
-            or self.data_parallel is not None or self.microbatches > 1)
+            or self.data_parallel is not None or self.microbatches > 1
+            or self.pipeline_schedule != "gpipe")
 
 
 @dataclasses.dataclass(frozen=True)

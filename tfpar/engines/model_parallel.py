@@ -18,7 +18,7 @@ holding its K x T devices), nothing at all for D=1. Each replica function
   1. picks its model copy (from its anchor device),
   2. runs its pipeline (tfpar.parallel.pipeline) over its K x T devices with
      explicit tf.device placement, in the order of the plan's schedule
-     (tfpar.parallel.schedules: GPipe),
+     (tfpar.parallel.schedules: GPipe, 1F1B or interleaved 1F1B),
   3. SUMs each gradient with the same gradient of the other D-1 copies
      through the run's gradient exchange (tfpar.parallel.exchange), packed
      per device: the gradients of the weights one device holds are
@@ -83,12 +83,12 @@ class ModelCopy:
     self.model.built = True
     with tf.device(first):  # The step counter; slots colocate with their weights.
       self.optimizer = build_optimizer(self.model.trainable_variables)
-    self.pipeline = Pipeline(self.model, stage_blocks=[s.blocks for s in plan.stages],
-                             stage_devices=[shards[0] for shards in row],
+    self.pipeline = Pipeline(self.model, stage_blocks=[blocks for _, blocks in plan.chunks],
+                             stage_devices=[row[k][0] for k, _ in plan.chunks],
                              microbatches=plan.microbatches, loss_fn=task.loss,
                              eval_fn=task.eval_outputs, remat=plan.remat,
                              jit_compile=cfg.train.jit_compile,
-                             schedule=schedules.make(plan.schedule))
+                             schedule=schedules.make(plan.schedule, plan.virtual_stages))
 
   @property
   def variables(self):
@@ -252,7 +252,9 @@ class ModelParallelEngine(Engine):
     return {"strategy": how,
             "replicas": self.num_replicas,
             "plan": f"D={p.data_parallel} x K={p.pipeline_stages} x T={p.tensor_parallel}, "
-                    f"M={p.microbatches}, bubble {p.bubble:.1%}, remat {p.remat}, "
+                    f"M={p.microbatches}, {p.schedule}"
+                    f"{f' v={p.virtual_stages}' if p.virtual_stages > 1 else ''}, "
+                    f"bubble {p.bubble:.1%}, remat {p.remat}, "
                     f"xla {'per stage/shard' if self.cfg.train.jit_compile else 'off'}",
             "parameters": int(sum(np.prod(v.shape)
                                   for v in self.copies[0].model.trainable_variables)),

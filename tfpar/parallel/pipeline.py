@@ -5,8 +5,10 @@ head and the loss; see tfpar.parallel.plan). A replica's batch of B sequences
 is cut into M micro-batches of B/M. A `Pipeline` is the forward of each
 micro-batch through the stages, every stage's ops placed on its device
 (`tf.device`; activations move between stages by send/recv); the order in
-which micro-batches run forward and backward, and so the bubble, is the
-schedule's (tfpar.parallel.schedules: GPipe today).
+which micro-batches run forward and backward, and so the bubble and the
+activations each stage keeps, is the schedule's (tfpar.parallel.schedules:
+GPipe, 1F1B, interleaved 1F1B). Under the interleaved schedule the pipeline's
+"stages" are the plan's v K chunks, chunk c on device c mod K.
 
 Gradient accumulation: the step's loss is the sum of the M micro-batch losses,
 each already divided by the GLOBAL batch's count (the task's loss, tfpar.tasks.task),
@@ -14,7 +16,8 @@ so the gradient of that sum is the sum of the micro-batch gradients (one AddN
 per variable, on its device) and equals the full-batch gradient. One optimizer
 update follows, after the data-parallel reduction (tfpar.engines.model_parallel).
 
-Memory: GPipe keeps every micro-batch's activations until its backward; with
+Memory: GPipe keeps every micro-batch's activations until its backward (1F1B
+at most K of them, see tfpar.parallel.schedules); with
 --remat (full) each block keeps only its input and recomputes the rest in the
 backward pass (tf.recompute_grad), about one extra forward of compute; with
 --remat=selective only each attention's core softmax(QK^T/sqrt(d))V is
@@ -53,9 +56,10 @@ class Pipeline:
   Args:
     model: a task's model (tfpar.models.base.ParallelModel: embed, blocks,
       head) whose weights already live on their stages' devices.
-    stage_blocks: block indices of each stage, e.g. [(0, 1), (2, 3)].
-    stage_devices: each stage's first device (its residual stream and
-      unsplit weights); tensor shards are placed by tfpar.parallel.tensor.
+    stage_blocks: block indices of each stage, e.g. [(0, 1), (2, 3)] (of
+      each chunk, in pipeline order, under the interleaved schedule).
+    stage_devices: each stage's (chunk's) first device (its residual stream
+      and unsplit weights); tensor shards are placed by tfpar.parallel.tensor.
     microbatches: M.
     loss_fn: (outputs, targets) -> a share of the GLOBAL mean loss (the task's `loss`).
     eval_fn: (outputs, targets) -> dict of eval outputs (the task's `eval_outputs`).
@@ -125,8 +129,7 @@ class Pipeline:
     """per_microbatch(outputs, targets) of every micro-batch, on the last stage."""
     devices = self.stage_devices
     last = len(devices) - 1
-    m = self.microbatches
-    xs, ys = split_batch(inputs, m), split_batch(targets, m)  # M x [B/M, ...]
+    xs, ys = self.split(inputs), self.split(targets)  # M x [B/M, ...]
     results = []
     for x, y in zip(xs, ys):
       h = x
@@ -135,6 +138,14 @@ class Pipeline:
           h = self._stage(k, training, per_microbatch)(h, y if k == last else None)
       results.append(h)
     return results
+
+  def chunk(self, k: int):
+    """Stage (chunk) k's training forward of one micro-batch, (x or h, y) -> h (the last: its loss)."""
+    return self._stage(k, True, self.loss_fn)
+
+  def split(self, batch) -> list:
+    """A batch (a tensor or a nest of them, e.g. a dict of targets) as the M micro-batches."""
+    return split_batch(batch, self.microbatches)
 
   def loss(self, inputs, targets, training: bool = False):
     """Sum over micro-batches of the task's loss: this replica's share of the global mean."""

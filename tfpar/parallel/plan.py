@@ -21,9 +21,18 @@ two slots per weight (m, v) beside it, and its step counter on device (d, 0, 0).
 `bytes_per_device` predicts those bytes from the shapes alone; the engine
 measures the real variables against it.
 
-The GPipe bubble, the fraction of each device's step spent idle while the
-pipeline fills and drains, is (K-1)/(M+K-1) for M micro-batches
-(tfpar.parallel.pipeline derives it).
+The schedule (--pipeline_schedule) sets the bubble, the fraction of each
+device's step spent idle while the pipeline fills and drains: (K-1)/(M+K-1)
+for M micro-batches under GPipe and 1F1B, (K-1)/(vM+K-1) under interleaved
+1F1B with v chunks per device; there stage k holds the v chunks k, k+K, ...
+of L/(vK) blocks each (`chunks`), not one contiguous run of blocks
+(tfpar.parallel.schedules derives both).
+
+Activations: `activation_bytes` predicts each stage's peak, the schedule's
+micro-batches in flight on it (GPipe M, 1F1B K-k on stage k: `in_flight`)
+times one micro-batch's activations there, Korthikanti et al. 2022's count
+per block (`activation_bytes_per_block`, also the planner's) and the logits
+on the last stage. scripts/pipeline_memory.py measures it.
 """
 
 import dataclasses
@@ -41,6 +50,7 @@ from tfpar import tasks
 from tfpar.parallel import schedules
 from tfpar.config import Config, ConfigError, ModelConfig
 
+ACTIVATION_BYTES = {"float32": 4, "mixed_bfloat16": 2, "mixed_float16": 2}
 BYTES_PER_PARAM = 4  # Variables stay float32 under every precision policy (fp32 masters).
 OPTIMIZER_SLOTS = 2  # AdamW: first and second moments.
 STEP_COUNTER_BYTES = 8  # AdamW's int64 iteration count.
@@ -112,6 +122,23 @@ def balance_stages(num_layers: int, stages: int, block: int, first_extra: int,
   return tuple(int(c) for c in reversed(counts))
 
 
+def activation_bytes_per_block(m: ModelConfig, b, t, recompute, precision: str, *,
+                               selective=False):
+  """(kept, without recompute): activations one block keeps for the backward of one micro-batch
+  of b sequences.
+
+  Korthikanti et al. 2022, eq. (2) (tensor parallel, no sequence parallelism),
+  in 16-bit values; float32 activations double it. Full recompute keeps only
+  the block's input, 2 s b h bytes in 16 bits; selective recompute drops the
+  attention scores' 5 a s / (h T) term.
+  """
+  s, h, a = m.seq_len, m.d_model, m.num_heads
+  scale = ACTIVATION_BYTES[precision] / 2
+  full = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale
+  kept = np.where(selective, s * b * h * (10 + 24 / t) * scale, full)
+  return np.where(recompute, 2 * s * b * h * scale, kept), full
+
+
 @dataclasses.dataclass(frozen=True)
 class Stage:
   index: int
@@ -134,6 +161,9 @@ class ParallelPlan:
     remat: what blocks recompute in the backward pass: "none", "full" (all but the
       block's input) or "selective" (the attention core).
     counts: parameter counts per part.
+    schedule: the pipeline schedule (tfpar.parallel.schedules), --pipeline_schedule.
+    virtual_stages: v, chunks per stage (interleaved; 1 otherwise).
+    microbatch_activations: per stage, the predicted bytes of one micro-batch's activations.
   """
   data_parallel: int
   pipeline_stages: int
@@ -144,15 +174,37 @@ class ParallelPlan:
   devices: Tuple[Tuple[Tuple[str, ...], ...], ...]
   remat: str
   counts: ParamCounts
-
-  @property
-  def schedule(self) -> str:
-    """The pipeline schedule (tfpar.parallel.schedules) the engine runs: GPipe."""
-    return "gpipe"
+  schedule: str = "gpipe"
+  virtual_stages: int = 1
+  microbatch_activations: Tuple[int, ...] = ()
 
   @property
   def bubble(self) -> float:
-    return schedules.make(self.schedule).bubble(self.pipeline_stages, self.microbatches)
+    return schedules.make(self.schedule, self.virtual_stages).bubble(self.pipeline_stages,
+                                                                     self.microbatches)
+
+  @property
+  def in_flight(self) -> List[float]:
+    """Per stage, the most micro-batches whose activations it holds at once under the schedule."""
+    return schedules.make(self.schedule, self.virtual_stages).in_flight(self.pipeline_stages,
+                                                                        self.microbatches)
+
+  @property
+  def chunks(self) -> List[Tuple[int, Tuple[int, ...]]]:
+    """(stage, blocks) of each chunk in pipeline order: the K stages, or (interleaved) the
+    v K chunks of L/(vK) blocks, chunk c on stage c mod K."""
+    k, v = self.pipeline_stages, self.virtual_stages
+    out = []
+    for c in range(k * v):
+      blocks = self.stages[c % k].blocks
+      n = len(blocks) // v
+      out.append((c % k, blocks[(c // k) * n:(c // k + 1) * n]))
+    return out
+
+  def activation_bytes(self) -> Dict[str, int]:
+    """Predicted {stage's first device: peak bytes of activations} (module docstring)."""
+    return {device_key(row[k][0]): int(n * self.microbatch_activations[k])
+            for row in self.devices for k, n in enumerate(self.in_flight)}
 
   @property
   def anchors(self) -> List[str]:
@@ -190,7 +242,9 @@ class ParallelPlan:
     return {"data_parallel": self.data_parallel, "pipeline_stages": self.pipeline_stages,
             "tensor_parallel": self.tensor_parallel, "microbatches": self.microbatches,
             "per_replica_batch": self.per_replica_batch, "remat": self.remat,
-            "bubble": self.bubble,
+            "schedule": self.schedule, "virtual_stages": self.virtual_stages,
+            "bubble": self.bubble, "in_flight_microbatches": self.in_flight,
+            "activation_bytes_per_device": self.activation_bytes(),
             "stages": [dataclasses.asdict(s) for s in self.stages],
             "devices": [[list(shards) for shards in row] for row in self.devices],
             "stage_workers": self.stage_workers,
@@ -199,18 +253,26 @@ class ParallelPlan:
   def format(self) -> str:
     """The plan as a few lines for the start-up log."""
     d, k, t, m = self.data_parallel, self.pipeline_stages, self.tensor_parallel, self.microbatches
+    v = self.virtual_stages
+    vm = f"{v}M" if v > 1 else "M"
     lines = [f"plan: D={d} data x K={k} pipeline x T={t} tensor = {count(d * k * t, 'device')}; "
-             f"M={m} micro-batches of {self.per_replica_batch // m}; bubble (K-1)/(M+K-1) = "
-             f"{k - 1}/{m + k - 1} = {self.bubble:.1%}; remat {self.remat}"]
+             f"M={m} micro-batches of {self.per_replica_batch // m}; schedule {self.schedule}"
+             f"{f' over v={v} chunks per stage' if v > 1 else ''}, bubble (K-1)/({vm}+K-1) = "
+             f"{k - 1}/{v * m + k - 1} = {self.bubble:.1%}; remat {self.remat}"]
     for s in self.stages:
       extra = (" + embedding" if s.embedding else "") + (" + head" if s.head else "")
       devs = " | ".join(" ".join(device_key(dev) for dev in row[s.index]) for row in self.devices)
-      lines.append(f"  stage {s.index}: blocks {s.blocks[0]}-{s.blocks[-1]}{extra}, "
+      runs = ", ".join(f"{b[0]}-{b[-1]}" for i, b in self.chunks if i == s.index)
+      lines.append(f"  stage {s.index}: blocks {runs}{extra}, "
                    f"{s.parameters:,} params on [{devs}]")
-    lines.append("  predicted bytes per device:")
+    flight = ", ".join(f"{n:g}" for n in self.in_flight)
+    lines.append(f"  predicted bytes per device (activations: micro-batches in flight per stage "
+                 f"{flight}):")
+    activations = self.activation_bytes()
     for device, b in self.bytes_per_device().items():
+      acts = f", activations {kib(activations[device])}" if device in activations else ""
       lines.append(f"    {device}: parameters {kib(b['parameters'])}, "
-                   f"optimizer {kib(b['optimizer'])}")
+                   f"optimizer {kib(b['optimizer'])}{acts}")
     return "\n".join(lines)
 
   def write(self, model_dir: str) -> str:
@@ -286,19 +348,32 @@ def make_plan(cfg: Config, devices: Sequence[str], *,
   g = cfg.train.global_batch_size
   config_lib.check_batch(g, d, p.microbatches, flag=f"--data_parallel={d}")
   counts = count_params(m, t, family=family)
+  v = p.virtual_stages
   if p.stage_layers is not None:
     per_stage = tuple(p.stage_layers)
+  elif v > 1:  # Interleaved: v K equal chunks, chunk c on stage c mod K.
+    per_stage = (m.num_layers // k,) * k
   else:
     per_stage = balance_stages(m.num_layers, k, counts.block, counts.embedding, counts.head)
-  stages, first = [], 0
+  size = m.num_layers // (k * v)
+  runs = [[range(c * size, (c + 1) * size) for c in range(i, k * v, k)] if v > 1 else
+          [range(sum(per_stage[:i]), sum(per_stage[:i + 1]))] for i in range(k)]
+  b = g // d // p.microbatches
+  per_block, _ = activation_bytes_per_block(m, b, t, p.remat == "full", cfg.train.precision,
+                                            selective=p.remat == "selective")
+  stages, activations = [], []
   for i, n_blocks in enumerate(per_stage):
     params = n_blocks * counts.block + (counts.embedding if i == 0 else 0) + \
         (counts.head if i == k - 1 else 0)
-    stages.append(Stage(index=i, blocks=tuple(range(first, first + n_blocks)), parameters=params,
-                        embedding=i == 0, head=i == k - 1))
-    first += n_blocks
+    stages.append(Stage(index=i, blocks=tuple(j for run in runs[i] for j in run),
+                        parameters=params, embedding=i == 0, head=i == k - 1))
+    # The last stage also keeps the logits and their softmax (float32, as the loss computes).
+    activations.append(int(n_blocks * per_block + (8 * b * m.seq_len * m.vocab_size
+                                                   if i == k - 1 else 0)))
   grid = tuple(tuple(tuple(flat[r * k * t + s * t + j] for j in range(t)) for s in range(k))
                for r in range(d))
   return ParallelPlan(data_parallel=d, pipeline_stages=k, tensor_parallel=t,
                       microbatches=p.microbatches, per_replica_batch=g // d, stages=tuple(stages),
-                      devices=grid, remat=p.remat, counts=counts)
+                      devices=grid, remat=p.remat, counts=counts,
+                      schedule=p.pipeline_schedule, virtual_stages=v,
+                      microbatch_activations=tuple(activations))

@@ -1,13 +1,11 @@
 """Pipeline schedules: in which order a model copy's micro-batches run forward and backward.
 
 A `Schedule` turns a `tfpar.parallel.pipeline.Pipeline` (the placed forward
-of each micro-batch through K stages) into one replica's loss and
-gradients; the plan names it (`ParallelPlan.schedule`) and `make` builds it.
-Every schedule computes the same sum of micro-batch gradients (so the serial
-twins hold whatever the order); they differ in the bubble and in how many
-micro-batches' activations a stage keeps at once. GPipe is the one today;
-1F1B (PipeDream-Flush) and interleaved 1F1B (Narayanan et al. 2021) are
-further `Schedule`s.
+of each micro-batch through its chunks of blocks) into one replica's loss and
+gradients; the plan names it (`ParallelPlan.schedule`, --pipeline_schedule)
+and `make` builds it. Every schedule computes the same sum of micro-batch
+gradients (so the serial twins hold whatever the order); they differ in the
+bubble and in how many micro-batches' activations a stage keeps at once.
 
 GPipe (Huang et al. 2019). Stage k runs the forward F(k, m) of every
 micro-batch m, then the backward B(k, m) in reverse:
@@ -24,32 +22,103 @@ M + K - 1 backward slots, so the idle fraction, the bubble, is
   bubble = (K - 1) / (M + K - 1)        e.g. K=4, M=4: 3/7 = 43%; M=16: 3/19 = 16%
 
 and it shrinks as M grows (at the cost of M smaller matmuls). Every
-micro-batch's activations stay until its backward (--remat keeps only each
-block's input).
+micro-batch's activations stay until its backward: M of them on every stage
+(--remat keeps only each block's input).
 
-How it runs: there is no hand-written timetable. The step is ONE graph in
+How GPipe runs: there is no hand-written timetable. The step is ONE graph in
 which every micro-batch's stage-k ops are placed on stage k's device; the
 backward comes from one `tf.gradients` of the summed loss, which places each
 gradient op with its forward op (a GradientTape in a tf.function leaves them
 unplaced). TensorFlow's executor runs any op whose inputs are ready, so F(1, 0)
 runs while F(0, 1) does: the dataflow overlaps the stages as the diagram does,
 the same dependencies, scheduled greedily.
+
+1F1B (PipeDream-Flush, Narayanan et al. 2021). Stage k runs K - k - 1
+warm-up forwards, then alternates one forward and one backward, then drains
+the backwards (`order`; drawn by `draw(4, 6)`, one slot per F or B):
+
+  dev 0 F00 F01 F02 F03  .   .   .  B00 F04 B01 F05 B02  .  B03  .  B04  .  B05
+  dev 1  .  F10 F11 F12  .   .  B10 F13 B11 F14 B12 F15 B13  .  B14  .  B15
+  dev 2  .   .  F20 F21  .  B20 F22 B21 F23 B22 F24 B23 F25 B24  .  B25
+  dev 3  .   .   .  F30 B30 F31 B31 F32 B32 F33 B33 F34 B34 F35 B35
+
+The bubble is GPipe's, (K-1)/(M+K-1), but a micro-batch's activations are
+freed by its backward as soon as the last stage is reached: stage k holds at
+most K - k micro-batches' activations, not M, so M >> K costs no memory.
+
+Interleaved 1F1B (Narayanan et al. 2021, section 2.2). The blocks are cut
+into v K chunks ("virtual stages") of equal size; chunk c sits on device
+c mod K, so each device holds v non-contiguous chunks and a micro-batch
+passes every device v times. Micro-batches go in groups of K (M must be a
+multiple of K); device k runs 2 (K - k - 1) + (v - 1) K warm-up forwards,
+then alternates. Here "F21" is chunk 2 (device 0's second chunk) on
+micro-batch 1, each slot a chunk, 1/v of a stage (`draw(2, 4, 2)`):
+
+  dev 0 F00 F01 F20 F21 F02 B20 F03 B21 F22 B00 F23 B01  .  B22  .  B23 B02 B03
+  dev 1  .  F10 F11 F30 B30 F31 B31 F12 B10 F13 B11 F32 B32 F33 B33 B12 B13
+
+Each device works 2 v M slots of 1/v of a stage out of 2 (v M + K - 1): the
+fill and drain shrink v times,
+
+  bubble = (K - 1) / (v M + K - 1)      i.e. (K - 1)/(v M) of the useful time,
+
+for v times as many activation sends. Device k holds up to 2 (K - k - 1) +
+(v - 1) K + 1 chunks' activations, a little more than 1F1B's K - k stages
+(`in_flight`).
+
+How 1F1B and interleaved run: TensorFlow's executor is greedy, so the order
+is imposed in the graph. Each chunk's forward of each micro-batch is built on
+its own, and its backward is its own `tf.gradients` (of the chunk's output,
+given the output gradient that came back from the next chunk, stopped at the
+chunk's input), placed with its forward ops. Every F and B on a device waits
+(a control dependency on the input, or on the incoming gradient) for the
+device's previous F or B in `order`. Each weight's gradient is added to its
+running sum over micro-batches, on the weight's device, before the device's
+next F or B starts (without that wait Grappler folds the adds into one AddN
+at the end, and all M gradients stay alive as under GPipe's one
+tf.gradients). Each unit's ops sit in a name scope "F{c}_{m}" or "B{c}_{m}"
+(a profile shows the order). The sum is GPipe's up to float rounding. `timetable` simulates the orders (one slot per F or B, with the
+dataflow's dependencies): it draws the diagrams above, finds the bubble the
+formulas give, and would raise on an order that deadlocks.
 """
+
+from typing import List, Tuple
 
 from tfpar.config import ConfigError
 
 # TensorFlow is imported where a schedule builds ops, not here: the plan (and
 # `python -m tfpar.plan`, before TensorFlow starts) reads a schedule's bubble.
 
+Unit = Tuple[str, int, int]  # ("F" or "B", chunk, micro-batch)
+
 
 class Schedule:
-  """How a pipeline's forwards and backwards are ordered (see the module docstring)."""
+  """How a pipeline's forwards and backwards are ordered (see the module docstring).
+
+  Args:
+    virtual_stages: v, chunks per device (interleaved only; 1 otherwise).
+  """
 
   name = ""
 
+  def __init__(self, virtual_stages: int = 1):
+    self.virtual = virtual_stages
+
   def bubble(self, stages: int, microbatches: int) -> float:
     """The idle fraction of each stage's step."""
-    raise NotImplementedError
+    return (stages - 1) / (self.virtual * microbatches + stages - 1)
+
+  def in_flight(self, stages: int, microbatches: int) -> List[float]:
+    """Per device, the most micro-batches whose activations it holds at once (in stages: a chunk
+    counts 1/v)."""
+    out = []
+    for k in range(stages):
+      live, peak = 0, 0
+      for kind, _, _ in order(stages, microbatches, self.virtual, k):
+        live += 1 if kind == "F" else -1
+        peak = max(peak, live)
+      out.append(peak / self.virtual)
+    return out
 
   def loss_and_grads(self, pipeline, inputs, targets):
     """(this replica's loss, dense gradients of pipeline.model.trainable_variables on their devices)."""
@@ -61,8 +130,8 @@ class GPipe(Schedule):
 
   name = "gpipe"
 
-  def bubble(self, stages: int, microbatches: int) -> float:
-    return (stages - 1) / (microbatches + stages - 1)
+  def in_flight(self, stages: int, microbatches: int) -> List[float]:
+    return [float(microbatches)] * stages
 
   def loss_and_grads(self, pipeline, inputs, targets):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
@@ -72,14 +141,111 @@ class GPipe(Schedule):
     return loss, dense_on_devices(grads, variables)
 
 
-SCHEDULES = {s.name: s for s in (GPipe,)}
+class OneFOneB(Schedule):
+  """Each chunk's F and B of each micro-batch built apart, in `order` on every device."""
+
+  name = "1f1b"
+
+  def loss_and_grads(self, pipeline, inputs, targets):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    chunks, variables = len(pipeline.stage_devices), pipeline.model.trainable_variables
+    k_all = chunks // self.virtual
+    xs, ys = pipeline.split(inputs), pipeline.split(targets)
+    x, out, dx = {}, {}, {}  # (chunk, m) -> the chunk's input, its output, its input's gradient
+    grads, losses, previous = [None] * len(variables), [], {}  # previous[device]: its last F or B
+    for tick in zip(*timetable(k_all, len(xs), self.virtual)):
+      for kind, c, m in filter(None, tick):
+        with tf.device(pipeline.stage_devices[c]), tf.name_scope(f"{kind}{c}_{m}"), \
+            tf.control_dependencies(previous.get(c % k_all, [])):
+          if kind == "F":  # Waits for the device's previous unit: its input does.
+            x[c, m] = tf.identity(xs[m] if c == 0 else out[c - 1, m])
+            out[c, m] = pipeline.chunk(c)(x[c, m], ys[m] if c == chunks - 1 else None)
+            done = [out[c, m]]
+          else:  # Waits for the device's previous unit: its output gradient does.
+            dy = tf.identity(tf.ones_like(out[c, m]) if c == chunks - 1 else dx[c + 1, m])
+            wrt = ([x[c, m]] if c else []) + variables
+            d = tf.gradients(out[c, m], wrt, grad_ys=dy, stop_gradients=[x[c, m]])
+            if c:
+              dx[c, m], d = d[0], d[1:]
+            done = [dx[c, m]] if c else []
+            for i, g in enumerate(d):  # Summed as they come, before the device's next unit
+              if g is not None:  # (else Grappler makes the adds one AddN of all M at the end).
+                with tf.device(variables[i].value.device):
+                  g = tf.convert_to_tensor(g)
+                  grads[i] = g if grads[i] is None else grads[i] + g
+                done.append(grads[i])
+        previous[c % k_all] = [t.op for t in done]
+        if kind == "F" and c == chunks - 1:
+          losses.append(out[c, m])
+    with tf.device(pipeline.stage_devices[-1]):
+      loss = tf.add_n(losses)
+    return loss, dense_on_devices(grads, variables)
 
 
-def make(name: str) -> Schedule:
-  """The schedule `name` names."""
+class Interleaved(OneFOneB):
+  """1F1B over v chunks per device (the order's micro-batch groups of K)."""
+
+  name = "interleaved"
+
+
+SCHEDULES = {s.name: s for s in (GPipe, OneFOneB, Interleaved)}
+
+
+def make(name: str, virtual_stages: int = 1) -> Schedule:
+  """The schedule `name` names, over `virtual_stages` chunks per device."""
   if name not in SCHEDULES:
     raise ConfigError(f"pipeline schedule {name!r} is unknown: use {', '.join(SCHEDULES)}")
-  return SCHEDULES[name]()
+  return SCHEDULES[name](virtual_stages)
+
+
+def order(stages: int, microbatches: int, virtual: int, device: int) -> List[Unit]:
+  """Device `device`'s (1F1B or interleaved 1F1B) sequence of forwards and backwards."""
+  k, m_all, v = stages, microbatches, virtual
+  # The i-th forward's (chunk, micro-batch): micro-batches in groups of K, each group through
+  # the device's chunks in turn; backwards in the same order over the chunks reversed.
+  forwards = [(((i // k) % v) * k + device, (i // (k * v)) * k + i % k) for i in range(v * m_all)]
+  backwards = [((v - 1 - (i // k) % v) * k + device, m) for i, (_, m) in enumerate(forwards)]
+  warmup = min(k - device - 1 if v == 1 else 2 * (k - device - 1) + (v - 1) * k, v * m_all)
+  out = [("F", *u) for u in forwards[:warmup]]
+  for f, b in zip(forwards[warmup:], backwards):
+    out += [("F", *f), ("B", *b)]
+  return out + [("B", *u) for u in backwards[v * m_all - warmup:]]
+
+
+def timetable(stages: int, microbatches: int, virtual: int = 1) -> List[List[Unit]]:
+  """Each device's unit (or None: idle) per slot, when every F and B takes one slot.
+
+  A unit runs in the first slot after its device's previous unit and after
+  what it needs: F(c, m) the forward F(c-1, m), B(c, m) the backward
+  B(c+1, m) (the last chunk: its own forward).
+  """
+  orders = [order(stages, microbatches, virtual, k) for k in range(stages)]
+  last, done, rows = virtual * stages - 1, {}, [[] for _ in orders]
+  while any(len(o) for o in orders):
+    ran = []
+    for k, units in enumerate(orders):
+      unit = units[0] if units else None
+      if unit is not None:
+        kind, c, m = unit
+        needs = [("F", c - 1, m)] if kind == "F" and c else []
+        if kind == "B":
+          needs = [("F", c, m)] if c == last else [("B", c + 1, m)]
+        if not all(u in done for u in needs):
+          unit = None
+      rows[k].append(unit)
+      if unit is not None:
+        ran.append(units.pop(0))
+    if not ran:
+      raise RuntimeError(f"the schedule deadlocks at K={stages}, M={microbatches}, v={virtual}")
+    done.update(dict.fromkeys(ran))
+  return rows
+
+
+def draw(stages: int, microbatches: int, virtual: int = 1) -> str:
+  """The timetable as the module docstring shows it ("F21": chunk 2's forward of micro-batch 1)."""
+  return "\n".join(f"  dev {k} " + " ".join(" . " if u is None else f"{u[0]}{u[1]}{u[2]}"
+                                             for u in row).rstrip(" .")
+                   for k, row in enumerate(timetable(stages, microbatches, virtual)))
 
 
 def dense_on_devices(grads, variables) -> list:

@@ -50,7 +50,7 @@ from tfpar.parallel import plan as plan_lib
 from tfpar.planner.clusters import Cluster
 
 COMPUTE_DTYPE = {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
-ACTIVATION_BYTES = {"float32": 4, "mixed_bfloat16": 2, "mixed_float16": 2}
+ACTIVATION_BYTES = plan_lib.ACTIVATION_BYTES
 
 
 # Pipeline schedules, by the names of --pipeline_schedule: a plan holds the index.
@@ -149,17 +149,7 @@ def p2p_seconds(nbytes, bandwidth, latency):
 
 # --- Memory ----------------------------------------------------------------------
 
-def activation_bytes_per_block(m: ModelConfig, b, t, recompute, precision: str):
-  """Activations one block keeps for the backward of one micro-batch of b sequences.
-
-  Korthikanti et al. 2022, eq. (2) (tensor parallel, no sequence parallelism),
-  in 16-bit values; float32 activations double it. Full recompute keeps only
-  the block's input, 2 s b h bytes in 16 bits.
-  """
-  s, h, a = m.seq_len, m.d_model, m.num_heads
-  scale = ACTIVATION_BYTES[precision] / 2
-  full = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale
-  return np.where(recompute, 2 * s * b * h * scale, full), full
+activation_bytes_per_block = plan_lib.activation_bytes_per_block  # Korthikanti et al. 2022
 
 
 # --- Stages ------------------------------------------------------------------------

@@ -1,0 +1,219 @@
+"""Peak activation bytes per pipeline stage and tokens/s: GPipe against 1F1B, each in its own process.
+
+    python scripts/pipeline_memory.py                     # K=2 stages, M=8, 3 rounds
+    python scripts/pipeline_memory.py --schedules=gpipe,1f1b,interleaved --rounds=3
+
+Every measurement is a child (`--only=SCHEDULE`, one JSON line) that builds
+tfpar's model-parallel engine for the plan (a GPT of --num_layers blocks,
+d_model --d_model, seq --seq_len, batch --global_batch_size, K=--stages on
+K logical CPUs, M=--microbatches, float32, XLA off unless --jit_compile),
+and measures, in this order:
+
+  * per stage: TensorFlow's CPU allocator is one for all logical CPU devices,
+    so `get_memory_info` cannot tell stages apart. The child runs with TF's
+    BFC allocator on the CPU (TF_CPU_ALLOCATOR_USE_BFC=true), whose every
+    allocation and free is an event of a tf.profiler trace naming the TF op
+    that allocated it. One traced pipeline step (the replica's forward and
+    backward, `loss_and_grads`, no optimizer) counts each allocation on the
+    stage whose device runs its op (a gradient op: its forward op's, by
+    colocation; an op Grappler renamed: the op it came from; "other": an op
+    of no stage, e.g. the input split), and a stage's peak is the most bytes
+    allocated in the step and alive at once: the activations kept for the
+    backward, the gradients and the temporaries, not the weights and
+    optimizer slots (allocated before the step).
+  * all stages: the allocator's peak during one untraced step above its
+    level before it (`tf.config.experimental.get_memory_info`).
+  * the plan's prediction beside it (tfpar.parallel.plan.activation_bytes:
+    micro-batches in flight under the schedule x Korthikanti et al.'s bytes
+    per block, 16-bit formula doubled for float32, plus the logits): an
+    estimate of the activations alone, the same for every order of ops.
+  * tokens/s: --steps timed training steps (optimizer included) after
+    --warmup untimed ones, without the profiler (--steps=0: not measured).
+
+The parent alternates the schedules for --rounds rounds and prints medians;
+the logical devices share the host's cores, so tokens/s compares the
+schedules' overheads here, not a pipeline's speed-up, and on a loaded machine
+only the ratio of two medians means anything.
+"""
+
+import collections
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import xplane  # pylint: disable=wrong-import-position
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "Schedules to compare (gpipe, 1f1b, interleaved).")
+flags.DEFINE_string("only", None, "Measure this one schedule in this process (the children).")
+flags.DEFINE_integer("stages", 2, "Pipeline stages K (logical CPUs).")
+flags.DEFINE_integer("microbatches", 8, "Micro-batches M.")
+flags.DEFINE_integer("virtual_stages", 2, "Chunks per stage under interleaved.")
+flags.DEFINE_integer("num_layers", 4, "Blocks.")
+flags.DEFINE_integer("d_model", 64, "Width.")
+flags.DEFINE_integer("seq_len", 64, "Sequence length.")
+flags.DEFINE_integer("global_batch_size", 16, "Sequences per step.")
+flags.DEFINE_bool("jit_compile", False, "Each stage's forward and backward under XLA.")
+flags.DEFINE_integer("rounds", 3, "Rounds; the schedules alternate within each.")
+flags.DEFINE_integer("steps", 10, "Timed training steps per child.")
+flags.DEFINE_integer("warmup", 2, "Untimed training steps first (the first traces).")
+flags.DEFINE_string("out", None, "Also write the runs and medians here as JSON.")
+
+MIB = 2 ** 20
+
+
+def train_flags(schedule: str, model_dir: str):
+  f = FLAGS
+  return [f"--num_layers={f.num_layers}", f"--d_model={f.d_model}", "--num_heads=4",
+          f"--d_ff={4 * f.d_model}", f"--seq_len={f.seq_len}",
+          f"--global_batch_size={f.global_batch_size}", f"--train_steps={f.warmup + f.steps + 1}",
+          "--warmup_steps=1", "--steps_per_call=1", f"--num_cpu_devices={f.stages}",
+          f"--pipeline_stages={f.stages}", f"--microbatches={f.microbatches}",
+          f"--pipeline_schedule={schedule}", f"--jit_compile={str(f.jit_compile).lower()}",
+          f"--model_dir={model_dir}"] + (
+              [f"--virtual_stages={f.virtual_stages}"] if schedule == "interleaved" else [])
+
+
+def op_devices(graph):
+  """{op name: device} of a graph's ops; an op placed by colocation takes its group's device."""
+  out = {}
+  for op in graph.get_operations():
+    device = op.device
+    if not device:
+      groups = [g.decode()[len("loc:@"):] for g in op.colocation_groups()]
+      device = graph.get_operation_by_name(groups[0]).device if groups else ""
+    out[op.name] = device
+  return out
+
+
+def stage_of(op_name: str, devices, stage_by_device):
+  """The stage of the op that made an allocation (a Grappler rewrite: of the op it came from)."""
+  name = op_name
+  while name not in devices and ("/" in name or "_" in name):
+    # 'ArithmeticOptimizer/FoldTransposeIntoMatMul_MatMul_2' came from 'MatMul_2'.
+    name = name.split("/", 1)[1] if "/" in name else name.split("_", 1)[1]
+  return stage_by_device.get(devices.get(name, ""), "other")
+
+
+def peaks_per_stage(events, devices, stage_by_device):
+  """{stage: the most bytes allocated during the trace and alive at once}."""
+  live, peak, owner = collections.Counter(), collections.Counter(), {}
+  for _, name, stats in sorted(events, key=lambda e: e[0]):
+    if name == "MemoryAllocation":
+      stage = stage_of(stats.get("tf_op", ""), devices, stage_by_device)
+      owner[stats["addr"]] = (stage, stats["allocation_bytes"])
+      live[stage] += stats["allocation_bytes"]
+      peak[stage] = max(peak[stage], live[stage])
+    elif stats.get("addr") in owner:  # A free of an allocation made during the trace.
+      stage, nbytes = owner.pop(stats["addr"])
+      live[stage] -= nbytes
+  return dict(peak)
+
+
+def measure(schedule: str) -> dict:
+  """This process's measurements of one schedule (module docstring)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tfpar import config, engines, flags as tfpar_flags, strategies  # pylint: disable=import-outside-toplevel
+  from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
+  from tfpar.data.pipeline import Corpus  # pylint: disable=import-outside-toplevel
+  from tfpar.parallel import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  workdir = tempfile.mkdtemp(prefix="tfpar_pipeline_memory_")
+  cfg = config.from_flags(tfpar_flags.parse(train_flags(schedule, workdir)))
+  strategies.setup_devices(cfg.dist.num_cpu_devices)
+  tokens = np.random.default_rng(0).integers(0, 256, 1 << 16).astype(np.uint8)
+  engine = engines.make(cfg, strategies.make_strategy(cfg.dist, Cluster()),
+                        Corpus(train=tokens, eval=tokens[:4096], files=()))
+  plan = engine.plan
+  stage_by_device = {plan_lib.device_key(row[k][0]): f"stage {k}"
+                     for row in plan.devices for k in range(plan.pipeline_stages)}
+  step = tf.function(engine.copies[0].pipeline.loss_and_grads)
+  batch = next(engine.train_iterator(0))
+  devices = {name: plan_lib.device_key(d) if d else "" for name, d in
+             op_devices(step.get_concrete_function(*batch).graph).items()}
+  step(*batch)  # Warm: the first call allocates what later ones reuse.
+  before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+  tf.config.experimental.reset_memory_stats("CPU:0")
+  step(*batch)
+  all_stages = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+  tf.profiler.experimental.start(os.path.join(workdir, "trace"))
+  step(*batch)
+  tf.profiler.experimental.stop()
+  peaks = peaks_per_stage(xplane.memory_events(os.path.join(workdir, "trace")), devices,
+                          stage_by_device)
+  tokens_per_sec = None
+  if FLAGS.steps:
+    iterator = engine.train_iterator(0)
+    engine.train(iterator, FLAGS.warmup)
+    start = time.perf_counter()
+    engine.train(iterator, FLAGS.steps)
+    tokens_per_sec = (FLAGS.steps * cfg.train.global_batch_size * cfg.model.seq_len /
+                      (time.perf_counter() - start))
+  predicted = plan.activation_bytes()
+  return {"schedule": schedule, "pid": os.getpid(), "bubble": plan.bubble,
+          "in_flight": plan.in_flight,
+          "measured_bytes_per_stage": {s: peaks.get(s, 0) for s in sorted(stage_by_device.values())},
+          "other_bytes": peaks.get("other", 0), "all_stages_bytes": int(all_stages),
+          "predicted_bytes_per_stage": {f"stage {k}": predicted[plan_lib.device_key(row[k][0])]
+                                        for row in plan.devices[:1] for k in range(len(row))},
+          "tokens_per_sec": tokens_per_sec}
+
+
+def child(schedule: str) -> dict:
+  env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2",
+             PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  args = [a for a in sys.argv[1:] if not a.startswith("--only")] + [f"--only={schedule}"]
+  proc = subprocess.run([sys.executable, os.path.abspath(__file__)] + args, env=env,
+                        capture_output=True, text=True, check=False)
+  if proc.returncode:
+    raise SystemExit(f"{schedule} failed:\n{proc.stderr[-3000:]}")
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(_):
+  if FLAGS.only:
+    print(json.dumps(measure(FLAGS.only)), flush=True)
+    return
+  runs = []
+  for r in range(FLAGS.rounds):
+    for schedule in FLAGS.schedules[::1 if r % 2 == 0 else -1]:
+      runs.append(child(schedule))
+  med = lambda values: statistics.median(values)
+  rows = {}
+  for schedule in FLAGS.schedules:
+    mine = [run for run in runs if run["schedule"] == schedule]
+    stages = sorted(mine[0]["measured_bytes_per_stage"])
+    rows[schedule] = {
+        "measured": {s: med([run["measured_bytes_per_stage"][s] for run in mine]) for s in stages},
+        "predicted": mine[0]["predicted_bytes_per_stage"], "in_flight": mine[0]["in_flight"],
+        "other": med([run["other_bytes"] for run in mine]),
+        "all_stages": med([run["all_stages_bytes"] for run in mine]),
+        "tokens_per_sec": med([run["tokens_per_sec"] or 0 for run in mine]),
+        "bubble": mine[0]["bubble"]}
+  reference = rows[FLAGS.schedules[0]]["tokens_per_sec"] or 1
+  print(f"K={FLAGS.stages} stages, M={FLAGS.microbatches} micro-batches, {FLAGS.rounds} rounds "
+        f"(medians), 1-minute load {os.getloadavg()[0]:.1f}; MiB per stage, measured (predicted)")
+  print("| schedule | in flight | " + " | ".join(rows[FLAGS.schedules[0]]["measured"]) +
+        " | other | all stages | tokens/s | vs " + FLAGS.schedules[0] + " |")
+  print("|---" * (len(rows[FLAGS.schedules[0]]["measured"]) + 6) + "|")
+  for schedule, row in rows.items():
+    cells = [f"{row['measured'][s] / MIB:.2f} ({row['predicted'][s] / MIB:.2f})"
+             for s in row["measured"]]
+    print(f"| {schedule} | {', '.join(f'{n:g}' for n in row['in_flight'])} | " +
+          " | ".join(cells) + f" | {row['other'] / MIB:.2f} | {row['all_stages'] / MIB:.2f} | "
+          f"{row['tokens_per_sec']:,.0f} | {row['tokens_per_sec'] / reference:.2f}x |")
+  if FLAGS.out:
+    with open(FLAGS.out, "w", encoding="utf-8") as f:
+      json.dump({"runs": runs, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,152 @@
+"""1F1B and interleaved 1F1B train exactly like one device, and 1F1B keeps fewer activations.
+
+Each plan's engine is built in this process (conftest.build_engine, a 4-layer
+TINY model: interleaving needs K v chunks) and compared with one device (the
+same engine over one device: one tf.gradients of the full batch's loss). On a
+pipeline of 2 devices, with XLA: one batch's loss and every weight's gradient
+(within 1e-5 of its norm). On 2 replicas x 2 stages (4 devices), without XLA:
+the loss and gradient norm of each of 3 training steps. Both for 1F1B and for
+interleaved 1F1B; the orders cost a trace each, so each plan traces once. The schedules' orders themselves
+(bubble, activations in flight, no deadlock) are checked without TensorFlow.
+
+scripts/pipeline_memory.py runs once (one round, GPipe and 1F1B at K=2, M=8,
+each in its own process, started with this module's first test): 1F1B's
+measured peak must be below GPipe's on every stage.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, TINY, build_engine, canonical_grads, in_background, selected_tests_use
+from tfpar.parallel import schedules
+
+STEPS = 3
+BASE = TINY + ["--num_layers=4", f"--train_steps={STEPS}", "--eval_every=0",
+               "--checkpoint_every=100"]
+NO_XLA = ["--jit_compile=false"]
+PIPELINE = ["--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=2"]
+HYBRID = ["--strategy=mirrored", "--num_cpu_devices=4", "--data_parallel=2", "--pipeline_stages=2",
+          "--microbatches=2"]
+ONE_F_ONE_B = ["--pipeline_schedule=1f1b"]
+INTERLEAVED = ["--pipeline_schedule=interleaved", "--virtual_stages=2"]
+PLANS = {
+    "1f1b_pipeline_xla": PIPELINE + ONE_F_ONE_B,
+    "1f1b_hybrid": HYBRID + ONE_F_ONE_B + NO_XLA,
+    "interleaved_pipeline_xla": PIPELINE + INTERLEAVED,
+    "interleaved_hybrid": HYBRID + INTERLEAVED + NO_XLA,
+}
+
+
+def loss_and_grads(engine, batch):
+  """(loss, {canonical name: gradient}) of copy 0's pipeline on `batch`, in one tf.function."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  copy = engine.copies[0]
+  loss, grads = tf.function(copy.pipeline.loss_and_grads)(*batch)
+  return float(loss), canonical_grads(copy.model, grads)
+
+
+def train(engine):
+  losses, norms = engine.train(engine.train_iterator(0), STEPS)
+  return np.asarray(losses), np.asarray(norms)
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+  """One device's batch, its loss and gradients, and its 3 steps' losses and gradient norms."""
+  engine = build_engine(BASE + NO_XLA + ["--data_parallel=1",
+                                         f"--model_dir={tmp_path_factory.mktemp('one')}"])
+  batch = next(engine.train_iterator(0))
+  return batch, loss_and_grads(engine, batch), train(engine)
+
+
+@pytest.mark.parametrize("name", PLANS)
+def test_schedule_matches_one_device(one_device, tmp_path, name):
+  engine = build_engine(BASE + PLANS[name] + [f"--model_dir={tmp_path}"])
+  batch, (want_loss, want_grads), (want_losses, want_norms) = one_device
+  with open(tmp_path / "plan.json", encoding="utf-8") as f:
+    recorded = json.load(f)
+  assert recorded["schedule"] == engine.plan.schedule == name.split("_")[0]
+  assert recorded["bubble"] == engine.plan.bubble > 0
+  assert recorded["in_flight_microbatches"] == engine.plan.in_flight
+  if engine.plan.data_parallel == 1:  # Copy 0 sees the whole batch: its gradients are one device's.
+    loss, grads = loss_and_grads(engine, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    assert sorted(grads) == sorted(want_grads)
+    # Each weight's gradient within 1e-5 of one device's, relative to its norm (some are zero
+    # up to rounding, a key bias under softmax: relative to the largest then).
+    scale = max(np.linalg.norm(g) for g in want_grads.values())
+    for weight, want in want_grads.items():
+      error = np.linalg.norm(grads[weight] - want)
+      assert error <= 1e-5 * max(np.linalg.norm(want), 1e-3 * scale), (weight, error)
+  else:
+    losses, norms = train(engine)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    np.testing.assert_allclose(norms, want_norms, rtol=1e-4)
+
+
+@pytest.mark.parametrize("stages,microbatches,virtual", [(2, 4, 1), (4, 8, 1), (4, 3, 1),
+                                                         (2, 4, 2), (4, 8, 2), (4, 8, 3)])
+def test_orders_run_without_deadlock_in_the_bubble_the_formula_gives(stages, microbatches,
+                                                                     virtual):
+  name = "1f1b" if virtual == 1 else "interleaved"
+  schedule = schedules.make(name, virtual)
+  rows = schedules.timetable(stages, microbatches, virtual)
+  for k, row in enumerate(rows):  # Every chunk of the device, every micro-batch, once each way.
+    units = sorted(u for u in row if u)
+    assert units == sorted((kind, c, m) for kind in "BF" for c in range(k, stages * virtual, stages)
+                           for m in range(microbatches))
+  idle = 1 - 2 * virtual * microbatches / len(rows[0])
+  assert idle == pytest.approx(schedule.bubble(stages, microbatches))
+  # 1F1B: stage k keeps at most K - k micro-batches' activations, GPipe all M.
+  flight = schedule.in_flight(stages, microbatches)
+  if virtual == 1:
+    assert flight == [min(stages - k, microbatches) for k in range(stages)]
+  assert max(flight) < schedules.make("gpipe").in_flight(stages, microbatches)[0] or \
+      microbatches <= stages
+
+
+def test_the_docstring_draws_the_timetables():
+  assert schedules.draw(4, 6) in schedules.__doc__
+  assert schedules.draw(2, 4, 2) in schedules.__doc__
+
+
+def run_pipeline_memory(tmp_path):
+  """scripts/pipeline_memory.py, one round: (CompletedProcess, its JSON report)."""
+  out = tmp_path / "memory.json"
+  proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "pipeline_memory.py"),
+                         "--rounds=1", "--steps=0", "--num_layers=2", f"--out={out}"],
+                        capture_output=True, text=True, cwd=REPO, timeout=900,
+                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO))
+  return proc, json.loads(out.read_text()) if proc.returncode == 0 else None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def memory_started(request, tmp_path_factory):
+  """The script's run, started with the module's first test when a selected test reads it."""
+  if selected_tests_use(request, "memory_run"):
+    return in_background(run_pipeline_memory, tmp_path_factory.mktemp("memory"))
+  return None
+
+
+@pytest.fixture(scope="module")
+def memory_run(memory_started):
+  return memory_started.result()
+
+
+def test_1f1b_peak_activation_bytes_are_below_gpipes_on_every_stage(memory_run):
+  proc, report = memory_run
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert "| gpipe | 8, 8 |" in proc.stdout and "| 1f1b | 2, 1 |" in proc.stdout, proc.stdout
+  runs = {run["schedule"]: run for run in report["runs"]}
+  assert len({run["pid"] for run in runs.values()}) == 2  # Each in a process of its own.
+  gpipe, one_f_one_b = runs["gpipe"], runs["1f1b"]
+  for stage, measured in gpipe["measured_bytes_per_stage"].items():
+    assert 0 < one_f_one_b["measured_bytes_per_stage"][stage] < measured, (stage, report)
+    assert one_f_one_b["predicted_bytes_per_stage"][stage] < gpipe["predicted_bytes_per_stage"][
+        stage]
+  assert 0 < one_f_one_b["all_stages_bytes"] < gpipe["all_stages_bytes"]
