@@ -282,15 +282,16 @@ def train_in_process(args):
   return runner.run(cfg, Cluster())
 
 
-def build_engine(args):
-  """The engine the runner would build for these flags, on a small synthetic corpus."""
+def build_engine(args, tokens=None, eval_tokens=512):
+  """The engine the runner would build for these flags, on `tokens` (default a small
+  synthetic corpus), its first `eval_tokens` the held-out split."""
   import numpy as np  # pylint: disable=import-outside-toplevel
   from tfpar import engines, strategies  # pylint: disable=import-outside-toplevel
   from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
   from tfpar.data.pipeline import Corpus  # pylint: disable=import-outside-toplevel
   cfg = make_config(args)
-  tokens = np.arange(4096, dtype=np.uint8)
-  corpus = Corpus(train=tokens, eval=tokens[:512], files=())
+  tokens = np.arange(4096, dtype=np.uint8) if tokens is None else tokens
+  corpus = Corpus(train=tokens, eval=tokens[:eval_tokens], files=())
   return engines.make(cfg, strategies.make_strategy(cfg.dist, Cluster()), corpus)
 
 

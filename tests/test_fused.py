@@ -26,12 +26,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import TINY, canonical_grads, make_config
-from tfpar import schema, strategies, tasks
-from tfpar.cluster import Cluster
-from tfpar.data.pipeline import Corpus
-from tfpar.engines.data_parallel import DataParallelEngine
-from tfpar.engines.model_parallel import ModelParallelEngine
+from conftest import TINY, build_engine, canonical_grads, make_config
+from tfpar import schema, tasks
 from tfpar.layers import GatedMLP, SelfAttention, set_compute
 from tfpar.layers.attention import (CAUSAL_CORES, causal_attention, causal_fraction,
                                     online_softmax_attention)
@@ -129,11 +125,7 @@ def test_a_fused_shard_computes_its_own_heads_columns():
 
 def build(plan, model_dir):
   flags = BASE + FAMILIES["gpt"] + PLANS[plan] + [f"--model_dir={model_dir}"]
-  cfg = make_config(flags)
-  corpus = Corpus(train=TEXT, eval=TEXT[:1024], files=())
-  strategy = strategies.make_strategy(cfg.dist, Cluster())
-  engine_class = ModelParallelEngine if cfg.parallel.model_parallel else DataParallelEngine
-  return engine_class(cfg, strategy, corpus)
+  return build_engine(flags, TEXT, eval_tokens=1024)
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import TINY, make_config
-from tfpar import partitioning, strategies
-from tfpar.cluster import Cluster
+from conftest import TINY, build_engine, make_config
+from tfpar import partitioning
 from tfpar.config import ConfigError
-from tfpar.data.pipeline import Corpus
-from tfpar.engines.data_parallel import DataParallelEngine
 from tfpar.engines.model_parallel import ModelParallelEngine
 from tfpar.models import Llama, ParallelModel
 from tfpar.parallel import plan as plan_lib
@@ -49,11 +46,7 @@ TEXT = np.frombuffer(inspect.getsource(textwrap).encode(), np.uint8)  # Real tex
 
 
 def build(args, model_dir):
-  cfg = make_config(LLAMA + args + [f"--model_dir={model_dir}"])
-  corpus = Corpus(train=TEXT, eval=TEXT[:1024], files=())
-  strategy = strategies.make_strategy(cfg.dist, Cluster())
-  engine_class = ModelParallelEngine if cfg.parallel.model_parallel else DataParallelEngine
-  return engine_class(cfg, strategy, corpus)
+  return build_engine(LLAMA + args + [f"--model_dir={model_dir}"], TEXT, eval_tokens=1024)
 
 
 @pytest.fixture(scope="module")
