@@ -71,11 +71,10 @@ def test_step_flops_are_a_count_of_the_models_matmuls(remat):
                   microbatches=1, remat=remat,
                   loss_fn=lambda logits, y: cross_entropy(logits, y, batch * m.seq_len))
   step = tf.function(pipe.loss_and_grads).get_concrete_function(tokens, tokens).graph
-  if remat == "selective":  # Not in the cost model yet: the count its formula would add.
-    core = 4 * m.seq_len ** 2 * m.d_model
-    assert matmul_flops(step) == cost.step_flops(m, batch, False) + batch * m.num_layers * core
-  else:
-    assert matmul_flops(step) == cost.step_flops(m, batch, remat)
+  assert matmul_flops(step) == cost.step_flops(m, batch, remat)
+  if remat == "selective":
+    assert cost.step_flops(m, batch, remat) - cost.step_flops(m, batch, False) == \
+        batch * m.num_layers * 4 * m.seq_len ** 2 * m.d_model
 
 
 def test_narayanan_formula_is_the_step_flops_with_recompute():
@@ -198,7 +197,7 @@ def test_megatron_row(comparisons, i):
   assert params / 1e9 == pytest.approx(row.params_billion, rel=0.03)
   assert c.published["fits"] and c.published["memory_bytes_per_device"] <= 80 * 2 ** 30
   assert (c.published["data_parallel"], c.published["pipeline_stages"],
-          c.published["tensor_parallel"], c.published["remat"]) == (row.dp, row.pp, row.tp, True)
+          c.published["tensor_parallel"], c.published["remat"]) == (row.dp, row.pp, row.tp, "full")
   # The micro-batch and schedule the row ran with (Megatron-LM's examples/sc21/run_table_1.sh).
   assert c.published["microbatch_size"] == row.microbatch
   if row.pp > 1:
@@ -350,7 +349,7 @@ def test_training_run_time_energy_and_cost(gpt3_on_h100s):
 def test_flags_of_a_plan_across_nodes():
   from tfpar.planner import report  # pylint: disable=import-outside-toplevel
   row = {"data_parallel": 4, "pipeline_stages": 4, "tensor_parallel": 8, "microbatches": 16,
-         "microbatch_size": 1, "remat": True, "pipeline_schedule": "interleaved",
+         "microbatch_size": 1, "remat": "full", "pipeline_schedule": "interleaved",
          "virtual_stages": 2}
   a100 = clusters.parse("a100-80gb:128")
   assert report.workers(row, a100) == (16, 8)  # A worker per node; a replica on 4 of them.
@@ -482,8 +481,10 @@ BAD_INPUT = [
      ["do not fit on a100-80gb:8", "GiB per device", "fits on 64 such devices"]),
     (["--cluster=cpu:2", "--emit_flags=MISSING_DIR/best.flags"],
      ["the directory", "MISSING_DIR does not exist: create it"]),
-    (["--cluster=cpu:2", "--remat=selective"],  # The cost model knows remat as a bool.
-     ["--remat=selective is not in the planner's cost model", "--noremat"]),
+    (["--cluster=cpu:4", "--system=megatron", "--optimizer_sharding=zero2"],
+     ["--optimizer_sharding=zero2 is not in --system=megatron's", "none, zero1"]),
+    (["--cluster=cpu:4", "--optimizer_sharding=zero1", "--remat=selective"],
+     ["--optimizer_sharding=zero1 cannot use", "--remat=none"]),
 ]
 
 
