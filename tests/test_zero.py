@@ -369,7 +369,7 @@ def test_the_planners_bytes_per_device_are_plan_jsons_measured_bytes_at_d4(engin
   for i, mode in enumerate(modes):
     plan = written[f"{mode} x4"]
     assert (plan["optimizer_sharding"], plan["data_parallel"]) == (mode, 4)
-    measured, runtime = plan["bytes_per_replica"]["measured"], plan["bytes_per_replica"]["predicted"]
+    measured, runtime = (plan["bytes_per_replica"][k] for k in ("measured", "predicted"))
     for part in ("weights", "optimizer"):
       assert abs(predicted[part][i] / measured[part] - 1) < 0.1, (mode, part, measured[part])
     assert abs(predicted["gradients"][i] / runtime["summed_gradient"] - 1) < 0.1, mode

@@ -130,7 +130,8 @@ def table(comparisons: List[Comparison]) -> str:
         f"{c.predicted_tflops:.1f} | {err:+.1%} | {p['memory_bytes_per_device'] / 2 ** 30:.1f} | "
         f"{p['step_seconds']:.2f} | "
         f"{k['data_parallel']} x {k['pipeline_stages']} x {k['tensor_parallel']}, "
-        f"{k['microbatch_size']}, {'on' if k['remat'] == 'full' else 'off'}, {report.schedule(k)} | "
+        f"{k['microbatch_size']}, {'on' if k['remat'] == 'full' else 'off'}, "
+        f"{report.schedule(k)} | "
         f"{k['step_seconds']:.2f} | "
         f"{p['step_seconds'] / k['step_seconds']:.2f}x | "
         f"{k['memory_bytes_per_device'] / 2 ** 30:.1f} |")

@@ -12,8 +12,8 @@ D > 1 each optimizer sharding the System runs (tfpar: zero1 and zero2 only in
 plain data parallelism, K = T = M = 1 without recompute, not under
 mixed_float16, as tfpar.rules allows; Megatron: zero1, its distributed
 optimizer, anywhere). With tfpar on TPUs only data parallelism runs.
-Sequence parallelism is not searched: tfpar's runtime has none. The candidates of 4,096 devices number a few
-thousand: one vectorised pass.
+Sequence parallelism is not searched: tfpar's runtime has none. The
+candidates of 4,096 devices number a few thousand: one vectorised pass.
 """
 
 import dataclasses
