@@ -71,11 +71,10 @@ def test_step_flops_are_a_count_of_the_models_matmuls(remat):
                   microbatches=1, remat=remat,
                   loss_fn=lambda logits, y: cross_entropy(logits, y, batch * m.seq_len))
   step = tf.function(pipe.loss_and_grads).get_concrete_function(tokens, tokens).graph
-  if remat == "selective":  # Not in the cost model yet: the count its formula would add.
-    core = 4 * m.seq_len ** 2 * m.d_model
-    assert matmul_flops(step) == cost.step_flops(m, batch, False) + batch * m.num_layers * core
-  else:
-    assert matmul_flops(step) == cost.step_flops(m, batch, remat)
+  assert matmul_flops(step) == cost.step_flops(m, batch, remat)
+  if remat == "selective":
+    assert cost.step_flops(m, batch, remat) - cost.step_flops(m, batch, False) == \
+        batch * m.num_layers * 4 * m.seq_len ** 2 * m.d_model
 
 
 def test_narayanan_formula_is_the_step_flops_with_recompute():
@@ -198,7 +197,7 @@ def test_megatron_row(comparisons, i):
   assert params / 1e9 == pytest.approx(row.params_billion, rel=0.03)
   assert c.published["fits"] and c.published["memory_bytes_per_device"] <= 80 * 2 ** 30
   assert (c.published["data_parallel"], c.published["pipeline_stages"],
-          c.published["tensor_parallel"], c.published["remat"]) == (row.dp, row.pp, row.tp, True)
+          c.published["tensor_parallel"], c.published["remat"]) == (row.dp, row.pp, row.tp, "full")
   # The micro-batch and schedule the row ran with (Megatron-LM's examples/sc21/run_table_1.sh).
   assert c.published["microbatch_size"] == row.microbatch
   if row.pp > 1:
@@ -238,7 +237,7 @@ MEGATRON_145B = megatron.TABLE_1[6].model  # 80 blocks of 12,288
 
 def evaluate_fixed(m, cluster, system=cost.TFPAR, **fixed):
   plans = search.candidates(m, clusters.parse(cluster), fixed.pop("global_batch", 512), system,
-                            remat=True, **fixed)
+                            **{"remat": True, "optimizer_sharding": "none", **fixed})
   assert len(plans), fixed
   return cost.evaluate(m, clusters.parse(cluster), plans, global_batch=512,
                        precision="mixed_bfloat16", system=system)
@@ -266,6 +265,74 @@ def test_schedules_change_memory_and_bubble_not_compute():
   assert inter["bubble"][0] < f1b["bubble"][0] / 2
   assert inter["pipeline_comm"][0] == pytest.approx(5 * f1b["pipeline_comm"][0])
   assert inter["bubble_fraction"][0] == pytest.approx(7 / (5 * 64 + 7))
+
+
+def test_selective_recompute_drops_the_attention_cores_activations_and_recomputes_its_flops():
+  """Korthikanti et al. 2022: s b h (10 + 24/T) kept per block instead of + 5 a s^2 b / T;
+  the recompute costs the attention core's 4 s^2 h per block and sequence."""
+  m, b, t = MEGATRON_145B, 1, 8
+  s, h, a = m.seq_len, m.d_model, m.num_heads
+  modes = np.arange(len(cost.REMATS))
+  kept, full = cost.activation_bytes_per_block(m, b, t, modes, "mixed_bfloat16")
+  assert kept[cost.SELECTIVE] == s * b * h * (10 + 24 / t)
+  assert full - kept[cost.SELECTIVE] == 5 * a * s * s * b / t
+  assert kept[cost.NO_REMAT] == full and kept[cost.FULL] == 2 * s * b * h
+  r = evaluate_fixed(m, "a100-80gb:512", system=cost.MEGATRON, data_parallel=8,
+                     pipeline_stages=8, tensor_parallel=8, microbatches=64,
+                     pipeline_schedule="1f1b", remat=("none", "full", "selective"))
+  none, full_, selective = (list(cost.REMATS).index(x) for x in ("none", "full", "selective"))
+  assert list(r["remat"]) == [none, full_, selective]
+  assert r["activations"][full_] < r["activations"][selective] < r["activations"][none]
+  assert r["compute"][none] < r["compute"][selective] < r["compute"][full_]
+  # 1F1B: stage 0 keeps K = 8 micro-batches of its 10 blocks, plus one block's recomputed core.
+  core = full - kept[cost.SELECTIVE]
+  assert r["activations"][selective] == pytest.approx(8 * 10 * kept[cost.SELECTIVE] + core)
+  g = 512
+  assert cost.step_flops(m, g, "selective") - cost.step_flops(m, g, "none") == \
+      g * m.num_layers * cost.attention_core_flops(m)
+
+
+@pytest.mark.parametrize("precision, megatron_bytes", [("float32", (8, 8)),
+                                                       ("mixed_bfloat16", (6, 12))])
+def test_optimizer_sharding_divides_the_optimizer_state_over_d(precision, megatron_bytes):
+  """Megatron-LM's distributed optimizer (its docs: 6 + 12/d bytes per parameter with bf16
+  weights and fp32 gradients, 8 + 8/d in fp32); tfpar: 4 + 4 + 8/d, zero2 4 + 8/d + 8/d."""
+  per_param = lambda r, i: (r["weights"][i] + r["gradients"][i] + r["optimizer"][i]) / \
+      r["params_per_device"][i]
+  r = cost.evaluate(MEGATRON_145B, clusters.parse("a100-80gb:512"), search.candidates(
+      MEGATRON_145B, clusters.parse("a100-80gb:512"), 512, cost.MEGATRON, data_parallel=8,
+      pipeline_stages=8, tensor_parallel=8, microbatches=64, pipeline_schedule="1f1b",
+      remat="full"), global_batch=512, precision=precision, system=cost.MEGATRON)
+  fixed, over = megatron_bytes
+  assert list(r["sharding"]) == [0, 1]
+  assert per_param(r, 0) == pytest.approx(fixed + over)
+  assert per_param(r, 1) == pytest.approx(fixed + over / 8)
+  assert r["memory_bytes"][1] < r["memory_bytes"][0]
+  m = SHAPES[0]
+  plans = search.candidates(m, clusters.parse("cpu:8"), 8, cost.TFPAR, data_parallel=8,
+                            microbatches=1, remat="none")
+  r = cost.evaluate(m, clusters.parse("cpu:8"), plans, global_batch=8, precision=precision,
+                    system=cost.TFPAR)
+  assert [cost.SHARDINGS[z] for z in r["sharding"]] == ["none", "zero1", "zero2"]
+  assert [per_param(r, i) for i in range(3)] == pytest.approx([16, 4 + 4 + 1, 4 + 1 + 1])
+  # Sharded, the new weights come back: one all-gather on top of the gradient's all-reduce.
+  assert r["data_comm"][1] == r["data_comm"][2] > r["data_comm"][0]
+
+
+def test_the_search_shards_the_optimizer_only_where_the_runtime_does():
+  """tfpar: D > 1, K = T = M = 1, no recompute, not mixed_float16 (tfpar.rules); Megatron's
+  distributed optimizer: wherever D > 1, zero1 only."""
+  m = SHAPES[0]
+  for precision, expect in (("float32", {1, 2}), ("mixed_float16", set())):
+    p = search.candidates(m, clusters.parse("cpu:4"), 8, cost.TFPAR, precision=precision)
+    z = p.sharding > 0
+    assert set(p.sharding[z]) == expect
+    assert (p.D[z] > 1).all() and (p.K[z] == 1).all() and (p.T[z] == 1).all()
+    assert (p.remat[z] == cost.NO_REMAT).all() and (p.b[z] == 8 // p.D[z]).all()
+    assert set(p.remat) == {0, 1, 2}
+  p = search.candidates(MEGATRON_145B, clusters.parse("a100-80gb:512"), 512, cost.MEGATRON,
+                        pipeline_stages=8, tensor_parallel=8, microbatches=64)
+  assert set(p.sharding) == {0, 1} and (p.D[p.sharding > 0] > 1).all()
 
 
 def test_stages_across_nodes_send_on_the_inter_node_network():
@@ -350,7 +417,8 @@ def test_training_run_time_energy_and_cost(gpt3_on_h100s):
 def test_flags_of_a_plan_across_nodes():
   from tfpar.planner import report  # pylint: disable=import-outside-toplevel
   row = {"data_parallel": 4, "pipeline_stages": 4, "tensor_parallel": 8, "microbatches": 16,
-         "microbatch_size": 1, "remat": True, "pipeline_schedule": "interleaved",
+         "microbatch_size": 1, "remat": "full", "pipeline_schedule": "interleaved",
+         "optimizer_sharding": "none",
          "virtual_stages": 2}
   a100 = clusters.parse("a100-80gb:128")
   assert report.workers(row, a100) == (16, 8)  # A worker per node; a replica on 4 of them.
@@ -361,6 +429,11 @@ def test_flags_of_a_plan_across_nodes():
                                                                    schedule_flags=False)
   small = dict(row, pipeline_stages=1, tensor_parallel=4, data_parallel=32)
   assert report.workers(small, a100) == (32, 4)  # A replica in half a node: a worker each.
+  out = report.plan_flags(dict(row, remat="selective"), a100)
+  assert "--remat=selective" in out and not any("optimizer_sharding" in f for f in out)
+  plain = dict(row, pipeline_stages=1, tensor_parallel=1, data_parallel=128, microbatches=1,
+               remat="none", optimizer_sharding="zero2")
+  assert report.plan_flags(plain, a100)[-1] == "--optimizer_sharding=zero2"
 
 
 def test_schedule_flags_are_the_training_flags_once_defined():
@@ -482,8 +555,10 @@ BAD_INPUT = [
      ["do not fit on a100-80gb:8", "GiB per device", "fits on 64 such devices"]),
     (["--cluster=cpu:2", "--emit_flags=MISSING_DIR/best.flags"],
      ["the directory", "MISSING_DIR does not exist: create it"]),
-    (["--cluster=cpu:2", "--remat=selective"],  # The cost model knows remat as a bool.
-     ["--remat=selective is not in the planner's cost model", "--noremat"]),
+    (["--cluster=cpu:4", "--system=megatron", "--optimizer_sharding=zero2"],
+     ["--optimizer_sharding=zero2 is not in --system=megatron's", "none, zero1"]),
+    (["--cluster=cpu:4", "--optimizer_sharding=zero1", "--remat=selective"],
+     ["--optimizer_sharding=zero1 cannot use", "--remat=none"]),
 ]
 
 

@@ -26,6 +26,7 @@ from tfpar.engines.data_parallel import DataParallelEngine
 from tfpar.schema import CompressionConfig, OptimConfig
 from tfpar.parallel import zero
 from tfpar.parallel.compression import make_exchange
+from tfpar.planner import clusters, cost
 from tfpar.training.checkpoint import CanonicalCheckpointer, read_canonical, read_checkpoint
 from tfpar.training.optimizer import inner_optimizer, learning_rate_schedule, make_optimizer
 from tfpar.training.step import apply_gradients
@@ -241,8 +242,9 @@ ENGINE_ARGS = TINY + [f"--train_steps={STEPS}", "--seed=3", "--input_sharding=da
                       "--jit_compile=false", "--clip_norm=0.05", "--on_nonfinite=skip"]
 PLANS = {"none x1": ["--strategy=one_device"],
          "zero1 x4": ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero1"],
-                  "zero2 x2": ["--strategy=mirrored", "--num_cpu_devices=2",
-                      "--optimizer_sharding=zero2"]}
+         "zero2 x2": ["--strategy=mirrored", "--num_cpu_devices=2", "--optimizer_sharding=zero2"],
+         "none x4": ["--strategy=mirrored", "--num_cpu_devices=4"],
+         "zero2 x4": ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero2"]}
 CHAIN_SAVE = 2  # zero1 x4 saves here; none x1 resumes to 4, then zero2 x2 to STEPS.
 
 
@@ -338,3 +340,39 @@ def test_plan_json_measures_a_quarter_of_the_optimizer_state_under_zero1_x4(engi
   params = none["weights"] // 4
   assert zero.state_bytes(params, 4, "zero2")["summed_gradient"] == 8 * -(-params // 4)
   assert zero.state_bytes(params, 2, "zero2")["summed_gradient"] == 4 * params
+
+
+def test_the_planners_bytes_per_device_are_plan_jsons_measured_bytes_at_d4(engine_runs, tmp_path):
+  """tfpar.planner.cost's weights and optimizer state per device (tfpar system, D = 4) within
+  10% of what plan.json measured from the allocated variables, for none, zero1 and zero2.
+
+  zero1 x4 is the fixture's run; none x4 and zero2 x4 are engines built only (plan.json is
+  written at start-up, before any step). The summed gradient is a tensor, not a variable:
+  the planner's figure is checked against the runtime's own prediction (not measured).
+  """
+  dirs = {"zero1 x4": engine_runs["zero1 x4"][0]}
+  for plan in ("none x4", "zero2 x4"):
+    dirs[plan] = tmp_path / plan.replace(" ", "_")
+    make_engine(plan, dirs[plan])
+  written = {}
+  for plan, model_dir in dirs.items():
+    with open(model_dir / "plan.json") as f:
+      written[plan] = json.load(f)
+  cfg = engine_runs["zero1 x4"][1].cfg
+  modes = ("none", "zero1", "zero2")
+  plans = cost.Plans(D=np.full(3, 4), K=np.ones(3, int), T=np.ones(3, int),
+                     b=np.full(3, cfg.train.global_batch_size // 4), remat=np.zeros(3, int),
+                     sharding=np.array([cost.SHARDINGS.index(z) for z in modes]))
+  predicted = cost.evaluate(cfg.model, clusters.parse("cpu:4"), plans,
+                            global_batch=cfg.train.global_batch_size, precision="float32",
+                            system=cost.TFPAR)
+  for i, mode in enumerate(modes):
+    plan = written[f"{mode} x4"]
+    assert (plan["optimizer_sharding"], plan["data_parallel"]) == (mode, 4)
+    measured, runtime = (plan["bytes_per_replica"][k] for k in ("measured", "predicted"))
+    for part in ("weights", "optimizer"):
+      assert abs(predicted[part][i] / measured[part] - 1) < 0.1, (mode, part, measured[part])
+    assert abs(predicted["gradients"][i] / runtime["summed_gradient"] - 1) < 0.1, mode
+  # A quarter of the optimizer state under zero1/zero2; zero2's gradient: 2 of the 4 shards.
+  assert predicted["optimizer"][1] == predicted["optimizer"][2] == predicted["optimizer"][0] / 4
+  assert predicted["gradients"][2] == predicted["gradients"][0] / 2

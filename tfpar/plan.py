@@ -1,13 +1,15 @@
 """Plan a large run before renting it: `python -m tfpar.plan --flagfile=X.flags --cluster=CLUSTER`.
 
 Reads the model from the same flags `tfpar.train` takes, searches every data
-x pipeline x tensor degree, micro-batch size, recompute setting and pipeline
-schedule the cluster allows (tensor shards inside a node, pipeline stages
-across nodes), and prints the fastest plans that fit, with predicted memory
+x pipeline x tensor degree, micro-batch size, recompute mode (none, full,
+selective), pipeline schedule and optimizer sharding (none, zero1, zero2) the
+cluster allows (tensor shards inside a node, pipeline stages across nodes),
+and prints the fastest plans that fit, with predicted memory
 per device, the step time split into its parts, tokens/s, TFLOP/s per device
 and MFU, and why the others lose. Given --data_parallel, --pipeline_stages,
---tensor_parallel, --microbatches, --remat, --pipeline_schedule or
---virtual_stages, it evaluates only plans with those values.
+--tensor_parallel, --microbatches, --remat, --pipeline_schedule,
+--virtual_stages or --optimizer_sharding, it evaluates only plans with those
+values.
 
   python -m tfpar.plan --flagfile=configs/gpt_tiny.flags --cluster=a100-80gb:64 --top=5
   python -m tfpar.plan ... --format=json            # machine-readable
@@ -37,7 +39,7 @@ FLAGS = flags.FLAGS
 # Flags that a plan sets (the rest of the user's training flags are copied as given).
 PLAN_FLAGS = ("strategy", "num_cpu_devices", "data_parallel", "pipeline_stages", "tensor_parallel",
               "microbatches", "remat", "global_batch_size", "stage_layers", "pipeline_schedule",
-              "virtual_stages")
+              "virtual_stages", "optimizer_sharding")
 
 
 class PlanError(ValueError):
@@ -50,14 +52,13 @@ def fail(message: str) -> None:
 
 
 def fixed_degrees(fv) -> dict:
-  """The degrees the user gave explicitly: the planner evaluates only plans with them.
-
-  The cost model knows --remat as full or none (a bool); --remat=selective is refused.
-  """
+  """The degrees the user gave explicitly: the planner evaluates only plans with them."""
   given = lambda name: fv[name].present
-  if given("remat") and fv.remat == "selective":
-    raise PlanError("--remat=selective is not in the planner's cost model yet (it models "
-                    "--remat and --noremat): plan with --remat or --noremat, or leave it out")
+  system = cost.SYSTEMS[fv.system]
+  if given("optimizer_sharding") and fv.optimizer_sharding not in system.shardings:
+    raise PlanError(f"--optimizer_sharding={fv.optimizer_sharding} is not in --system="
+                    f"{fv.system}'s runtime (it shards with {', '.join(system.shardings)}): "
+                    "pass one of those")
   schedule = fv.pipeline_schedule if given("pipeline_schedule") else None
   if given("virtual_stages") and fv.virtual_stages > 1 and schedule not in (None, "interleaved"):
     raise PlanError(f"--virtual_stages={fv.virtual_stages} needs --pipeline_schedule=interleaved "
@@ -66,15 +67,16 @@ def fixed_degrees(fv) -> dict:
               pipeline_stages=fv.pipeline_stages if given("pipeline_stages") else None,
               tensor_parallel=fv.tensor_parallel if given("tensor_parallel") else None,
               microbatches=fv.microbatches if given("microbatches") else None,
-              remat=fv.remat == "full" if given("remat") else None,
+              remat=fv.remat if given("remat") else None,
               pipeline_schedule=schedule,
-              virtual_stages=fv.virtual_stages if given("virtual_stages") else None)
+              virtual_stages=fv.virtual_stages if given("virtual_stages") else None,
+              optimizer_sharding=fv.optimizer_sharding if given("optimizer_sharding") else None)
 
 
 def plan(m, cluster, *, global_batch, precision, system, fixed) -> search.Ranked:
   """Searches (or evaluates the fixed plan); raises PlanError when nothing can run or fit."""
   start = time.perf_counter()
-  plans = search.candidates(m, cluster, global_batch, system, **fixed)
+  plans = search.candidates(m, cluster, global_batch, system, precision=precision, **fixed)
   if not len(plans):
     given = {k: v for k, v in fixed.items() if v is not None}
     what = ", ".join(f"--{k}={v}" for k, v in given.items()) or "any plan"
@@ -83,6 +85,10 @@ def plan(m, cluster, *, global_batch, precision, system, fixed) -> search.Ranked
         f"--global_batch_size={global_batch}: D x K x T must equal the devices, D divide the "
         "batch, T divide --num_heads and --d_ff and sit in one node, K <= --num_layers; "
         "interleaved needs K x --virtual_stages to divide --num_layers and K the micro-batches"
+        + ("; optimizer sharding needs D > 1" + (
+            ", K = T = --microbatches = 1, --remat=none and no mixed_float16 in tfpar"
+            if not system.sharding_with_model_parallel else "")
+           if fixed.get("optimizer_sharding") not in (None, "none") else "")
         + (" (tfpar runs only data parallelism on TPUs)" if cluster.kind == "tpu" and
            system is cost.TFPAR else ""))
   ranked = search.rank(m, cluster, plans, global_batch=global_batch, precision=precision,
@@ -109,7 +115,7 @@ def nothing_fits(m, cluster, ranked, global_batch, precision, system, fixed) -> 
   for _ in range(16):  # Up to 65,536x the devices.
     n *= 2
     bigger = clusters.Cluster(**{**cluster.__dict__, "devices": n, "name": f"{n} devices"})
-    plans = search.candidates(m, bigger, global_batch, system, **fixed)
+    plans = search.candidates(m, bigger, global_batch, system, precision=precision, **fixed)
     if len(plans) and cost.evaluate(m, bigger, plans, global_batch=global_batch,
                                     precision=precision, system=system)["fits"].any():
       return line + f"; it fits on {n} such devices, or on devices with >= {need / 2 ** 30:.0f} GiB"

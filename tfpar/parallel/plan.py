@@ -44,6 +44,7 @@ import numpy as np
 
 from tfpar import config as config_lib
 from tfpar import partitioning
+from tfpar import schema
 from tfpar.console import count
 from tfpar import storage
 from tfpar import tasks
@@ -51,6 +52,7 @@ from tfpar.parallel import schedules
 from tfpar.config import Config, ConfigError, ModelConfig
 
 ACTIVATION_BYTES = {"float32": 4, "mixed_bfloat16": 2, "mixed_float16": 2}
+NO_REMAT, FULL_REMAT, SELECTIVE_REMAT = (schema.REMAT.index(r) for r in ("none", "full", "selective"))
 BYTES_PER_PARAM = 4  # Variables stay float32 under every precision policy (fp32 masters).
 OPTIMIZER_SLOTS = 2  # AdamW: first and second moments.
 STEP_COUNTER_BYTES = 8  # AdamW's int64 iteration count.
@@ -122,21 +124,25 @@ def balance_stages(num_layers: int, stages: int, block: int, first_extra: int,
   return tuple(int(c) for c in reversed(counts))
 
 
-def activation_bytes_per_block(m: ModelConfig, b, t, recompute, precision: str, *,
-                               selective=False):
-  """(kept, without recompute): activations one block keeps for the backward of one micro-batch
-  of b sequences.
+def activation_bytes_per_block(m: ModelConfig, b, t, remat, precision: str):
+  """(kept, all): activations one block keeps for the backward of one micro-batch of b
+  sequences under `remat` (indices into schema.REMAT: NO_REMAT, FULL_REMAT, SELECTIVE_REMAT;
+  an array of them too), and all it makes in its forward.
 
   Korthikanti et al. 2022, eq. (2) (tensor parallel, no sequence parallelism),
   in 16-bit values; float32 activations double it. Full recompute keeps only
   the block's input, 2 s b h bytes in 16 bits; selective recompute drops the
-  attention scores' 5 a s / (h T) term.
+  attention core's 5 a s^2 b / T (scores, probabilities, dropout mask) and keeps
+  s b h (10 + 24/T) (their section 4.2). Sequence parallelism (their 34 s b h / T)
+  is not modelled: tfpar's runtime has none.
   """
   s, h, a = m.seq_len, m.d_model, m.num_heads
   scale = ACTIVATION_BYTES[precision] / 2
-  full = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale
-  kept = np.where(selective, s * b * h * (10 + 24 / t) * scale, full)
-  return np.where(recompute, 2 * s * b * h * scale, kept), full
+  linear = s * b * h * (10 + 24 / t) * scale
+  full = linear + 5 * a * s * s * b / t * scale
+  remat = np.asarray(remat)
+  return np.select([remat == FULL_REMAT, remat == SELECTIVE_REMAT],
+                   [2 * s * b * h * scale, linear], full), full
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,8 +365,8 @@ def make_plan(cfg: Config, devices: Sequence[str], *,
   runs = [[range(c * size, (c + 1) * size) for c in range(i, k * v, k)] if v > 1 else
           [range(sum(per_stage[:i]), sum(per_stage[:i + 1]))] for i in range(k)]
   b = g // d // p.microbatches
-  per_block, _ = activation_bytes_per_block(m, b, t, p.remat == "full", cfg.train.precision,
-                                            selective=p.remat == "selective")
+  per_block, _ = activation_bytes_per_block(m, b, t, schema.REMAT.index(p.remat),
+                                            cfg.train.precision)
   stages, activations = [], []
   for i, n_blocks in enumerate(per_stage):
     params = n_blocks * counts.block + (counts.embedding if i == 0 else 0) + \

@@ -2,13 +2,18 @@
 
 Every formula's source is in docs/planner.md; in short, for a model of L
 blocks, width h, a heads, MLP width f, sequence s, vocabulary V, global batch
-G, micro-batch b, M = G / (D b) micro-batches, recompute r (0 or 1):
+G, micro-batch b, M = G / (D b) micro-batches, recompute r (0 or 1: full),
+selective recompute q (0 or 1), optimizer sharding none, zero1 or zero2:
 
   FLOPs per sequence, forward:  layer = 2 s (4h^2 + 2hf) + 4 s^2 h,  logits = 2 s h V
-  FLOPs per step:               G ((3 + r) L layer + 3 logits)      (Narayanan et al. 2021)
-  bytes per parameter:          weights + gradients + optimizer (per System)
+  FLOPs per step:               G ((3 + r) L layer + q L 4 s^2 h + 3 logits)  (Narayanan et al.
+                                2021; selective recomputes the attention core's 4 s^2 h)
+  bytes per parameter:          weights + gradients + optimizer (per System); zero1 divides
+                                the optimizer's by D, zero2 the summed gradient's too (tfpar
+                                keeps 2 of its D shards alive, tfpar.parallel.zero.state_bytes)
   activations per block and micro-batch (Korthikanti et al. 2022, 16-bit values):
                                 s b h (10 + 24/T + 5 a s / (h T))   without recompute
+                                s b h (10 + 24/T)                   selective recompute
                                 2 s b h                             with full recompute
   micro-batches in flight on stage k (activations kept for the backward):
                                 gpipe M; 1f1b min(M, K - k);
@@ -45,9 +50,15 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from tfpar import partitioning
+from tfpar import schema
 from tfpar.config import ModelConfig
 from tfpar.parallel import plan as plan_lib
 from tfpar.planner.clusters import Cluster
+
+# --remat's modes (tfpar.schema.REMAT's order: a bool True is full) and --optimizer_sharding's.
+REMATS = schema.REMAT
+NO_REMAT, FULL, SELECTIVE = plan_lib.NO_REMAT, plan_lib.FULL_REMAT, plan_lib.SELECTIVE_REMAT
+SHARDINGS = ("none", "zero1", "zero2")
 
 COMPUTE_DTYPE = {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
 ACTIVATION_BYTES = plan_lib.ACTIVATION_BYTES
@@ -72,6 +83,14 @@ class System:
       shards and all-gathers it inside the node (Narayanan et al. 2021, section 4.1);
       else one device sends all of it.
     weight_bytes, grad_bytes, optimizer_bytes: bytes per parameter, by precision.
+    shardings: the --optimizer_sharding modes it runs (zero1: optimizer_bytes / D per
+      device; zero2: also the summed gradient, of which `zero2_gradient_shards` of the D
+      shards are alive at once).
+    sharding_with_model_parallel: whether it shards the optimizer under pipeline, tensor
+      parallel, micro-batches or recompute too (tfpar: only in plain data parallelism).
+    sharding_all_reduces: a sharded step all-reduces the gradient and then all-gathers
+      the new weights (tfpar: ReplicaContext has no reduce-scatter); else it
+      reduce-scatters and all-gathers, the bytes of one all-reduce.
   """
   name: str
   schedules: Tuple[str, ...]
@@ -81,6 +100,10 @@ class System:
   weight_bytes: Dict[str, int]
   grad_bytes: Dict[str, int]
   optimizer_bytes: Dict[str, int]
+  shardings: Tuple[str, ...] = ("none",)
+  sharding_with_model_parallel: bool = True
+  zero2_gradient_shards: int = 1
+  sharding_all_reduces: bool = False
 
 
 _FP32 = plan_lib.BYTES_PER_PARAM
@@ -89,14 +112,21 @@ TFPAR = System(
     scatter_gather=False,
     # Variables stay float32 under every policy; their gradients are float32 too.
     weight_bytes={p: _FP32 for p in COMPUTE_DTYPE}, grad_bytes={p: _FP32 for p in COMPUTE_DTYPE},
-    optimizer_bytes={p: plan_lib.OPTIMIZER_SLOTS * _FP32 for p in COMPUTE_DTYPE})
+    optimizer_bytes={p: plan_lib.OPTIMIZER_SLOTS * _FP32 for p in COMPUTE_DTYPE},
+    # tfpar.parallel.zero: m and v sharded (the float32 weights stay replicated); zero2's
+    # chunked sum keeps its own shard and the one in flight; the data-parallel engine only.
+    shardings=SHARDINGS, sharding_with_model_parallel=False, zero2_gradient_shards=2,
+    sharding_all_reduces=True)
 MEGATRON = System(
     name="megatron", schedules=SCHEDULES[1:], vocab_parallel=True, uniform_stages=True,
     scatter_gather=True,
     # Mixed precision: 16-bit weights, float32 main gradients, float32 master + Adam m, v.
     weight_bytes={"float32": 4, "mixed_bfloat16": 2, "mixed_float16": 2},
     grad_bytes={"float32": 4, "mixed_bfloat16": 4, "mixed_float16": 4},
-    optimizer_bytes={"float32": 8, "mixed_bfloat16": 12, "mixed_float16": 12})
+    optimizer_bytes={"float32": 8, "mixed_bfloat16": 12, "mixed_float16": 12},
+    # zero1 is Megatron-LM's distributed optimizer (--use-distributed-optimizer): master
+    # weights, m and v split over the data-parallel group, the gradient buffer whole.
+    shardings=SHARDINGS[:2])
 SYSTEMS = {"tfpar": TFPAR, "megatron": MEGATRON}
 
 
@@ -117,9 +147,24 @@ def logits_flops(m: ModelConfig) -> int:
   return 2 * m.seq_len * m.d_model * m.vocab_size
 
 
-def step_flops(m: ModelConfig, global_batch: int, recompute: bool) -> int:
-  """FLOPs of one training step: forward, backward (2x forward) and the recomputed forward."""
-  return global_batch * ((3 + int(recompute)) * m.num_layers * layer_flops(m) +
+def attention_core_flops(m: ModelConfig) -> int:
+  """Forward FLOPs of one block's attention core for one sequence: QK^T and the mixing, 4 s^2 h."""
+  return 4 * m.seq_len * m.seq_len * m.d_model
+
+
+def remat_index(remat) -> int:
+  """A --remat mode (or a bool: True is full) as its index in REMATS."""
+  return REMATS.index(remat) if isinstance(remat, str) else int(bool(remat))
+
+
+def step_flops(m: ModelConfig, global_batch: int, remat) -> int:
+  """FLOPs of one training step: forward, backward (2x forward) and what --remat recomputes.
+
+  `remat`: a mode of REMATS, or a bool (True: full).
+  """
+  mode = remat_index(remat)
+  return global_batch * ((3 + int(mode == FULL)) * m.num_layers * layer_flops(m) +
+                         int(mode == SELECTIVE) * m.num_layers * attention_core_flops(m) +
                          3 * logits_flops(m))
 
 
@@ -203,9 +248,10 @@ class Plans:
   K: np.ndarray
   T: np.ndarray
   b: np.ndarray  # micro-batch size (sequences)
-  remat: np.ndarray  # bool
+  remat: np.ndarray  # index into REMATS (a bool array: False none, True full)
   schedule: Optional[np.ndarray] = None  # index into SCHEDULES; None: the System's first
   v: Optional[np.ndarray] = None  # virtual stages per device (interleaved), else 1
+  sharding: Optional[np.ndarray] = None  # index into SHARDINGS; None: none
 
   def __len__(self):
     return len(self.D)
@@ -236,7 +282,9 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   n = len(plans)
   out = {key: np.zeros(n) for key in COMPONENTS + MEMORY_PARTS + ("efficiency", "params_per_device")}
   D, K, T, b = (np.asarray(x, dtype=float) for x in (plans.D, plans.K, plans.T, plans.b))
-  r = np.asarray(plans.remat, dtype=float)
+  rm = np.asarray(plans.remat, dtype=int)
+  r, q = (rm == FULL).astype(float), (rm == SELECTIVE).astype(float)
+  z = np.zeros(n, dtype=int) if plans.sharding is None else np.asarray(plans.sharding, dtype=int)
   sched = (np.full(n, SCHEDULES.index(system.schedules[0])) if plans.schedule is None
            else np.asarray(plans.schedule, dtype=int))
   v = np.ones(n) if plans.v is None else np.asarray(plans.v, dtype=float)
@@ -254,7 +302,10 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   dpn = cluster.devices_per_node
   bw = lambda span: np.where(span <= dpn, cluster.intra_bandwidth, cluster.inter_bandwidth)
   lat = lambda span: np.where(span <= dpn, cluster.intra_latency, cluster.inter_latency)
-  f_layer, f_logits = layer_flops(m), logits_flops(m)
+  f_layer, f_logits, f_core = layer_flops(m), logits_flops(m), attention_core_flops(m)
+  # Optimizer sharding over the D replicas: zero1 the optimizer state, zero2 the gradient too.
+  optimizer_share = np.where(z > 0, 1 / D, 1.0)
+  grad_share = np.where(z == 2, np.minimum(1.0, system.zero2_gradient_shards / D), 1.0)
   slot = np.zeros(n)
   interleaved = sched == INTERLEAVED
   for k, t, uniform in set(zip(plans.K.tolist(), plans.T.tolist(), interleaved.tolist())):
@@ -262,15 +313,19 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
     st = stages(m, int(k), int(t), system, uniform=uniform)
     tv = t if system.vocab_parallel else 1
     bi, ri, mi, ei = b[idx, None], r[idx, None], M[idx, None], eff[idx, None]  # [P, 1] vs [K]
+    qi, rmi = q[idx, None], rm[idx, None]
     # Time of one micro-batch on each stage: matmuls, fixed per-op costs, tensor-parallel sums.
-    flops = bi * ((3 + ri) * st.blocks * f_layer / t + 3 * st.logits * f_logits / tv)
+    flops = bi * (((3 + ri) * f_layer + qi * f_core) * st.blocks / t +
+                  3 * st.logits * f_logits / tv)
     compute = flops / (peak * ei)
     ops = st.blocks * (2 + ri) * cluster.efficiency.op_seconds
     # Elementwise ops (LayerNorm, GELU, softmax, dropout, bias) are bound by memory
     # bandwidth: the forward writes the block's activations, the backward reads them
     # and writes as many gradients, a recompute writes them again.
-    _, touched = activation_bytes_per_block(m, bi, t, ri > 0, precision)
-    ops = ops + st.blocks * (3 + ri) * touched / cluster.memory_bandwidth
+    # Selective recompute writes the attention core's part again.
+    kept, touched = activation_bytes_per_block(m, bi, t, rmi, precision)
+    core = touched - activation_bytes_per_block(m, bi, t, SELECTIVE, precision)[0]
+    ops = ops + st.blocks * ((3 + ri) * touched + qi * core) / cluster.memory_bandwidth
     tp = st.blocks * (4 + 2 * ri) * all_reduce_seconds(bi * s * h * act, t, bw(t), lat(t))
     rows = np.arange(len(idx))
     if cluster.shared:  # Every device's work, one after another: D replicas x T shards.
@@ -283,15 +338,17 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
       out["tensor_comm"][idx] = mi[:, 0] * tp[rows, busiest]
       slot[idx] = (compute + ops + tp)[rows, busiest]
     # Memory of each stage's first device; the plan needs the largest.
-    per_block, full = activation_bytes_per_block(m, bi, t, ri > 0, precision)
+    # The block whose backward runs holds what its recompute rebuilt, on top.
     in_flight = micro_batches_in_flight(sched[idx, None], mi, v[idx, None], k)
-    acts = in_flight * st.blocks * per_block + ri * full
+    acts = in_flight * st.blocks * kept + ri * touched + qi * core
     logits_in_flight = np.where(sched[idx, None] == GPIPE, mi, 1.0)
     acts = acts + st.logits * 8 * bi * s * m.vocab_size / tv * logits_in_flight
-    state = st.params * sum(per_param)
+    state = st.params * (per_param[0] + per_param[1] * grad_share[idx, None] +
+                         per_param[2] * optimizer_share[idx, None])
     worst = np.argmax(acts + state, axis=1)
-    for part, bytes_per in zip(("weights", "gradients", "optimizer"), per_param):
-      out[part][idx] = st.params[worst] * bytes_per
+    for part, bytes_per, share in zip(("weights", "gradients", "optimizer"), per_param,
+                                      (1.0, grad_share[idx], optimizer_share[idx])):
+      out[part][idx] = st.params[worst] * bytes_per * share
     out["activations"][idx] = acts[rows, worst]
     out["pipeline_buffers"][idx] = np.where(k > 1, 2 * b[idx] * s * h * act, 0.0)
     # The device holding the most parameters (its gradients are the largest all-reduce).
@@ -306,14 +363,18 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   # Data parallel: one all-reduce of the busiest device's gradients across D replicas.
   grads = out["params_per_device"] * system.grad_bytes[precision]
   out["data_comm"] = all_reduce_seconds(grads, D, bw(D * K * T), lat(D * K * T))
+  if system.sharding_all_reduces:  # Then the updated weight shards come back: an all-gather.
+    weights = out["params_per_device"] * system.weight_bytes[precision]
+    out["data_comm"] += np.where(z > 0, all_gather_seconds(weights, D, bw(D * K * T),
+                                                           lat(D * K * T)), 0.0)
   out["M"] = M
-  out["schedule"], out["v"] = sched, v
+  out["schedule"], out["v"], out["remat"], out["sharding"] = sched, v, rm, z
   out["step_seconds"] = sum(out[c] for c in COMPONENTS)
   out["memory_bytes"] = sum(out[p] for p in MEMORY_PARTS)
   out["fits"] = out["memory_bytes"] <= cluster.memory_bytes
   devices = D * K * T
-  executed = np.where(r > 0, float(step_flops(m, global_batch, True)),
-                      float(step_flops(m, global_batch, False)))
+  executed = np.select([rm == mode for mode in range(len(REMATS))],
+                       [float(step_flops(m, global_batch, mode)) for mode in REMATS])
   out["tokens_per_second"] = global_batch * s / out["step_seconds"]
   out["tflops_per_device"] = executed / out["step_seconds"] / devices / 1e12
   # A shared host's devices take turns at its peak: the host is the unit of utilisation.

@@ -20,8 +20,10 @@ def degrees(row: dict) -> str:
   return (f"D={row['data_parallel']} x K={row['pipeline_stages']} x T={row['tensor_parallel']}, "
           f"{row['microbatches']} micro-batch{'es' if row['microbatches'] > 1 else ''} of "
           f"{row['microbatch_size']}, "
-          f"remat {'on' if row['remat'] else 'off'}"
-          + (f", {schedule(row)}" if row["pipeline_stages"] > 1 else ""))
+          f"remat {row['remat']}"
+          + (f", {schedule(row)}" if row["pipeline_stages"] > 1 else "")
+          + (f", optimizer {row['optimizer_sharding']}"
+             if row["optimizer_sharding"] != "none" else ""))
 
 
 def training_run(row: dict, cluster) -> str:
@@ -76,7 +78,8 @@ def rejected(ranked: search.Ranked, top: int):
 def text(m, cluster, ranked: search.Ranked, top: int, precision: str, system) -> str:
   g = int(round(ranked.results["M"][0] * ranked.plans.D[0] * ranked.plans.b[0]))
   lines = [_model_line(m, cluster, precision, system, g), "",
-           f"{'#':>2}  {'D x K x T':<14}{'b x M':<10}{'remat':<6}{'schedule':<16}{'GiB/dev':>8}"
+           f"{'#':>2}  {'D x K x T':<14}{'b x M':<10}{'remat':<10}{'schedule':<16}{'ZeRO':<6}"
+           f"{'GiB/dev':>8}"
            f"{'step s':>10}{'tokens/s':>12}{'TFLOP/s':>9}{'MFU':>7}{'bubble':>8}"]
   for n, i in enumerate(ranked.order[:top], 1):
     r = ranked.row(i)
@@ -85,7 +88,7 @@ def text(m, cluster, ranked: search.Ranked, top: int, precision: str, system) ->
     lines.append(
         f"{n:>2}  {r['data_parallel']} x {r['pipeline_stages']} x {r['tensor_parallel']:<6}"
         f"{str(r['microbatch_size']) + ' x ' + str(r['microbatches']):<10}"
-        f"{'on' if r['remat'] else 'off':<6}{schedule(r):<16}"
+        f"{r['remat']:<10}{schedule(r):<16}{r['optimizer_sharding']:<6}"
         f"{r['memory_bytes_per_device'] / GIB:>8.2f}"
         f"{r['step_seconds']:>10.4g}{r['tokens_per_second']:>12,.0f}"
         f"{r['tflops_per_device']:>9.1f}{r['mfu']:>7.1%}{r['bubble_fraction']:>8.1%}")
@@ -125,7 +128,7 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
   r, p = ranked.results, ranked.row(i)
   D, K, T, b, M, v = (p["data_parallel"], p["pipeline_stages"], p["tensor_parallel"],
                       p["microbatch_size"], p["microbatches"], p["virtual_stages"])
-  rc = int(p["remat"])
+  rc = int(p["remat"] == "full")
   s, h, f, a, L, V = m.seq_len, m.d_model, m.d_ff, m.num_heads, m.num_layers, m.vocab_size
   g = D * b * M
   act = cost.ACTIVATION_BYTES[precision]
@@ -138,15 +141,21 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
       f"  layer FLOPs/sequence = 2s(4h^2 + 2hf) + 4s^2h = 2*{s}*(4*{h}^2 + 2*{h}*{f}) + "
       f"4*{s}^2*{h} = {cost.layer_flops(m):.4g}",
       f"  logits FLOPs/sequence = 2shV = 2*{s}*{h}*{V} = {cost.logits_flops(m):.4g}",
-      f"  step FLOPs = G((3 + r)L layer + 3 logits) = {g}*((3 + {rc})*{L}*layer + 3*logits) = "
-      f"{cost.step_flops(m, g, bool(rc)):.4g}",
+      f"  step FLOPs = G((3 + r)L layer + qL 4s^2h + 3 logits) = {g}*((3 + {rc})*{L}*layer + "
+      f"{int(p['remat'] == 'selective')}*{L}*4*{s}^2*{h} + 3*logits) = "
+      f"{cost.step_flops(m, g, p['remat']):.4g}",
       f"  parameters on the device holding most = {r['params_per_device'][i]:,.0f}; "
-      f"bytes/parameter = weights {bpp[0]} + gradients {bpp[1]} + optimizer {bpp[2]} = "
-      f"{sum(bpp)} -> {r['params_per_device'][i] * sum(bpp) / GIB:.3f} GiB",
+      f"bytes/parameter = weights {bpp[0]} + gradients {bpp[1]}"
+      + (f" x {r['gradients'][i] / (r['params_per_device'][i] * bpp[1]):.3g}"
+         if p["optimizer_sharding"] == "zero2" else "")
+      + f" + optimizer {bpp[2]}" + (f"/D={D}" if p["optimizer_sharding"] != "none" else "")
+      + f" ({p['optimizer_sharding']}) -> "
+      f"{(r['weights'][i] + r['gradients'][i] + r['optimizer'][i]) / GIB:.3f} GiB",
       f"  activations per block and micro-batch = "
-      + (f"2sbh x {act}/2 = 2*{s}*{b}*{h}*{act / 2:g}" if rc else
-         f"sbh(10 + 24/T + 5as/(hT)) x {act}/2 = {s}*{b}*{h}*(10 + 24/{T} + 5*{a}*{s}/({h}*{T}))"
-         f"*{act / 2:g}")
+      + {"full": f"2sbh x {act}/2 = 2*{s}*{b}*{h}*{act / 2:g}",
+         "selective": f"sbh(10 + 24/T) x {act}/2 = {s}*{b}*{h}*(10 + 24/{T})*{act / 2:g}",
+         "none": f"sbh(10 + 24/T + 5as/(hT)) x {act}/2 = {s}*{b}*{h}*(10 + 24/{T} + "
+                 f"5*{a}*{s}/({h}*{T}))*{act / 2:g}"}[p["remat"]]
       + f"; {IN_FLIGHT[p['pipeline_schedule']]} micro-batches in flight on stage k "
       f"({p['pipeline_schedule']}) -> activations {p['memory']['activations'] / GIB:.3f} GiB",
       f"  efficiency = e_max / (1 + w/(h/T) + r0/(bs)) = {e.max_efficiency} / (1 + "
@@ -206,7 +215,7 @@ def plan_flags(row: dict, cluster, schedule_flags: bool = True) -> list:
       row["microbatches"]
   n_workers, per_worker = workers(row, cluster)
   out = [f"--global_batch_size={d * row['microbatch_size'] * mb}"]
-  model_parallel = k > 1 or t > 1 or mb > 1 or row["remat"]
+  model_parallel = k > 1 or t > 1 or mb > 1 or row["remat"] != "none"
   if cluster.kind == "tpu":
     out.append("--strategy=tpu")
   elif n_workers > 1:
@@ -217,7 +226,9 @@ def plan_flags(row: dict, cluster, schedule_flags: bool = True) -> list:
     out.append(f"--num_cpu_devices={per_worker}")
   if model_parallel:
     out += [f"--data_parallel={d}", f"--pipeline_stages={k}", f"--tensor_parallel={t}",
-            f"--microbatches={mb}", "--remat" if row["remat"] else "--noremat"]
+            f"--microbatches={mb}", f"--remat={row['remat']}"]
+  if row["optimizer_sharding"] != "none":
+    out.append(f"--optimizer_sharding={row['optimizer_sharding']}")
   if k > 1 and schedule_flags:
     out += [f"--pipeline_schedule={row['pipeline_schedule']}",
             f"--virtual_stages={row['virtual_stages']}"]

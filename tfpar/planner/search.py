@@ -1,18 +1,23 @@
-"""Search: every D x K x T x micro-batch x recompute x schedule plan a cluster allows, ranked.
+"""Search: every D x K x T x micro-batch x recompute x schedule x optimizer sharding plan a
+cluster allows, ranked.
 
 Candidates: T divides the head count and d_ff and stays inside a node (tensor
 parallelism sums activations twice per sub-block: it needs the fastest link);
 K <= L (and divides L where the System wants uniform stages); pipeline stages
 may sit on different nodes; D = N / (K T) divides the global batch; the
-micro-batch b divides G / D; recompute on and off; with K > 1 each schedule
-the System runs: GPipe, 1F1B, and interleaved with v virtual stages where
-K v divides L and K divides M (Megatron-LM's conditions). With tfpar on TPUs
-only data parallelism runs. The candidates of 4,096 devices number a few
-thousand: one vectorised pass.
+micro-batch b divides G / D; recompute none, full and selective; with K > 1
+each schedule the System runs: GPipe, 1F1B, and interleaved with v virtual
+stages where K v divides L and K divides M (Megatron-LM's conditions); with
+D > 1 each optimizer sharding the System runs (tfpar: zero1 and zero2 only in
+plain data parallelism, K = T = M = 1 without recompute, not under
+mixed_float16, as tfpar.rules allows; Megatron: zero1, its distributed
+optimizer, anywhere). With tfpar on TPUs only data parallelism runs.
+Sequence parallelism is not searched: tfpar's runtime has none. The
+candidates of 4,096 devices number a few thousand: one vectorised pass.
 """
 
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -51,12 +56,25 @@ def schedules(m: ModelConfig, k: int, mb: int, system: cost.System,
   return out
 
 
+def _options(given, every: Sequence) -> tuple:
+  """The values to try: all of `every` (None), the ones given (a tuple) or the one given."""
+  return tuple(every) if given is None else tuple(given) if isinstance(given, tuple) else (given,)
+
+
 def candidates(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost.System, *,
                data_parallel: Optional[int] = None, pipeline_stages: Optional[int] = None,
                tensor_parallel: Optional[int] = None, microbatches: Optional[int] = None,
-               remat: Optional[bool] = None, pipeline_schedule: Optional[str] = None,
-               virtual_stages: Optional[int] = None) -> cost.Plans:
-  """All plans using every device of the cluster; any degree given fixes that degree."""
+               remat=None, pipeline_schedule: Optional[str] = None,
+               virtual_stages: Optional[int] = None, optimizer_sharding=None,
+               precision: Optional[str] = None) -> cost.Plans:
+  """All plans using every device of the cluster; any degree given fixes that degree.
+
+  `remat` and `optimizer_sharding`: a mode (a bool for remat: True is full), a tuple
+  of modes to try, or None for all (the System's shardings). `precision` rules out
+  tfpar's sharding under mixed_float16.
+  """
+  remats = [cost.remat_index(x) for x in _options(remat, cost.REMATS)]
+  shardings = [cost.SHARDINGS.index(x) for x in _options(optimizer_sharding, system.shardings)]
   n, dpn = cluster.devices, cluster.devices_per_node
   rows = []
   # A tensor-parallel group sits inside one node: T divides the node (or the whole host).
@@ -83,11 +101,24 @@ def candidates(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost
         if microbatches is None and b > MAX_MICROBATCH:
           continue
         for sched, v in schedules(m, k, mb, system, pipeline_schedule, virtual_stages):
-          for r in (False, True) if remat is None else (remat,):
-            rows.append((d, k, t, b, r, sched, v))
-  a = np.array(rows, dtype=int).reshape(-1, 7)
-  return cost.Plans(D=a[:, 0], K=a[:, 1], T=a[:, 2], b=a[:, 3], remat=a[:, 4].astype(bool),
-                    schedule=a[:, 5], v=a[:, 6])
+          for r in remats:
+            for z in shardings:
+              if z and not shards_optimizer(system, d, k, t, mb, r, precision):
+                continue
+              rows.append((d, k, t, b, r, sched, v, z))
+  a = np.array(rows, dtype=int).reshape(-1, 8)
+  return cost.Plans(D=a[:, 0], K=a[:, 1], T=a[:, 2], b=a[:, 3], remat=a[:, 4],
+                    schedule=a[:, 5], v=a[:, 6], sharding=a[:, 7])
+
+
+def shards_optimizer(system: cost.System, d: int, k: int, t: int, mb: int, remat: int,
+                     precision: Optional[str]) -> bool:
+  """Whether the System can shard the optimizer of this plan: D > 1, and for tfpar plain data
+  parallelism without recompute or mixed_float16 (tfpar.rules' conditions)."""
+  if d == 1:
+    return False
+  return system.sharding_with_model_parallel or (
+      k == t == mb == 1 and remat == cost.NO_REMAT and precision != "mixed_float16")
 
 
 @dataclasses.dataclass
@@ -103,7 +134,8 @@ class Ranked:
     p, r = self.plans, self.results
     out = {"data_parallel": int(p.D[i]), "pipeline_stages": int(p.K[i]),
            "tensor_parallel": int(p.T[i]), "microbatch_size": int(p.b[i]),
-           "microbatches": int(round(r["M"][i])), "remat": bool(p.remat[i]),
+           "microbatches": int(round(r["M"][i])), "remat": cost.REMATS[int(r["remat"][i])],
+           "optimizer_sharding": cost.SHARDINGS[int(r["sharding"][i])],
            "pipeline_schedule": cost.SCHEDULES[int(r["schedule"][i])],
            "virtual_stages": int(r["v"][i]),
            "fits": bool(r["fits"][i]), "memory_bytes_per_device": float(r["memory_bytes"][i]),
