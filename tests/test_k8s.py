@@ -11,7 +11,10 @@
 - Every pod of a JobSet or Indexed Job builds its TF_CONFIG with tfpar.cluster
   from the rendered environment, and together they form one cluster; two
   pods of a rendered Indexed Job (hostnames mapped to 127.0.0.1) train a real
-  multi_worker_mirrored job.
+  multi_worker_mirrored job; two pods of a rendered JobSet train with pipeline
+  stages across them (pod 1 serves pod 0's second stage) and both exit 0.
+- Cross-worker pipeline jobs follow worker 0 (its Job's success policy), and
+  their pods are pinned to the GPU count they were rendered with.
 - Bad render or training flags: one line, exit 2, nothing printed.
 """
 
