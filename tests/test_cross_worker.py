@@ -126,3 +126,42 @@ def test_cross_worker_checkpoint_restores_on_one_device(cross_worker_runs, one_d
   train_in_process(BASE + [f"--model_dir={model_dir}"])
   assert f"resumed from {model_dir}/checkpoints/ckpt-2 at step 2" in capsys.readouterr().out
   assert_same_steps(model_dir, one_device, range(1, STEPS + 1))
+
+
+
+class Exited(Exception):
+  """What `os._exit(code)` does in watch_chief, caught here instead of ending pytest."""
+
+
+def test_a_stage_server_exits_0_only_after_the_chief_it_saw_finished(monkeypatch):
+  """`.chief-finished` ends a server (0) only once it has seen the chief: a previous run's
+  file, read before this run's chief came up (and removed it), must not end it."""
+  import socket  # pylint: disable=import-outside-toplevel
+  import threading  # pylint: disable=import-outside-toplevel
+  import types  # pylint: disable=import-outside-toplevel
+  from tfpar.parallel.parameter_server import server  # pylint: disable=import-outside-toplevel
+
+  def exit_(code):
+    raise Exited(code)
+
+  monkeypatch.setattr(server, "os", types.SimpleNamespace(_exit=exit_))
+  monkeypatch.setattr(server, "CHIEF_POLL_SECONDS", 0.05)
+  monkeypatch.setattr(server, "CHIEF_WAIT_SECONDS", 1.0)
+  never = socket.socket()
+  never.bind(("127.0.0.1", 0))  # Bound, never listening: a chief that never comes up.
+  chief = socket.socket()
+  chief.bind(("127.0.0.1", 0))
+  chief.listen()
+  address = "127.0.0.1:%d" % chief.getsockname()[1]
+  # The chief is up for a few polls, then finishes and leaves.
+  threading.Timer(0.5, chief.close).start()
+  try:
+    with pytest.raises(Exited) as finished:
+      server.watch_chief("worker 1", address, finished=lambda: True)
+    with pytest.raises(Exited) as alone:
+      server.watch_chief("worker 1", "127.0.0.1:%d" % never.getsockname()[1],
+                         finished=lambda: True)
+  finally:
+    never.close()
+    chief.close()
+  assert finished.value.args == (0,) and alone.value.args == (1,)

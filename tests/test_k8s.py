@@ -11,7 +11,10 @@
 - Every pod of a JobSet or Indexed Job builds its TF_CONFIG with tfpar.cluster
   from the rendered environment, and together they form one cluster; two
   pods of a rendered Indexed Job (hostnames mapped to 127.0.0.1) train a real
-  multi_worker_mirrored job.
+  multi_worker_mirrored job; two pods of a rendered JobSet train with pipeline
+  stages across them (pod 1 serves pod 0's second stage) and both exit 0.
+- Cross-worker pipeline jobs follow worker 0 (its Job's success policy), and
+  their pods are pinned to the GPU count they were rendered with.
 - Bad render or training flags: one line, exit 2, nothing printed.
 """
 
@@ -50,7 +53,15 @@ VARIANTS = {  # name -> (render flags, train flags)
     "parameter_server_gpus": (["--workers=2", "--ps=2", "--gpus_per_worker=1"], PS),
     "one_worker_pvc": (["--workers=1", "--pvc=runs-claim"],
                        ["--model_dir=/mnt/tfpar/runs/gpt", "--data=/mnt/tfpar/data/*.txt"]),
+    # Pipeline stages across workers: a replica of 2 stages spans 2 CPU workers (D=2)...
+    "stages_across": (["--workers=4"], MWMS + ["--pipeline_stages=2", "--microbatches=2"]),
+    # ...or 2x4 devices span 2 workers of 4 GPUs; and 2 stages fit in one such worker.
+    "stages_across_gpus": (["--workers=2", "--gpus_per_worker=4"],
+                           MWMS + ["--pipeline_stages=2", "--tensor_parallel=4"]),
+    "stages_within_gpus": (["--workers=2", "--gpus_per_worker=4"],
+                           MWMS + ["--pipeline_stages=2", "--microbatches=2"]),
 }
+STAGE_SERVERS = {"stages_across", "stages_across_gpus"}  # Workers 1.. serve worker 0's stages.
 
 
 def render(kind, flags, train_flags, name="gpt"):
@@ -201,11 +212,14 @@ def test_manifests_render_and_validate(kind, variant, crd_schemas):
       assert container["volumeMounts"] == [{"name": "model-dir", "mountPath": "/mnt/tfpar"}]
     else:
       assert "volumes" not in spec and "volumeMounts" not in container
+    env = {e["name"]: e["value"] for e in container.get("env", [])}
+    # Model-parallel multi-worker pods decide the plan on the GPUs they were rendered with.
+    assert env.get("TFPAR_GPUS_PER_WORKER") == (
+        (gpus or "0") if variant.startswith("stages") else None)
     if kind == "tfjob":
-      assert "env" not in container  # The operator writes TF_CONFIG.
+      assert set(env) <= {"TFPAR_GPUS_PER_WORKER"}  # The operator writes TF_CONFIG.
     else:
       assert spec["restartPolicy"] == "Never"
-      env = {e["name"]: e["value"] for e in container["env"]}
       assert json.loads(env["TFPAR_CLUSTER"]) == manifests.hostnames(k8s_cli.parse(
           ["render", f"--kind={kind}", "--name=gpt", "--image=i", *flags, "--", *train_flags]))
 
@@ -216,6 +230,8 @@ def test_manifests_render_and_validate(kind, variant, crd_schemas):
     # A multi-worker TFJob cannot restart the group: a failure fails the job.
     assert {v["restartPolicy"] for v in replicas.values()} == {"OnFailure" if ps else "Never"}
     assert workload["spec"]["runPolicy"]["backoffLimit"] == (3 if ps else 0)
+    # The operator's default: the job succeeds when the chief (else worker 0) completes.
+    assert "successPolicy" not in workload["spec"]
   elif kind == "jobset":
     spec = workload["spec"]
     assert spec["network"] == {"enableDNSHostnames": True, "publishNotReadyAddresses": True}
@@ -248,6 +264,9 @@ def test_manifests_render_and_validate(kind, variant, crd_schemas):
                      or re.search(p, message.format(24, 0)) or re.search(p, message.format(130, 0))
                      for r in spec["failurePolicy"]["rules"] for p in r["onJobFailureMessagePatterns"])
     assert spec["successPolicy"]["targetReplicatedJobs"] == (["chief"] if ps else ["worker"])
+    # Stage servers never finish before worker 0: their Job follows index 0.
+    assert jobs["worker"].get("successPolicy") == (
+        {"rules": [{"succeededIndexes": "0"}]} if variant in STAGE_SERVERS else None)
   else:
     service = objs[1]
     assert service["spec"]["clusterIP"] == "None"
@@ -257,8 +276,9 @@ def test_manifests_render_and_validate(kind, variant, crd_schemas):
     assert job["completionMode"] == "Indexed" and job["completions"] == workers + ps + bool(ps)
     assert job["backoffLimit"] == 0
     assert job["template"]["spec"]["subdomain"] == "gpt"
-    if ps:  # Servers never finish: the chief (index 0) finishing ends the Job.
-      assert job["successPolicy"] == {"rules": [{"succeededIndexes": "0"}]}
+    # Servers (parameter or stage) never finish first: the chief (index 0) finishing ends the Job.
+    assert job.get("successPolicy") == ({"rules": [{"succeededIndexes": "0"}]}
+                                        if ps or variant in STAGE_SERVERS else None)
 
 
 def test_tpu_workers_request_chips_on_nodes_of_the_topology(crd_schemas):
@@ -355,23 +375,27 @@ def free_ports(count):
   return ports
 
 
-def two_pods(tmp_path):
-  """The pods of the test below, as real processes: (their exit statuses, their outputs).
+POD_TRAIN_FLAGS = [*TINY, "--strategy=multi_worker_mirrored", "--jit_compile=false",
+                   "--eval_steps=0", "--train_steps=2", "--checkpoint_every=2"]
+# A replica of 2 stages on 2 CPU pods: pod 1 serves pod 0's second stage.
+STAGES = ["--pipeline_stages=2", "--microbatches=2"]
+
+
+def two_pods(tmp_path, kind="indexed-job", train_flags=("--input_sharding=data",)):
+  """Two pods of a rendered job, as real processes: (their exit statuses, their outputs).
 
   Started by `started` with this module's first test, they run beside the tests before it.
   """
-  train_flags = [*TINY, "--strategy=multi_worker_mirrored", "--jit_compile=false",
-                 "--eval_steps=0", "--train_steps=2", "--checkpoint_every=2",
-                 "--input_sharding=data", f"--model_dir={tmp_path}/runs/gpt"]
-  objs = render("indexed-job", ["--workers=2", "--pvc=claim", f"--mount_path={tmp_path}"],
-                train_flags)
-  container = objs[-1]["spec"]["template"]["spec"]["containers"][0]
-  cluster = container["env"][0]["value"]
-  for host, port in zip(["gpt-0.gpt:2222", "gpt-1.gpt:2222"], free_ports(2)):
-    assert host in cluster
-    cluster = cluster.replace(host, f"127.0.0.1:{port}")
+  objs = render(kind, ["--workers=2", "--pvc=claim", f"--mount_path={tmp_path}"],
+                [*POD_TRAIN_FLAGS, *train_flags, f"--model_dir={tmp_path}/runs/gpt"])
+  [template] = pod_templates(objs[-1]).values()  # Workers only: one template.
+  [container] = template["spec"]["containers"]
+  local = {f"{host}.gpt:2222": f"127.0.0.1:{port}"
+           for (_, host), port in zip(pods(objs), free_ports(2))}
   procs = []
-  for index, (env, _) in enumerate(pods(objs)):
+  for env, _ in pods(objs):
+    cluster = json.dumps({job: [local[a] for a in addresses]
+                          for job, addresses in json.loads(env["TFPAR_CLUSTER"]).items()})
     env = dict(os.environ, **dict(env, TFPAR_CLUSTER=cluster), PYTHONPATH=REPO,
                TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
@@ -392,15 +416,26 @@ def two_pods(tmp_path):
 
 @pytest.fixture(scope="module", autouse=True)
 def started(request, tmp_path_factory):
-  if not selected_tests_use(request, "pods_run"):
-    return None
-  directory = tmp_path_factory.mktemp("pods")
-  return directory, in_background(two_pods, directory)
+  """{fixture name: (model dir's parent, the run's future)} of the pod runs the selected tests use."""
+  runs = {"pods_run": ("indexed-job", ["--input_sharding=data"]),
+          "stage_pods_run": ("jobset", STAGES)}
+  futures = {}
+  for fixture, (kind, flags) in runs.items():
+    if selected_tests_use(request, fixture):
+      directory = tmp_path_factory.mktemp(fixture)
+      futures[fixture] = directory, in_background(two_pods, directory, kind, flags)
+  return futures
 
 
 @pytest.fixture(scope="module")
 def pods_run(started):
-  directory, future = started
+  directory, future = started["pods_run"]
+  return directory, *future.result()
+
+
+@pytest.fixture(scope="module")
+def stage_pods_run(started):
+  directory, future = started["stage_pods_run"]
   return directory, *future.result()
 
 
@@ -411,6 +446,18 @@ def test_two_pods_of_a_rendered_indexed_job_train_together(pods_run):
   assert "2 workers" in outputs[0], outputs[0][-2000:]
   assert [r["step"] for r in read_metrics(f"{tmp_path}/runs/gpt")] == [1, 2]
   assert os.path.exists(f"{tmp_path}/runs/gpt/checkpoints/checkpoint")
+
+
+def test_two_pods_of_a_rendered_stage_jobset_train_and_the_server_exits_0(stage_pods_run):
+  """Pod 1 serves pod 0's second stage; it ends by itself, status 0, once pod 0 succeeded
+  (not 600 s later with status 1), as the JobSet's policies expect."""
+  tmp_path, codes, outputs = stage_pods_run
+  assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
+  assert "chief 127.0.0.1:" in outputs[1] and "finished the run, exiting" in outputs[1], (
+      outputs[1][-2000:])
+  assert [r["step"] for r in read_metrics(f"{tmp_path}/runs/gpt")] == [1, 2]
+  with open(f"{tmp_path}/runs/gpt/plan.json") as f:
+    assert json.load(f)["stage_workers"] == [["worker:0", "worker:1"]]
 
 
 BAD = [
@@ -475,6 +522,13 @@ BAD = [
     (["render", "--kind=jobset", "--name=gpt", "--workers=2", "--gpus_per_worker=4", "--image=i",
       "--", *MWMS, "--global_batch_size=12"],
      "over 8 replicas (--workers=2 x --gpus_per_worker=4)"),
+    (["render", "--kind=jobset", "--name=gpt", "--workers=3", "--image=i", "--", *MWMS,
+      "--pipeline_stages=2", "--microbatches=2"],
+     "spans 2 workers of 1 device, and 3 workers do not split into replicas"),
+    (["render", "--kind=jobset", "--name=gpt", "--workers=2", "--gpus_per_worker=4", "--image=i",
+      "--", *MWMS, "--pipeline_stages=3", "--tensor_parallel=2"],
+     "--gpus_per_worker=4: --pipeline_stages x --tensor_parallel = 3x2 = 6 devices per replica "
+     "do not fill whole workers of 4 devices"),
 ]
 
 
@@ -553,3 +607,18 @@ def test_every_documented_command_renders_valid_manifests(crd_schemas):
     finally:
       os.chdir(cwd)
     validate(manifests.render(job), crd_schemas)
+
+
+def test_a_pod_that_sees_other_gpus_than_rendered_stops_with_one_line():
+  """The render chose the job's policies on --gpus_per_worker; a pod deciding on another
+  count would serve (or not) where its peers do not: it refuses instead (exit 2)."""
+  from tfpar import strategies  # pylint: disable=import-outside-toplevel
+  from tfpar.config import ConfigError  # pylint: disable=import-outside-toplevel
+  job = k8s_cli.parse(["render", "--kind=jobset", "--name=gpt", "--workers=4", "--image=i",
+                       "--", *VARIANTS["stages_across"][1]])
+  cfg = k8s_cli._check_train_flags(job.train_args)  # pylint: disable=protected-access
+  env = {cluster_lib.GPUS_ENV: "0"}  # As rendered for CPU pods: this machine has no GPU.
+  assert strategies.stages_across_workers(cfg, env) is job.stage_servers is True
+  with pytest.raises(ConfigError, match=r"this pod sees 0 GPU\(s\) but was rendered with "
+                     r"TFPAR_GPUS_PER_WORKER=4 .*--gpus_per_worker=0"):
+    strategies.stages_across_workers(cfg, {cluster_lib.GPUS_ENV: "4"})

@@ -33,6 +33,10 @@ CLUSTER_ENV = "TFPAR_CLUSTER"
 TASK_TYPE_ENV = "TFPAR_TASK_TYPE"
 PEER_TIMEOUT_ENV = "TFPAR_PEER_TIMEOUT"
 INDEX_ENV = "JOB_COMPLETION_INDEX"
+# The GPUs a rendered pod was given (tfpar.k8s render --gpus_per_worker; 0 on
+# CPU pods): every pod and the render judge the same plan on that count
+# (tfpar.strategies.stages_across_workers), and a pod that sees another exits 2.
+GPUS_ENV = "TFPAR_GPUS_PER_WORKER"
 DEFAULT_PEER_TIMEOUT = 300.0
 
 

@@ -139,14 +139,17 @@ def _run(cfg: Config, cluster: Cluster) -> dict:
   try:
     # config.json once the checkpoint (if any) restored: bad data or a checkpoint of another
     # model, found before, leaves --model_dir as it was.
-    return loop.run(cfg, engine, is_chief=is_chief, worker_index=worker_index,
-                    num_workers=num_workers,
-                    on_restored=(lambda: write_run_files(cfg, task.class_names(data), engine))
-                    if is_chief else None)
+    result = loop.run(cfg, engine, is_chief=is_chief, worker_index=worker_index,
+                      num_workers=num_workers,
+                      on_restored=(lambda: write_run_files(cfg, task.class_names(data), engine))
+                      if is_chief else None)
   except PEER_ERRORS as e:
     if len(cluster.spec.get("worker", [])) + len(cluster.spec.get("chief", [])) < 2:
       raise
     raise PeerError(_peer_message(e, cluster, cfg.dist.collective_timeout)) from None
+  if across:  # The stage servers may go: the job is done (tfpar.parallel.remote).
+    remote.finish(cfg.train.model_dir)
+  return result
 
 
 # What a collective or remote call raises when a peer task died, hung or was cut off.

@@ -6,10 +6,12 @@ a laptop). `make_strategy` maps --strategy to a strategy and raises on
 anything else; the loop, model and data code are the same for all of them.
 """
 
+import os
+
 import tensorflow as tf
 
 from tfpar import rules
-from tfpar.cluster import Cluster
+from tfpar.cluster import GPUS_ENV, Cluster
 from tfpar.config import ConfigError, DistConfig
 
 
@@ -41,13 +43,22 @@ def compute_devices(num_cpu_devices: int = 0):
   return cpus[:num_cpu_devices] if num_cpu_devices else cpus
 
 
-def stages_across_workers(cfg) -> bool:
+def stages_across_workers(cfg, environ=os.environ) -> bool:
   """tfpar.rules.stages_across_workers on this worker's devices.
 
   Counted without starting TensorFlow's runtime (a MultiWorkerMirroredStrategy
   must configure its collectives first): the GPUs, else --num_cpu_devices.
+  A pod rendered by tfpar.k8s says how many GPUs it was given (GPUS_ENV): the
+  render chose the job's policies on that count, and each worker decides alone
+  whether it serves, so a pod that sees another count stops here (a GPU node
+  that shows every GPU to a pod that asked for none, a missing device plugin).
   """
   gpus = len(tf.config.list_physical_devices("GPU"))
+  given = environ.get(GPUS_ENV)
+  if given is not None and given != str(gpus):
+    raise ConfigError(f"this pod sees {gpus} GPU(s) but was rendered with {GPUS_ENV}={given} "
+                      "(tfpar.k8s render --gpus_per_worker): render the job again with "
+                      f"--gpus_per_worker={gpus}, or give the pod the GPUs it asked for")
   return rules.stages_across_workers(cfg, gpus or max(1, cfg.dist.num_cpu_devices))
 
 

@@ -5,6 +5,7 @@ training flags that tfpar.train would refuse, end with one line on stderr and
 exit status 2, and nothing is printed. TensorFlow is never imported.
 """
 
+import dataclasses
 import re
 import shlex
 import sys
@@ -68,16 +69,27 @@ def parse(argv: Sequence[str]) -> manifests.Job:
   _check_job(job, strategy, model_dir)
   # The batch over the replicas, --ps_shards over the ps: as tfpar.train checks its TF_CONFIG.
   spec = {"worker": [""] * job.workers, **({"ps": [""] * job.ps} if job.ps else {})}
+  gpus = job.gpus_per_worker or 0
   try:
     if strategy == "multi_worker_mirrored" and not cfg.parallel.model_parallel:
-      gpus = job.gpus_per_worker or 0
       config_lib.check_batch(cfg.train.global_batch_size, job.workers * max(1, gpus),
                              flag=f"--workers={job.workers}"
                              + (f" x --gpus_per_worker={gpus}" if gpus else ""))
     config_lib.check_cluster(cfg, cluster_lib.Cluster(spec=spec, task_type="worker", task_index=0))
+    if strategy == "multi_worker_mirrored" and cfg.parallel.model_parallel:
+      # The plan every pod computes from these flags and its GPUs (GPUS_ENV pins
+      # them), judged here the same way: tfpar.strategies.stages_across_workers.
+      devices = gpus or max(1, cfg.dist.num_cpu_devices)
+      replicas, _ = config_lib.worker_layout(cfg.parallel, job.workers, devices,
+                                             cfg.compression.method)
+      config_lib.check_batch(cfg.train.global_batch_size, replicas, cfg.parallel.microbatches,
+                             flag=f"--data_parallel={replicas}")
+      job = dataclasses.replace(job, model_parallel=True,
+                                stage_servers=config_lib.stages_across_workers(cfg, devices))
   except config_lib.ConfigError as e:
     raise RenderError(f"training flags with --workers={job.workers}"
-                      f"{f' --ps={job.ps}' if job.ps else ''}: {e}") from None
+                      f"{f' --ps={job.ps}' if job.ps else ''}"
+                      f"{f' --gpus_per_worker={gpus}' if gpus else ''}: {e}") from None
   return job
 
 

@@ -19,6 +19,18 @@ on every interface. What differs is who writes TF_CONFIG and who restarts:
 - Indexed Job + headless Service: one Job of every task (chief, workers, ps by
   completion index); a failure fails the Job (no group restarts). With
   parameter servers the Job succeeds when the chief (index 0) does.
+
+Pipeline stages across workers (`stage_servers`: multi_worker_mirrored with a
+replica's K x T devices more than a worker's G, tfpar.rules.worker_layout):
+worker 0 is the only client and the other workers serve its stages. The job
+follows worker 0, as parameter-server jobs follow their chief: the workers'
+Indexed Job succeeds when index 0 does (a Job success policy; in a JobSet, the
+`worker` Job's), a TFJob by the operator's default rule (worker 0 completed);
+a failed server fails its Job, which restarts the JobSet (or fails the Indexed
+Job or TFJob). Servers also exit 0 by themselves within seconds of worker 0's
+success (tfpar.parallel.remote). Pods of model-parallel multi-worker jobs get
+the GPU count they were rendered with (tfpar.cluster.GPUS_ENV), which each
+decides on (and checks) exactly as the render did.
 """
 
 import dataclasses
@@ -56,6 +68,10 @@ class Job:
   grace_seconds: int = 300
   max_restarts: int = 0
   peer_timeout: int = 300
+  # Multi-worker model parallelism: pods pin their GPU count (GPUS_ENV).
+  model_parallel: bool = False
+  # A replica spans workers: workers 1.. serve worker 0's stages; the job follows worker 0.
+  stage_servers: bool = False
 
   @property
   def roles(self) -> List[Tuple[str, int]]:
@@ -118,6 +134,9 @@ def _container(job: Job, role: Optional[str]) -> dict:
     if job.kind == "jobset":
       env.append({"name": cluster_lib.TASK_TYPE_ENV, "value": role})
     container["env"] = env
+  if job.model_parallel:  # Every pod judges the plan on the GPUs rendered (and checks them).
+    container.setdefault("env", []).append({"name": cluster_lib.GPUS_ENV,
+                                            "value": str(job.gpus_per_worker)})
   if job.pvc:
     container["volumeMounts"] = [{"name": "model-dir", "mountPath": job.mount_path}]
   return container
@@ -166,6 +185,9 @@ def tfjob(job: Job) -> dict:
           "restartPolicy": "Never" if multi_worker else "OnFailure",
           "template": _pod_template(job, role),
       } for role, count in job.roles}
+  # No successPolicy: the operator's default ends the job when the chief (or,
+  # without one, worker 0) completes, deleting the pods still running: what
+  # parameter servers and stage servers need.
   return {
       "apiVersion": "kubeflow.org/v1",
       "kind": "TFJob",
@@ -175,8 +197,11 @@ def tfjob(job: Job) -> dict:
   }
 
 
-def _indexed_job_spec(job: Job, role: Optional[str], count: int) -> dict:
-  return {
+def _indexed_job_spec(job: Job, role: Optional[str], count: int,
+                      index_0_ends: bool = False) -> dict:
+  """`index_0_ends`: the Job succeeds when index 0 (the chief) does, as its servers never
+  finish on their own; Kubernetes then ends the remaining pods."""
+  spec = {
       "completionMode": "Indexed",
       "completions": count,
       "parallelism": count,
@@ -189,6 +214,9 @@ def _indexed_job_spec(job: Job, role: Optional[str], count: int) -> dict:
           for codes in (status.NOT_RESTARTABLE, (status.PREEMPTED,))]},
       "template": _pod_template(job, role),
   }
+  if index_0_ends:
+    spec["successPolicy"] = {"rules": [{"succeededIndexes": "0"}]}
+  return spec
 
 
 def jobset(job: Job) -> dict:
@@ -210,11 +238,13 @@ def jobset(job: Job) -> dict:
                    "(" + "|".join(str(c) for c in status.NOT_RESTARTABLE) + ")"),
                   ("Preempted", "RestartJobSetAndIgnoreMaxRestarts", str(status.PREEMPTED)))],
       },
-      # Parameter servers and workers serve until the chief is done.
+      # Parameter servers and workers serve until the chief is done; stage
+      # servers until worker 0 is (their Job succeeds with index 0).
       "successPolicy": ({"operator": "Any", "targetReplicatedJobs": ["chief"]} if job.ps
                         else {"operator": "All", "targetReplicatedJobs": ["worker"]}),
       "replicatedJobs": [{"name": role, "replicas": 1,
-                          "template": {"spec": _indexed_job_spec(job, role, count)}}
+                          "template": {"spec": _indexed_job_spec(
+                              job, role, count, index_0_ends=job.stage_servers)}}
                          for role, count in job.roles],
   }
   return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
@@ -226,11 +256,8 @@ def indexed_job(job: Job) -> dict:
   total = sum(count for _, count in job.roles)
   # With parameter servers, one pod template serves every task type: they all
   # get the worker's resources.
-  spec = _indexed_job_spec(job, None if job.ps else "worker", total)
-  if job.ps:
-    # Servers never finish on their own: the Job succeeds when the chief does,
-    # and Kubernetes then ends the remaining pods.
-    spec["successPolicy"] = {"rules": [{"succeededIndexes": "0"}]}
+  spec = _indexed_job_spec(job, None if job.ps else "worker", total,
+                           index_0_ends=bool(job.ps) or job.stage_servers)
   return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _metadata(job), "spec": spec}
 
 

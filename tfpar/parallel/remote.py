@@ -17,7 +17,12 @@ where it lives).
 
 The servers keep serving while the chief comes and goes (a chief restarted by
 Kubernetes reconnects to them, as TensorFlow's ClusterCoordinator documents for
-its servers); tfpar.launch ends them once the chief exits 0.
+its servers). A chief whose run succeeded writes `<model_dir>/.chief-finished`
+(`finish`) before it exits 0; a server that has seen the chief and then finds
+it gone with that file there exits 0 within CHIEF_POLL_SECONDS, so a job of
+stage servers ends cleanly wherever it runs (tfpar.launch, a JobSet, a TFJob,
+an Indexed Job). Without the file, a chief that went away failed or was
+restarted: the server serves on for its return (exit 1 after CHIEF_WAIT_SECONDS).
 
 Preemption. A stage server that gets SIGTERM cannot save (the chief holds the
 step) and must not vanish (the chief's next step would fail and lose the
@@ -43,6 +48,7 @@ from tfpar.parallel.parameter_server.server import reachable, start_server, watc
 
 PEER_POLL_SECONDS = 1.0
 MARKER = ".preempted-"  # <model_dir>/.preempted-worker-1: that server was sent SIGTERM
+FINISHED = ".chief-finished"  # <model_dir>/.chief-finished: the chief's run succeeded
 
 
 class Workers:
@@ -61,8 +67,11 @@ def connect(model_dir: str) -> Workers:
 
   Also relays the servers' preemption notices (see the module docstring).
   """
-  for stale in storage.glob(os.path.join(model_dir, MARKER + "*")):  # A previous attempt's.
+  # A previous attempt's notices; removed before this chief's port opens, which
+  # is what a server waits for before it reads `.chief-finished` (see `serve`).
+  for stale in storage.glob(os.path.join(model_dir, MARKER + "*")):
     storage.discard(stale)
+  storage.discard(os.path.join(model_dir, FINISHED))
   threading.Thread(target=_relay_notices, args=(model_dir,), name="tfpar-peer-notices",
                    daemon=True).start()
   resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
@@ -71,6 +80,11 @@ def connect(model_dir: str) -> Workers:
   tf.config.experimental_connect_to_cluster(resolver, job_name=resolver.task_type,
                                             task_index=resolver.task_id)
   return Workers(resolver)
+
+
+def finish(model_dir: str) -> None:
+  """The chief's last act after a successful run: tells the servers to exit 0."""
+  storage.write_atomically(os.path.join(model_dir, FINISHED), "the chief's run succeeded\n")
 
 
 def chief_address(cluster: Cluster) -> str:
@@ -90,8 +104,8 @@ def _relay_notices(model_dir: str) -> None:
 
 
 def serve(cluster: Cluster, model_dir: str) -> None:
-  """Serves this worker's devices to the chief, until it stays away (exit 1) or, after
-  SIGTERM, has saved and left (75)."""
+  """Serves this worker's devices to the chief, until it finished (exit 0), stays away
+  (exit 1) or, after SIGTERM, has saved and left (75)."""
   notice = threading.Event()
   marker = os.path.join(model_dir, f"{MARKER}{cluster.task_type}-{cluster.task_index}")
 
@@ -112,4 +126,5 @@ def serve(cluster: Cluster, model_dir: str) -> None:
       notice.set()
 
   me = start_server(cluster, threads=cluster.num_tasks + 1, on_sigterm=on_sigterm)
-  watch_chief(me, chief, preempted=notice)
+  watch_chief(me, chief, preempted=notice,
+              finished=lambda: storage.exists(os.path.join(model_dir, FINISHED)))

@@ -111,21 +111,26 @@ def serve(cluster: Cluster) -> None:
   watch_chief(me, cluster.spec["chief"][0])
 
 
-def watch_chief(me: str, chief: str, preempted=None) -> None:
+def watch_chief(me: str, chief: str, preempted=None, finished=None) -> None:
   """Serves on while the chief comes and goes; exits 1 once it stayed away CHIEF_WAIT_SECONDS.
 
   `preempted`: a threading.Event; once set, the first poll that finds the
   chief gone (it saved and exited) exits 75.
+  `finished`: a callable; once the chief has been seen, the first poll that
+  finds it gone and `finished()` true exits 0 (the job is done).
   """
   print(f"tfpar: {me} serving; waits for chief {chief}", flush=True)
-  seen, last_seen = False, time.monotonic()
+  seen, ever_seen, last_seen = False, False, time.monotonic()
   while True:
     time.sleep(CHIEF_POLL_SECONDS)
     if reachable(chief):
       if not seen:
         print(f"tfpar: {me}: chief {chief} connected", flush=True)
-      seen, last_seen = True, time.monotonic()
+      seen, ever_seen, last_seen = True, True, time.monotonic()
       continue
+    if ever_seen and finished is not None and finished():
+      print(f"tfpar: {me}: chief {chief} finished the run, exiting", flush=True)
+      os._exit(status.OK)  # pylint: disable=protected-access
     if preempted is not None and preempted.is_set():
       print(f"tfpar: {me}: chief {chief} gone after the preemption notice, exiting", flush=True)
       os._exit(status.PREEMPTED)  # pylint: disable=protected-access
