@@ -89,9 +89,13 @@ def test_pipeline_of_tensor_shards_without_xla_matches_one_device_without_xla(tm
   assert_same_losses(model_dir, reference)
 
 
-def test_remat_matches_one_device(one_device, tmp_path):
+def test_remat_of_tensor_shards_under_xla_matches_one_device(one_device, tmp_path):
+  """--remat (full) recomputes each block inside tf.gradients' colocation with its input:
+  shard 1's recomputed forward must still run on shard 1's device (XLA refuses to read
+  a variable across devices, which is how this combination once failed)."""
   model_dir = str(tmp_path)
-  train_in_process(BASE + ["--remat", f"--model_dir={model_dir}"])
+  train_in_process(BASE + ["--remat", "--num_cpu_devices=2", "--tensor_parallel=2",
+                           f"--model_dir={model_dir}"])
   assert_same_losses(model_dir, one_device)
 
 

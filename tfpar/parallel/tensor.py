@@ -45,6 +45,7 @@ dev_t too. The copy f, the sum g, the LayerNorms and the residual stay
 outside, on dev_0.
 """
 
+import contextlib
 from typing import Callable, Sequence
 
 import tensorflow as tf
@@ -61,8 +62,14 @@ class DevicePlacement(Placement):
     self.jit_compile = jit_compile
     self._compiled = {}
 
+  @contextlib.contextmanager
   def scope(self, t: int):
-    return tf.device(self.devices[t])
+    # A device scope alone is ignored under a colocation, and --remat=full recomputes a
+    # block's forward inside tf.gradients' colocation with the block's input (shard 0):
+    # shard t's ops would land on shard 0's device, reading shard t's variables across
+    # devices, which XLA refuses. Dropping the colocation keeps shard t on its device.
+    with tf.compat.v1.colocate_with(None, ignore_existing=True), tf.device(self.devices[t]):
+      yield
 
   def run(self, layer: TensorParallel, t: int) -> Callable:
     if not self.jit_compile:
