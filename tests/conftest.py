@@ -1,6 +1,7 @@
 """Shared test helpers: run tfpar as a real subprocess, read its metrics."""
 
 import concurrent.futures
+import getpass
 import json
 import os
 import queue
@@ -22,15 +23,17 @@ OPTIONAL_K8S_SCHEMAS = os.path.join(os.path.dirname(REPO), "shared", "k8s-schema
 def _beside_repo():
   """The directories beside the checkout, which a user's clone does not have.
 
-  Hidden ones and any holding this Python, its packages or the temp dir are not
-  counted (a clone in a home directory sits beside ~/.cache); beside a checkout at
-  the filesystem's root are the system's own directories, so none is counted.
+  Hidden ones and any holding this Python, its packages, the temp dir or pytest's
+  own temp dirs are not counted (a clone in a home directory sits beside ~/.cache,
+  one in /tmp beside /tmp/pytest-of-USER); beside a checkout at the filesystem's
+  root are the system's own directories, so none is counted.
   """
   parent = os.path.dirname(REPO)
   if parent == os.path.dirname(parent):
     return []
+  pytest_temp = os.path.join(tempfile.gettempdir(), f"pytest-of-{getpass.getuser()}")
   needed = [os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
-                                          tempfile.gettempdir(), *sys.path) if p]
+                                          tempfile.gettempdir(), pytest_temp, *sys.path) if p]
   beside = []
   for name in os.listdir(parent):
     path = os.path.join(parent, name)
