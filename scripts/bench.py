@@ -28,9 +28,15 @@ runs three sections (`--sections`), each a table:
     softmax): each change's own gain against tfpar as it is.
   * model_parallel: tfpar on configs/gpt_tiny.flags' shapes (4 layers,
     d_model 128, seq 128, batch 16) on one device, as a 2-stage x 4
-    micro-batch pipeline and 2-way tensor parallel on 2 logical CPUs. The
-    logical devices share the same cores, so the ratio to one_device measures
-    the overhead of splitting, not a speed-up.
+    micro-batch pipeline and 2-way tensor parallel on 2 logical CPUs, and as
+    the same pipeline across 2 worker processes (`pipeline_across`: the child
+    is the chief, worker 0, and starts `python -m tfpar.train` as worker 1,
+    which serves stage 1; activations cross by gRPC on loopback). The
+    logical devices and local workers share the same cores, so the ratio to
+    one_device measures the overhead of splitting, not a speed-up:
+
+      python scripts/bench.py --sections=model_parallel \\
+        --systems=one_device,pipeline,pipeline_across --rounds=3
 
 Every measurement is a child process (`bench.py --only=SYSTEM`, which prints
 one JSON line) that builds its system, runs `--warmup` untimed steps (the
@@ -60,6 +66,7 @@ load column says how idle it was.
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -125,30 +132,45 @@ def flops_per_token(params: int, shape: dict, attention_share: float = 1.0) -> f
       attention_share
 
 
-class TfparSystem:
-  """tfpar's own engine for these flags (as tfpar.runner builds it), fed by its own pipeline."""
-
-  def __init__(self, shape: dict, precision: str, total_steps: int, extra_flags: List[str]):
-    from tfpar import config, strategies  # pylint: disable=import-outside-toplevel
-    from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
-
-    with tempfile.TemporaryDirectory() as model_dir:
-      cfg = config.from_flags(tfpar_flags.parse([
-          f"--model_dir={model_dir}", f"--precision={precision}",
+def tfpar_args(shape: dict, precision: str, total_steps: int, extra_flags: List[str],
+               model_dir: str) -> List[str]:
+  """tfpar.train's flags for a system of this section's shapes."""
+  return [f"--model_dir={model_dir}", f"--precision={precision}",
           f"--num_layers={shape['num_layers']}", f"--d_model={shape['d_model']}",
           f"--num_heads={shape['num_heads']}", f"--d_ff={shape['d_ff']}",
           f"--seq_len={shape['seq_len']}", f"--global_batch_size={shape['batch']}",
           f"--train_steps={total_steps}", f"--steps_per_call={FLAGS.steps_per_call}",
-          "--dropout=0", "--positions=learned"] + extra_flags))
+          "--dropout=0", "--positions=learned"] + extra_flags
+
+
+class TfparSystem:
+  """tfpar's own engine for these flags (as tfpar.runner builds it), fed by its own pipeline.
+
+  Under TF_CONFIG, with stages on other workers (tfpar.rules.stages_across_workers),
+  this process is the chief and places them there (tfpar.parallel.remote), as the runner does.
+  """
+
+  def __init__(self, shape: dict, precision: str, total_steps: int, extra_flags: List[str],
+               model_dir: Optional[str] = None):
+    from tfpar import config, strategies  # pylint: disable=import-outside-toplevel
+    from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+
+    self.model_dir = model_dir or tempfile.mkdtemp(prefix="tfpar_bench_")
+    cfg = config.from_flags(tfpar_flags.parse(
+        tfpar_args(shape, precision, total_steps, extra_flags, self.model_dir)))
     strategies.setup_devices(cfg.dist.num_cpu_devices)  # Before TensorFlow starts.
     import keras  # pylint: disable=import-outside-toplevel
     from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
     from tfpar.data import pipeline  # pylint: disable=import-outside-toplevel
     from tfpar import engines  # pylint: disable=import-outside-toplevel
     from tfpar.layers import attention  # pylint: disable=import-outside-toplevel
+    from tfpar.parallel import remote  # pylint: disable=import-outside-toplevel
 
     keras.mixed_precision.set_global_policy(precision)
-    strategy = strategies.make_strategy(cfg.dist, Cluster())
+    if strategies.stages_across_workers(cfg):
+      strategy = remote.connect(self.model_dir)
+    else:
+      strategy = strategies.make_strategy(cfg.dist, Cluster())
     corpus = pipeline.load_corpus(cfg.data.data, seq_len=cfg.model.seq_len,
                                   eval_fraction=cfg.data.eval_fraction)
     self.engine = engines.make(cfg, strategy, corpus)
@@ -167,6 +189,31 @@ class TfparSystem:
       steps -= k
     self.last_loss = float(losses[-1])
     return time.perf_counter() - start
+
+  def close(self) -> None:
+    shutil.rmtree(self.model_dir, ignore_errors=True)
+
+
+class AcrossWorkersSystem(TfparSystem):
+  """TfparSystem as the chief (worker 0) of a 2-worker job on free loopback ports; worker 1 is
+  `python -m tfpar.train` with the same flags, started here, serving its stage until `close`."""
+
+  def __init__(self, shape: dict, precision: str, total_steps: int, extra_flags: List[str]):
+    from tfpar import cluster, launch  # pylint: disable=import-outside-toplevel
+    spec = {"worker": [f"127.0.0.1:{port}" for port in launch.free_ports(2)]}
+    model_dir = tempfile.mkdtemp(prefix="tfpar_bench_")
+    self.server = subprocess.Popen(
+        [sys.executable, "-m", "tfpar.train",
+         *tfpar_args(shape, precision, total_steps, extra_flags, model_dir)],
+        env=dict(os.environ, TF_CONFIG=cluster.tf_config(spec, "worker", 1), PYTHONPATH=REPO),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    os.environ["TF_CONFIG"] = cluster.tf_config(spec, "worker", 0)
+    super().__init__(shape, precision, total_steps, extra_flags, model_dir)
+
+  def close(self) -> None:
+    self.server.kill()
+    self.server.wait()
+    super().close()
 
 
 class KerasHubSystem:
@@ -224,6 +271,9 @@ class KerasHubSystem:
     self.last_loss = ends[-1][1]
     return (ends[-1][0] - ends[0][0]) * steps / (executions * self.spe)
 
+  def close(self) -> None:
+    """Nothing outlives the process."""
+
 
 # --- sections: which systems, on which shapes, against which reference --------------
 
@@ -249,11 +299,18 @@ def _tfpar(*extra_flags):
   return lambda shape, precision, steps: TfparSystem(shape, precision, steps, list(extra_flags))
 
 
+def _across(*extra_flags):
+  return lambda shape, precision, steps: AcrossWorkersSystem(shape, precision, steps,
+                                                             list(extra_flags))
+
+
 def _kerashub(shape, precision, steps):
   return KerasHubSystem(shape, precision, steps)
 
 
 PIPELINE = ["--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=4"]
+# The same pipeline with each stage in its own worker process (tfpar.parallel.remote).
+ACROSS = ["--strategy=multi_worker_mirrored", "--pipeline_stages=2", "--microbatches=4"]
 TENSOR = ["--num_cpu_devices=2", "--tensor_parallel=2"]
 
 # Whole CLI jobs (two of its configurations are two processes each), measured by
@@ -287,11 +344,15 @@ SECTIONS = {
         systems={
             "one_device": System("one_device", _tfpar("--strategy=one_device")),
             "pipeline": System("pipeline 2 stages x 4 micro-batches", _tfpar(*PIPELINE)),
+            "pipeline_across": System("pipeline 2 x 4, one stage per worker process",
+                                      _across(*ACROSS)),
             "tensor": System("tensor parallel 2", _tfpar(*TENSOR)),
             "one_device_noxla": System("one_device, --nojit_compile",
                                        _tfpar("--strategy=one_device", "--jit_compile=false")),
             "pipeline_noxla": System("pipeline 2 x 4, --nojit_compile",
                                      _tfpar(*PIPELINE, "--jit_compile=false")),
+            "pipeline_across_noxla": System("pipeline 2 x 4 across 2 workers, --nojit_compile",
+                                            _across(*ACROSS, "--jit_compile=false")),
             "tensor_noxla": System("tensor parallel 2, --nojit_compile",
                                    _tfpar(*TENSOR, "--jit_compile=false")),
         }),
@@ -313,11 +374,14 @@ def measure(name: str, precision: str) -> dict:
   shape = QUICK if FLAGS.quick else section.shape
   total = FLAGS.warmup + FLAGS.steps + 1
   system = section.systems[name].build(shape, precision, total)
-  system.run(FLAGS.warmup)  # Compiles, then runs a few steps untimed.
-  n = QUICK_MATMUL if FLAGS.quick else MATMUL
-  peak_before = matmul_peak(n)
-  seconds = system.run(FLAGS.steps)
-  peak_after = matmul_peak(n)
+  try:
+    system.run(FLAGS.warmup)  # Compiles, then runs a few steps untimed.
+    n = QUICK_MATMUL if FLAGS.quick else MATMUL
+    peak_before = matmul_peak(n)
+    seconds = system.run(FLAGS.steps)
+    peak_after = matmul_peak(n)
+  finally:
+    system.close()
   tokens = shape["batch"] * shape["seq_len"] * FLAGS.steps
   fpt = flops_per_token(system.params, shape)
   executed = flops_per_token(system.params, shape, system.attention_share)

@@ -224,7 +224,8 @@ def read_metrics(model_dir, kind="train"):
 # Runs of real processes that start with the session's first test, long before the test
 # that reads them: {fixture name: how to start it (module, function name)}.
 EARLY = {"bench_run": ("test_bench", "run_bench"),
-         "cross_worker_runs": ("test_cross_worker", "run_cross_worker")}
+         "cross_worker_runs": ("test_cross_worker", "run_cross_worker"),
+         "stage_worker_faults": ("test_cross_worker", "run_stage_worker_faults")}
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -3,30 +3,57 @@
 Real processes on 127.0.0.1 (tfpar.launch), started with the session's first
 test (conftest.EARLY) and shared by every test here:
 
-  two     2 workers x 1 stage each (D=1, K=2), XLA on, 4 steps;
-  four    4 workers as D=2 x K=2, XLA off, resumed at step 2 from a checkpoint
-          one device wrote (the reference `one_nojit` itself).
+  two     2 workers x 1 stage each (D=1, K=2), 1F1B over M=4 micro-batches,
+          XLA on, 4 steps;
+  four    4 workers as D=2 x K=2, interleaved 1F1B over v=2 chunks per stage
+          (4 blocks), XLA off, resumed at step 2 from a checkpoint one device
+          wrote (the reference `one_nojit` itself).
 
 Each is held to one device's loss per step at relative 1e-5 and its gradient
 norm at 1e-4; the 2-worker run's final weights and AdamW slots to one
 device's; its step-2 checkpoint restores on one device and trains on to the
 same losses.
+
+  faults  2 workers x 1 stage, GPipe, XLA off, under `tfpar.launch
+          --max_restarts=1`: SIGTERM to worker 1 (a stage server, not the
+          chief) at step 3, then, once the job has restarted and trained 2
+          steps on, SIGKILL to the new worker 1.
+
+The SIGTERM must end in a save at the step the chief reached, exit 75 from
+both tasks and an uncounted restart that resumes at the next step; the
+SIGKILL in the one counted restart of the whole job, which resumes from that
+checkpoint again and finishes. Its metrics hold every step once, each at one
+device's loss (1e-5) and gradient norm (1e-4).
 """
 
 import glob
 import json
 import os
+import re
 import shutil
+import signal
 
 import numpy as np
 import pytest
 
 from conftest import TINY, read_metrics, run_module, run_modules, train_in_process
+from test_launch import Launched, assert_every_line_prefixed, group_alive
 
 STEPS = 4
 BASE = TINY + [f"--train_steps={STEPS}", "--eval_every=0", "--checkpoint_every=2"]
-CROSS = ["--strategy=multi_worker_mirrored", "--pipeline_stages=2", "--microbatches=2"]
+CROSS = ["--strategy=multi_worker_mirrored", "--pipeline_stages=2"]
 NO_XLA = ["--jit_compile=false"]
+# Each run's schedule (plan.json names it); interleaving cuts 4 blocks into K x v = 4 chunks.
+TWO = CROSS + ["--microbatches=4", "--pipeline_schedule=1f1b"]
+FOUR = CROSS + ["--microbatches=2", "--pipeline_schedule=interleaved", "--virtual_stages=2"]
+FOUR_MODEL = ["--num_layers=4"]
+
+
+# Steps enough that the chief's save (within a second of the server's SIGTERM, the relay's
+# poll: ~10 steps of ~40 ms here) and the kill 2 steps after the restart land before the end.
+FAULT_STEPS = 100
+FAULTS = TINY + [f"--train_steps={FAULT_STEPS}", "--eval_steps=0", "--checkpoint_every=1000"] + \
+    NO_XLA
 
 
 def drop_checkpoint(model_dir, step):
@@ -36,27 +63,51 @@ def drop_checkpoint(model_dir, step):
 
 
 def launch_args(num_workers, args):
-  return [f"--num_workers={num_workers}", "--"] + BASE + CROSS + args
+  return [f"--num_workers={num_workers}", "--"] + BASE + args
 
 
 def run_cross_worker(tmp_path):
   """({name: model_dir}, the 4-worker launcher's output) of the module docstring's runs."""
   dirs = {name: str(tmp_path / name) for name in ("two", "one_nojit", "four")}
   two, one = run_modules([
-      ("tfpar.launch", launch_args(2, [f"--model_dir={dirs['two']}"]), {"timeout": 600}),
-      ("tfpar.train", BASE + NO_XLA + [f"--model_dir={dirs['one_nojit']}"], {"timeout": 600})])
+      ("tfpar.launch", launch_args(2, TWO + [f"--model_dir={dirs['two']}"]), {"timeout": 600}),
+      ("tfpar.train", BASE + FOUR_MODEL + NO_XLA + [f"--model_dir={dirs['one_nojit']}"],
+       {"timeout": 600})])
   for proc in (two, one):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   shutil.copytree(dirs["one_nojit"], dirs["four"])
   drop_checkpoint(dirs["four"], STEPS)
-  four = run_module("tfpar.launch", launch_args(4, NO_XLA + [f"--model_dir={dirs['four']}"]),
+  four = run_module("tfpar.launch",
+                    launch_args(4, FOUR + FOUR_MODEL + NO_XLA + [f"--model_dir={dirs['four']}"]),
                     timeout=600)
   return dirs, four.stdout + four.stderr
+
+
+def run_stage_worker_faults(tmp_path):
+  """The module docstring's faults run: (the launcher's exit status, its Launched, model_dir)."""
+  model_dir = str(tmp_path / "faults")
+  job = Launched(["--num_workers=2", "--max_restarts=1", "--restart_backoff=0.5", "--",
+                  *FAULTS, *CROSS, "--microbatches=2", f"--model_dir={model_dir}"])
+  try:
+    job.wait_for(r"^\[worker 0\] step +3/", timeout=400)
+    os.kill(job.task_pids()["worker 1"][0], signal.SIGTERM)
+    resumed = job.wait_for(r"^\[worker 0\] resumed from .* at step (\d+)$", timeout=400)
+    job.wait_for(rf"^\[worker 0\] step +{int(resumed.group(1)) + 2}/", timeout=400)
+    os.kill(job.task_pids()["worker 1"][1], signal.SIGKILL)
+    code = job.finish(timeout=400)
+  finally:
+    job.cleanup()
+  return code, job, model_dir
 
 
 @pytest.fixture(scope="module")
 def cross_worker_runs(early_runs):
   return early_runs["cross_worker_runs"].result()
+
+
+@pytest.fixture(scope="module")
+def stage_worker_faults(early_runs):
+  return early_runs["stage_worker_faults"].result()
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +131,18 @@ def test_two_workers_one_stage_each_match_one_device(cross_worker_runs, one_devi
   assert_same_steps(dirs["two"], one_device, range(1, STEPS + 1))
 
 
-def test_plan_says_which_worker_holds_which_stage(cross_worker_runs):
+def test_plan_says_which_worker_holds_which_stage_under_which_schedule(cross_worker_runs):
   dirs, four_out = cross_worker_runs
-  for name, workers in (("two", [["worker:0", "worker:1"]]),
-                        ("four", [["worker:0", "worker:1"], ["worker:2", "worker:3"]])):
+  for name, workers, schedule, chunks in (
+      ("two", [["worker:0", "worker:1"]], "1f1b", 1),
+      ("four", [["worker:0", "worker:1"], ["worker:2", "worker:3"]], "interleaved", 2)):
     with open(os.path.join(dirs[name], "plan.json")) as f:
       plan = json.load(f)
     assert plan["stage_workers"] == workers
     assert plan["data_parallel"] == len(workers)
-  assert "stage 1: blocks 1-1 + head" in four_out
+    assert (plan["schedule"], plan["virtual_stages"]) == (schedule, chunks)
+  assert "schedule interleaved over v=2 chunks per stage" in four_out
+  assert "stage 1: blocks 1-1, 3-3 + head" in four_out  # Chunks 1 and 3 on worker 1 (and 3).
   assert "[worker:1/CPU:0 | worker:3/CPU:0]" in four_out
   assert "job succeeded (4 tasks)" in four_out
 
@@ -127,6 +181,45 @@ def test_cross_worker_checkpoint_restores_on_one_device(cross_worker_runs, one_d
   assert f"resumed from {model_dir}/checkpoints/ckpt-2 at step 2" in capsys.readouterr().out
   assert_same_steps(model_dir, one_device, range(1, STEPS + 1))
 
+
+def test_a_stage_worker_s_sigterm_saves_and_its_kill_9_restarts_the_whole_job(
+    stage_worker_faults, tmp_path):
+  code, job, model_dir = stage_worker_faults
+  out = job.output
+  assert code == 0, out[-4000:]
+  # SIGTERM: the server serves on and tells the chief, which saves at the step it reached.
+  assert re.search(r"^\[worker 1\] tfpar: worker 1: SIGTERM: the chief saves", out, re.M), out
+  assert re.search(r"^\[worker 0\] tfpar: worker 1 was sent SIGTERM: saving after this chunk",
+                   out, re.M), out[-4000:]
+  saved = re.search(r"^\[worker 0\] tfpar: preempted \(SIGTERM\), saved .*ckpt-(\d+) at step "
+                    r"(\d+); the next start resumes at step (\d+)$", out, re.M)
+  assert saved, out[-4000:]
+  step = int(saved.group(2))
+  assert int(saved.group(1)) == step and int(saved.group(3)) == step + 1
+  assert 3 <= step < FAULT_STEPS - 2
+  # The chief exited 75; the launcher restarts at once (not counted) and stops the server.
+  assert re.search(r"^tfpar\.launch: worker 0 exited with status 75: every task saved; "
+                   r"restarting the job \(a preemption restart, not counted in --max_restarts\)",
+                   out, re.M), out[-4000:]
+  # SIGKILL: the one counted restart of the whole job; both starts resume at the saved step.
+  assert "tfpar.launch: worker 1 was killed by SIGKILL: stopped every task; restarting the job " \
+         "(restart 1 of 1, in 0.5 s)" in out
+  assert re.search(r"^\[worker 0\] tfpar\.train: error: worker 0 waited for worker 1 "
+                   r"\(127\.0\.0\.1:\d+\), which stopped answering", out, re.M), out[-4000:]
+  assert re.findall(r"^\[worker 0\] resumed from .*ckpt-(\d+) at step (\d+)$", out, re.M) == \
+      [(str(step), str(step))] * 2
+  assert "tfpar.launch: job succeeded (2 tasks)" in out
+  for attempts in job.task_pids().values():
+    assert len(attempts) == 3 and not any(group_alive(pid) for pid in attempts)
+  assert_every_line_prefixed(job)
+  # Every step once, each one device's (GPipe across workers is the serial twin).
+  reference = str(tmp_path / "one_device")
+  train_in_process(FAULTS + [f"--model_dir={reference}"])
+  got, want = read_metrics(model_dir), read_metrics(reference)
+  assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, FAULT_STEPS + 1))
+  for key, rtol in (("loss", 1e-5), ("grad_norm", 1e-4)):
+    np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=rtol,
+                               err_msg=key)
 
 
 class Exited(Exception):
