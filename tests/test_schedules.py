@@ -4,9 +4,11 @@ Each plan's engine is built in this process (conftest.build_engine, a 4-layer
 TINY model: interleaving needs K v chunks) and compared with one device (the
 same engine over one device: one tf.gradients of the full batch's loss). On a
 pipeline of 2 devices, with XLA: one batch's loss and every weight's gradient
-(within 1e-5 of its norm). On 2 replicas x 2 stages (4 devices), without XLA:
-the loss and gradient norm of each of 3 training steps. Both for 1F1B and for
-interleaved 1F1B; the orders cost a trace each, so each plan traces once. The schedules' orders themselves
+(within 1e-5 of its norm), for 1F1B and for interleaved 1F1B. On 2 replicas x
+2 stages (4 devices), without XLA: the loss and gradient norm of each of 3
+training steps, for 1F1B (interleaved on 2 replicas x 2 stages without XLA is
+tests/test_cross_worker.py's 4-worker run, its stages on different workers).
+The orders cost a trace each, so each plan traces once. The schedules' orders themselves
 (bubble, activations in flight, no deadlock) are checked without TensorFlow.
 
 scripts/pipeline_memory.py runs once (one round, GPipe and 1F1B at K=2, M=8,
@@ -38,7 +40,6 @@ PLANS = {
     "1f1b_pipeline_xla": PIPELINE + ONE_F_ONE_B,
     "1f1b_hybrid": HYBRID + ONE_F_ONE_B + NO_XLA,
     "interleaved_pipeline_xla": PIPELINE + INTERLEAVED,
-    "interleaved_hybrid": HYBRID + INTERLEAVED + NO_XLA,
 }
 
 
