@@ -288,7 +288,7 @@ def check_sequence_parallel(m: ModelConfig, p: ParallelConfig) -> None:
     raise ConfigError("--sequence_parallel splits the sequence over the tensor-parallel shards, "
                       "and --tensor_parallel=1 has one: use --tensor_parallel=2 or more, or "
                       "drop --sequence_parallel")
-  if m.task != "lm":
+  if not tasks.spec(m.task).splits_sequence:
     raise ConfigError(f"--sequence_parallel is for --task=lm, not --task={m.task} (a ViT's "
                       "sequence of patches is not split by it yet): drop --sequence_parallel")
   if m.seq_len % t:
