@@ -299,6 +299,53 @@ def build_engine(args, tokens=None, eval_tokens=512):
   return engines.make(cfg, strategies.make_strategy(cfg.dist, Cluster()), corpus)
 
 
+def train_twin(engine, steps):
+  """Trains a built engine `steps` steps (one, then the rest in one call: the same batches, one
+  traced function) and returns what a serial twin compares (`assert_twin`): the initial
+  weights, the first gradient in full (AdamW's first moment after one step is
+  (1 - beta_1) g), the loss and gradient norm per step, the final weights and slots."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from tfpar.engines.model_parallel import ModelParallelEngine  # pylint: disable=import-outside-toplevel
+  from tfpar.training.checkpoint import model_layout, read_canonical  # pylint: disable=import-outside-toplevel
+  split = isinstance(engine, ModelParallelEngine)
+  model = engine.copies[0].model if split else engine.model
+  layout = engine.layouts[0] if split else model_layout(model, engine.optimizer)
+  initial = read_canonical(model_layout(model))
+  iterator = engine.train_iterator(0)
+  first = engine.train(iterator, 1)
+  grads = {n[:-2]: v for n, v in read_canonical(layout).items() if n.endswith("@m")}
+  rest = engine.train(iterator, steps - 1)
+  return dict(engine=engine, model=model, initial=initial, grads=grads,
+              losses=np.concatenate([first[0], rest[0]]),
+              norms=np.concatenate([first[1], rest[1]]), final=read_canonical(layout))
+
+
+def assert_twin(run, want):
+  """`train_twin` records alike: the same start, losses and norms per step at 1e-5, the first
+  gradient and the final weights and slots at 1e-5 (near zero, 1e-5 of the largest of the
+  kind)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  for name, value in want["initial"].items():  # Every plan starts from one device's weights.
+    np.testing.assert_array_equal(run["initial"][name], value, err_msg=name)
+  assert np.all(np.isfinite(want["losses"])) and want["losses"][-1] < want["losses"][0]
+  np.testing.assert_allclose(run["losses"], want["losses"], rtol=1e-5)
+  np.testing.assert_allclose(run["norms"], want["norms"], rtol=1e-5)
+  assert sorted(run["grads"]) == sorted(want["grads"])
+  scale = max(np.abs(g).max() for g in want["grads"].values())
+  assert scale > 0
+  for name, value in want["grads"].items():
+    np.testing.assert_allclose(run["grads"][name], value, rtol=1e-5, atol=1e-5 * scale,
+                               err_msg=name)
+  kind = lambda name: name[-2:] if name.endswith(("@m", "@v")) else "weight"
+  scale = {}
+  for name, value in want["final"].items():
+    scale[kind(name)] = max(scale.get(kind(name), 0), np.abs(value).max())
+  for name, value in want["final"].items():
+    if not name.startswith(("compression/", "dropout_rng/")):
+      np.testing.assert_allclose(run["final"][name], value, rtol=1e-5,
+                                 atol=1e-5 * scale[kind(name)], err_msg=name)
+
+
 def canonical_grads(model, grads):
   """{canonical name: full gradient} of `model`'s trainable variables (shards concatenated
   along their partitioning rule's axis): what a twin compares with one device's."""

@@ -237,7 +237,8 @@ MEGATRON_145B = megatron.TABLE_1[6].model  # 80 blocks of 12,288
 
 def evaluate_fixed(m, cluster, system=cost.TFPAR, **fixed):
   plans = search.candidates(m, clusters.parse(cluster), fixed.pop("global_batch", 512), system,
-                            **{"remat": True, "optimizer_sharding": "none", **fixed})
+                            **{"remat": True, "optimizer_sharding": "none",
+                               "sequence_parallel": False, **fixed})
   assert len(plans), fixed
   return cost.evaluate(m, clusters.parse(cluster), plans, global_batch=512,
                        precision="mixed_bfloat16", system=system)
@@ -302,7 +303,8 @@ def test_optimizer_sharding_divides_the_optimizer_state_over_d(precision, megatr
   r = cost.evaluate(MEGATRON_145B, clusters.parse("a100-80gb:512"), search.candidates(
       MEGATRON_145B, clusters.parse("a100-80gb:512"), 512, cost.MEGATRON, data_parallel=8,
       pipeline_stages=8, tensor_parallel=8, microbatches=64, pipeline_schedule="1f1b",
-      remat="full"), global_batch=512, precision=precision, system=cost.MEGATRON)
+      remat="full", sequence_parallel=False), global_batch=512, precision=precision,
+      system=cost.MEGATRON)
   fixed, over = megatron_bytes
   assert list(r["sharding"]) == [0, 1]
   assert per_param(r, 0) == pytest.approx(fixed + over)

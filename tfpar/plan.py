@@ -2,14 +2,14 @@
 
 Reads the model from the same flags `tfpar.train` takes, searches every data
 x pipeline x tensor degree, micro-batch size, recompute mode (none, full,
-selective), pipeline schedule and optimizer sharding (none, zero1, zero2) the
-cluster allows (tensor shards inside a node, pipeline stages across nodes),
-and prints the fastest plans that fit, with predicted memory
-per device, the step time split into its parts, tokens/s, TFLOP/s per device
-and MFU, and why the others lose. Given --data_parallel, --pipeline_stages,
---tensor_parallel, --microbatches, --remat, --pipeline_schedule,
---virtual_stages or --optimizer_sharding, it evaluates only plans with those
-values.
+selective), pipeline schedule, optimizer sharding (none, zero1, zero2) and
+sequence parallelism (off, on with T > 1) the cluster allows (tensor shards
+inside a node, pipeline stages across nodes), and prints the fastest plans
+that fit, with predicted memory per device, the step time split into its
+parts, tokens/s, TFLOP/s per device and MFU, and why the others lose. Given
+--data_parallel, --pipeline_stages, --tensor_parallel, --microbatches,
+--remat, --pipeline_schedule, --virtual_stages, --optimizer_sharding or
+--sequence_parallel, it evaluates only plans with those values.
 
   python -m tfpar.plan --flagfile=configs/gpt_tiny.flags --cluster=a100-80gb:64 --top=5
   python -m tfpar.plan ... --format=json            # machine-readable
@@ -39,7 +39,7 @@ FLAGS = flags.FLAGS
 # Flags that a plan sets (the rest of the user's training flags are copied as given).
 PLAN_FLAGS = ("strategy", "num_cpu_devices", "data_parallel", "pipeline_stages", "tensor_parallel",
               "microbatches", "remat", "global_batch_size", "stage_layers", "pipeline_schedule",
-              "virtual_stages", "optimizer_sharding")
+              "virtual_stages", "optimizer_sharding", "sequence_parallel")
 
 
 class PlanError(ValueError):
@@ -70,7 +70,8 @@ def fixed_degrees(fv) -> dict:
               remat=fv.remat if given("remat") else None,
               pipeline_schedule=schedule,
               virtual_stages=fv.virtual_stages if given("virtual_stages") else None,
-              optimizer_sharding=fv.optimizer_sharding if given("optimizer_sharding") else None)
+              optimizer_sharding=fv.optimizer_sharding if given("optimizer_sharding") else None,
+              sequence_parallel=fv.sequence_parallel if given("sequence_parallel") else None)
 
 
 def plan(m, cluster, *, global_batch, precision, system, fixed) -> search.Ranked:

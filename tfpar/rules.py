@@ -162,6 +162,7 @@ def validate(cfg: Config) -> None:
   if s.strategy == "mirrored" and not p.model_parallel:
     # On a CPU host the replicas are the logical CPUs (on GPUs the engine checks again).
     check_batch(t.global_batch_size, s.num_cpu_devices)
+  check_sequence_parallel(cfg.model, p)
   _validate_parallel(cfg)
   _validate_compression(cfg)
   _validate_optimizer_sharding(cfg)
@@ -256,6 +257,7 @@ def check_model_split(m: ModelConfig, p: ParallelConfig, precision: str = "float
       raise ConfigError(f"--stage_layers={','.join(map(str, p.stage_layers))} must be positive "
                         f"and sum to --num_layers={m.num_layers}")
   check_schedule(m, p)
+  check_sequence_parallel(m, p)
   if m.num_heads % p.tensor_parallel:
     raise ConfigError(f"--tensor_parallel={p.tensor_parallel} does not divide --num_heads="
                       f"{m.num_heads}: pick a T that divides the head count")
@@ -275,6 +277,23 @@ def check_model_split(m: ModelConfig, p: ParallelConfig, precision: str = "float
   if precision == "mixed_float16":
     raise ConfigError("--precision=mixed_float16 does not combine with model parallelism "
                       "(no loss scaling there yet): use --precision=mixed_bfloat16 or float32")
+
+
+def check_sequence_parallel(m: ModelConfig, p: ParallelConfig) -> None:
+  """What --sequence_parallel needs: T > 1 shards, a language model, seq_len split in T."""
+  if not p.sequence_parallel:
+    return
+  t = p.tensor_parallel
+  if t == 1:
+    raise ConfigError("--sequence_parallel splits the sequence over the tensor-parallel shards, "
+                      "and --tensor_parallel=1 has one: use --tensor_parallel=2 or more, or "
+                      "drop --sequence_parallel")
+  if not tasks.spec(m.task).splits_sequence:
+    raise ConfigError(f"--sequence_parallel is for --task=lm, not --task={m.task} (a ViT's "
+                      "sequence of patches is not split by it yet): drop --sequence_parallel")
+  if m.seq_len % t:
+    raise ConfigError(f"--sequence_parallel cuts --seq_len={m.seq_len} into --tensor_parallel="
+                      f"{t} equal slices: use a --seq_len that is a multiple of {t}")
 
 
 def check_schedule(m: ModelConfig, p: ParallelConfig) -> None:

@@ -235,6 +235,11 @@ class ParallelConfig:
   virtual_stages: int = setting(
       1, "--pipeline_schedule=interleaved: chunks of blocks per device (v >= 2).")
   tensor_parallel: int = setting(1, "Devices each attention and MLP block is split over.")
+  sequence_parallel: bool = setting(
+      False, "With --tensor_parallel=T > 1: each block's LayerNorms (RMSNorms), dropouts and "
+      "residual adds run on 1/T of the sequence on each tensor shard's device, the shards' "
+      "sum becomes a reduce-scatter and their input an all-gather along the sequence "
+      "(Korthikanti et al. 2022). Same numbers with --dropout=0; less activation memory.")
   data_parallel: Optional[int] = setting(
       None, "Model replicas for model-parallel runs (default: what the devices allow).")
   optimizer_sharding: str = setting(

@@ -75,7 +75,8 @@ class ModelCopy:
     for stage in plan.stages:
       for i in stage.blocks:
         block = self.model.blocks[i]
-        tensor.place_shards(block, row[stage.index], jit_compile=cfg.train.jit_compile)
+        tensor.place_shards(block, row[stage.index], jit_compile=cfg.train.jit_compile,
+                            sequence_parallel=cfg.parallel.sequence_parallel)
         with tf.device(row[stage.index][0]):  # Unsplit weights: the stage's first device.
           block.build(self.model.block_shape)
     with tf.device(last):
@@ -159,7 +160,7 @@ class ModelParallelEngine(Engine):
     self.layouts[0].update(self.exchange.checkpoint_entries(self.strategy))
     if self.worker_index == 0 and cfg.train.model_dir:
       print(f"tfpar: {self.plan.format()}", flush=True)
-      self.plan.write(cfg.train.model_dir)
+      self.plan.write(cfg.train.model_dir, measured=self.measured_bytes())
 
   def _initialise_like_one_device(self):
     """Every copy gets the weights `build_model(cfg)` creates on one device."""
@@ -255,6 +256,7 @@ class ModelParallelEngine(Engine):
                     f"M={p.microbatches}, {p.schedule}"
                     f"{f' v={p.virtual_stages}' if p.virtual_stages > 1 else ''}, "
                     f"bubble {p.bubble:.1%}, remat {p.remat}, "
+                    f"{'sequence parallel, ' if p.sequence_parallel else ''}"
                     f"xla {'per stage/shard' if self.cfg.train.jit_compile else 'off'}",
             "parameters": int(sum(np.prod(v.shape)
                                   for v in self.copies[0].model.trainable_variables)),

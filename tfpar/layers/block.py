@@ -5,13 +5,24 @@ from keras import ops
 
 from tfpar.layers.attention import CAUSAL_CORES, SelfAttention
 from tfpar.layers.mlp import MLP, GatedMLP
-from tfpar.layers.parallel import Placement
+from tfpar.layers.parallel import HERE, Placement
 
 
 class PreNormBlock(keras.layers.Layer):
   """What every block here shares: `attn` and `mlp` sub-layers split over tensor
   shards, run where `place` says, and the two residual dropouts (`drop_2`
-  seeded one past `drop_1`, so their masks differ)."""
+  seeded one past `drop_1`, so their masks differ).
+
+  The block is x + drop(attn(norm_1(x)) [+ bias]), then the same with the MLP
+  (`residual`). Under a sequence-parallel placement the block takes and
+  returns its sequence as T slices [B, S/T, d] (slice t on shard t; a whole
+  [B, S, d] input is cut here first): each norm, bias, dropout and residual add
+  runs on its shard's slice, and attn and mlp gather the sequence and
+  reduce-scatter their sum (tfpar.layers.parallel). Dropout then draws one
+  mask per slice: other masks than the unsplit block's, at the same rate.
+  """
+
+  placement: Placement = HERE
 
   def _residual_dropouts(self, dropout, seed) -> None:
     self.drop_1 = keras.layers.Dropout(dropout, seed=seed, name="drop_1")
@@ -20,8 +31,32 @@ class PreNormBlock(keras.layers.Layer):
 
   def place(self, placement: Placement) -> None:
     """Runs (and builds) shard t of the attention and the MLP as `placement` says."""
+    self.placement = placement
     self.attn.place(placement)
     self.mlp.place(placement)
+
+  def residual(self, x, sublayers, training):
+    """x + drop(layer(norm(x)) + bias) for each (norm, layer, bias or None, drop) in turn."""
+    if not self.placement.sequence_parallel:
+      for norm, layer, bias, drop in sublayers:
+        h = layer(norm(x))
+        if bias is not None:
+          h = h + ops.cast(bias, x.dtype)
+        x = x + drop(h, training=training)
+      return x
+    xs = list(x) if isinstance(x, (list, tuple)) else ops.split(x, self.tensor_shards, axis=1)
+    for norm, layer, bias, drop in sublayers:
+      normed = []
+      for t, x_t in enumerate(xs):
+        with self.placement.scope(t):
+          normed.append(norm(x_t))  # [B, S/T, d] on shard t
+      hs = layer.scattered_sum_of_shards(normed)
+      for t, h in enumerate(hs):
+        with self.placement.scope(t):
+          if bias is not None:
+            h = h + ops.cast(bias, h.dtype)
+          xs[t] = xs[t] + drop(h, training=training)
+    return xs
 
 
 class Block(PreNormBlock):
@@ -71,10 +106,8 @@ class Block(PreNormBlock):
     self.mlp_bias = self.add_weight(shape=(self.d_model,), initializer="zeros", name="mlp_bias")
 
   def call(self, x, training=False):
-    h = self.attn(self.ln_1(x)) + ops.cast(self.attn_bias, x.dtype)
-    x = x + self.drop_1(h, training=training)
-    h = self.mlp(self.ln_2(x)) + ops.cast(self.mlp_bias, x.dtype)
-    return x + self.drop_2(h, training=training)
+    return self.residual(x, [(self.ln_1, self.attn, self.attn_bias, self.drop_1),
+                             (self.ln_2, self.mlp, self.mlp_bias, self.drop_2)], training)
 
   def get_config(self):
     return {**super().get_config(), "d_model": self.d_model, "num_heads": self.num_heads,
@@ -121,8 +154,8 @@ class LlamaBlock(PreNormBlock):
       layer.build(input_shape)
 
   def call(self, x, training=False):
-    x = x + self.drop_1(self.attn(self.ln_1(x)), training=training)
-    return x + self.drop_2(self.mlp(self.ln_2(x)), training=training)
+    return self.residual(x, [(self.ln_1, self.attn, None, self.drop_1),
+                             (self.ln_2, self.mlp, None, self.drop_2)], training)
 
   def get_config(self):
     return {**super().get_config(), "d_model": self.d_model, "num_heads": self.num_heads,

@@ -15,8 +15,17 @@ last axis, ROW: first), which checkpoints and byte counts read.
 
 Where each shard runs is a `Placement`, given to a layer by `place()`:
 `scope(t)` is the context for shard t (a device scope), `run(layer, t)` the
-callable that computes its partial (an XLA-compiled one under --jit_compile).
+callable that computes its partial (an XLA-compiled one under --jit_compile),
+`sequence_parallel` whether the blocks keep their sequence split over the
+shards (Korthikanti et al. 2022; tfpar.parallel.tensor states the math).
 The default placement runs everything where the caller is.
+
+Sequence parallelism as two collectives along the sequence (axis 1):
+`TensorParallel.scattered_sum_of_shards` takes the T slices [B, S/T, d] of
+its input (slice t on shard t), gives shard t the whole [B, S, d] (the
+all-gather), and returns slice u of the summed output on shard u, the sum
+of the T partials' slices u (the reduce-scatter). `whole_sequence` gathers
+slices back into one tensor where the caller is.
 """
 
 import contextlib
@@ -28,6 +37,8 @@ from keras import ops
 
 class Placement:
   """Where and how tensor shard t runs: here, uncompiled (tfpar.parallel.tensor places them)."""
+
+  sequence_parallel = False  # Blocks split their sequence over the shards (a DevicePlacement's).
 
   def scope(self, t: int) -> ContextManager:
     del t
@@ -144,5 +155,34 @@ class TensorParallel:
     for t in range(self.tensor_shards):
       with self.placement.scope(t):
         partials.append(self.placement.run(self, t)(x))
-    # The one reduction per sub-block: a sum of T partial outputs.
-    return partials[0] if len(partials) == 1 else ops.sum(ops.stack(partials), axis=0)
+    return _sum(partials)  # The one reduction per sub-block: a sum of T partial outputs.
+
+  def scattered_sum_of_shards(self, slices):
+    """The layer's output over a sequence split in T slices, split the same way.
+
+    Args:
+      slices: T tensors [B, S/T, d], slice t on shard t's device.
+
+    Returns:
+      T tensors [B, S/T, d_out]: slice u, on shard u's device, is sum_t partial_t[:, u].
+    """
+    parts = []
+    for t in range(self.tensor_shards):
+      with self.placement.scope(t):
+        whole = ops.concatenate(slices, axis=1)  # All-gather: shard t gets [B, S, d].
+        # Cut where the partial is, so that only slice u travels to shard u.
+        parts.append(ops.split(self.placement.run(self, t)(whole), self.tensor_shards, axis=1))
+    out = []
+    for u in range(self.tensor_shards):
+      with self.placement.scope(u):  # Reduce-scatter: shard u sums the T partials' slice u.
+        out.append(_sum([part[u] for part in parts]))
+    return out
+
+
+def _sum(partials):
+  return partials[0] if len(partials) == 1 else ops.sum(ops.stack(partials), axis=0)
+
+
+def whole_sequence(h):
+  """h itself, or the T sequence slices of a sequence-parallel block joined [B, S, d] here."""
+  return ops.concatenate(h, axis=1) if isinstance(h, (list, tuple)) else h

@@ -20,7 +20,7 @@ from typing import Protocol, Sequence, Tuple, runtime_checkable
 import keras
 
 from tfpar import partitioning
-from tfpar.layers.parallel import Placement
+from tfpar.layers.parallel import Placement, whole_sequence
 
 
 @runtime_checkable
@@ -73,4 +73,4 @@ class Transformer(keras.Model):
     h = self.embed(inputs, training=training)
     for block in self.blocks:
       h = block(h, training=training)
-    return self.head(h)
+    return self.head(whole_sequence(h))  # Sequence-parallel blocks hand on slices.

@@ -43,6 +43,7 @@ import keras
 import tensorflow as tf
 
 from tfpar.layers.attention import recompute_cores
+from tfpar.layers.parallel import whole_sequence
 from tfpar.models.base import ParallelModel
 from tfpar.parallel import plan as plan_lib
 from tfpar.parallel import schedules
@@ -91,8 +92,10 @@ class Pipeline:
     self._stages = {}
 
   def _block_fn(self, block, training):
-    fn = lambda h: block(h, training=training)
-    return tf.recompute_grad(fn) if self.remat == "full" and training else fn
+    if self.remat == "full" and training:
+      # One tensor in and out: a sequence-parallel block's slices are joined at its end.
+      return tf.recompute_grad(lambda h: whole_sequence(block(h, training=training)))
+    return lambda h: block(h, training=training)
 
   def _stage(self, k: int, training: bool, per_microbatch):
     """Stage k's forward of one micro-batch, (x or h, y) -> h (the last stage: its result).
@@ -110,6 +113,8 @@ class Pipeline:
       pieces.append((lambda x, y: model.embed(x, training=training), True))  # [B/M, S, d]
     for i in self.stage_blocks[k]:
       pieces.append((lambda h, y, fn=self._block_fn(model.blocks[i], training): fn(h), False))
+    if self.stage_blocks[k]:  # Sequence-parallel slices leave the stage joined, on its device.
+      pieces.append((lambda h, y: whole_sequence(h), False))
     if k == last:
       pieces.append((lambda h, y: per_microbatch(model.head(h), y), True))
     jit = lambda fn: compile_on(fn, self.stage_devices[k], model.variables)

@@ -31,8 +31,9 @@ of L/(vK) blocks each (`chunks`), not one contiguous run of blocks
 Activations: `activation_bytes` predicts each stage's peak, the schedule's
 micro-batches in flight on it (GPipe M, 1F1B K-k on stage k: `in_flight`)
 times one micro-batch's activations there, Korthikanti et al. 2022's count
-per block (`activation_bytes_per_block`, also the planner's) and the logits
-on the last stage. scripts/pipeline_memory.py measures it.
+per block (`activation_bytes_per_block`, also the planner's; sequence
+parallelism splits part of it over the T shards) and the logits on the last
+stage. scripts/pipeline_memory.py measures it.
 """
 
 import dataclasses
@@ -124,25 +125,35 @@ def balance_stages(num_layers: int, stages: int, block: int, first_extra: int,
   return tuple(int(c) for c in reversed(counts))
 
 
-def activation_bytes_per_block(m: ModelConfig, b, t, remat, precision: str):
+def activation_bytes_per_block(m: ModelConfig, b, t, remat, precision: str,
+                               sequence_parallel=False, *, regather: bool = False):
   """(kept, all): activations one block keeps for the backward of one micro-batch of b
   sequences under `remat` (indices into schema.REMAT: NO_REMAT, FULL_REMAT, SELECTIVE_REMAT;
-  an array of them too), and all it makes in its forward.
+  an array of them too), and all it makes in its forward, on its busiest device.
 
-  Korthikanti et al. 2022, eq. (2) (tensor parallel, no sequence parallelism),
-  in 16-bit values; float32 activations double it. Full recompute keeps only
-  the block's input, 2 s b h bytes in 16 bits; selective recompute drops the
-  attention core's 5 a s^2 b / T (scores, probabilities, dropout mask) and keeps
-  s b h (10 + 24/T) (their section 4.2). Sequence parallelism (their 34 s b h / T)
-  is not modelled: tfpar's runtime has none.
+  Korthikanti et al. 2022, eq. (2) and section 4.2, in 16-bit values; float32
+  activations double it. Of the s b h 34 that grow with s, 24 are split over
+  the T tensor shards and 10 are not: the two LayerNorm inputs (4), the two
+  gathered inputs of the column-parallel matmuls (4) and the two dropout masks
+  (2), all on the first device, s b h (10 + 24/T). Sequence parallelism
+  (`sequence_parallel`, an array too) splits the LayerNorm inputs and dropout
+  masks along the sequence; tfpar keeps each shard's gathered input whole,
+  s b h (4 + 30/T), Megatron-LM (`regather`) keeps its slice and gathers again
+  in the backward, s b h 34/T. The attention core adds 5 a s^2 b / T (scores,
+  probabilities, dropout mask), which selective recompute drops. Full
+  recompute keeps only the block's input, 2 s b h (2 s b h / T where the
+  stream stays split: Megatron's sequence parallelism; tfpar joins it).
   """
   s, h, a = m.seq_len, m.d_model, m.num_heads
   scale = ACTIVATION_BYTES[precision] / 2
-  linear = s * b * h * (10 + 24 / t) * scale
+  split = np.asarray(sequence_parallel, dtype=bool)
+  whole = np.where(split, 0.0 if regather else 4.0, 10.0)  # Of the 10, what stays whole.
+  linear = s * b * h * (whole + (34 - whole) / t) * scale
   full = linear + 5 * a * s * s * b / t * scale
+  block_input = 2 * s * b * h * scale / np.where(split & regather, t, 1)
   remat = np.asarray(remat)
   return np.select([remat == FULL_REMAT, remat == SELECTIVE_REMAT],
-                   [2 * s * b * h * scale, linear], full), full
+                   [block_input * np.ones_like(linear), linear], full), full
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +181,7 @@ class ParallelPlan:
     schedule: the pipeline schedule (tfpar.parallel.schedules), --pipeline_schedule.
     virtual_stages: v, chunks per stage (interleaved; 1 otherwise).
     microbatch_activations: per stage, the predicted bytes of one micro-batch's activations.
+    sequence_parallel: the blocks' sequence split over the T shards (--sequence_parallel).
   """
   data_parallel: int
   pipeline_stages: int
@@ -183,6 +195,7 @@ class ParallelPlan:
   schedule: str = "gpipe"
   virtual_stages: int = 1
   microbatch_activations: Tuple[int, ...] = ()
+  sequence_parallel: bool = False
 
   @property
   def bubble(self) -> float:
@@ -248,6 +261,7 @@ class ParallelPlan:
     return {"data_parallel": self.data_parallel, "pipeline_stages": self.pipeline_stages,
             "tensor_parallel": self.tensor_parallel, "microbatches": self.microbatches,
             "per_replica_batch": self.per_replica_batch, "remat": self.remat,
+            "sequence_parallel": self.sequence_parallel,
             "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "bubble": self.bubble, "in_flight_microbatches": self.in_flight,
             "activation_bytes_per_device": self.activation_bytes(),
@@ -264,7 +278,8 @@ class ParallelPlan:
     lines = [f"plan: D={d} data x K={k} pipeline x T={t} tensor = {count(d * k * t, 'device')}; "
              f"M={m} micro-batches of {self.per_replica_batch // m}; schedule {self.schedule}"
              f"{f' over v={v} chunks per stage' if v > 1 else ''}, bubble (K-1)/({vm}+K-1) = "
-             f"{k - 1}/{v * m + k - 1} = {self.bubble:.1%}; remat {self.remat}"]
+             f"{k - 1}/{v * m + k - 1} = {self.bubble:.1%}; remat {self.remat}"
+             f"{'; sequence parallel' if self.sequence_parallel else ''}"]
     for s in self.stages:
       extra = (" + embedding" if s.embedding else "") + (" + head" if s.head else "")
       devs = " | ".join(" ".join(device_key(dev) for dev in row[s.index]) for row in self.devices)
@@ -281,10 +296,15 @@ class ParallelPlan:
                    f"optimizer {kib(b['optimizer'])}{acts}")
     return "\n".join(lines)
 
-  def write(self, model_dir: str) -> str:
+  def write(self, model_dir: str, measured: Optional[Dict[str, Dict[str, int]]] = None) -> str:
+    """plan.json; `measured`: {device: {"parameters": bytes, "optimizer": bytes}} of the real
+    variables, written beside the prediction (`measured_bytes_per_device`)."""
     storage.makedirs(model_dir)
     path = os.path.join(model_dir, "plan.json")
-    storage.write_atomically(path, json.dumps(self.to_dict(), indent=2))
+    plan = self.to_dict()
+    if measured is not None:
+      plan["measured_bytes_per_device"] = measured
+    storage.write_atomically(path, json.dumps(plan, indent=2))
     return path
 
 
@@ -366,7 +386,7 @@ def make_plan(cfg: Config, devices: Sequence[str], *,
           [range(sum(per_stage[:i]), sum(per_stage[:i + 1]))] for i in range(k)]
   b = g // d // p.microbatches
   per_block, _ = activation_bytes_per_block(m, b, t, schema.REMAT.index(p.remat),
-                                            cfg.train.precision)
+                                            cfg.train.precision, p.sequence_parallel)
   stages, activations = [], []
   for i, n_blocks in enumerate(per_stage):
     params = n_blocks * counts.block + (counts.embedding if i == 0 else 0) + \
@@ -382,4 +402,5 @@ def make_plan(cfg: Config, devices: Sequence[str], *,
                       microbatches=p.microbatches, per_replica_batch=g // d, stages=tuple(stages),
                       devices=grid, remat=p.remat, counts=counts,
                       schedule=p.pipeline_schedule, virtual_stages=v,
-                      microbatch_activations=tuple(activations))
+                      microbatch_activations=tuple(activations),
+                      sequence_parallel=p.sequence_parallel)

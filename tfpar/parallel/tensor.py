@@ -43,6 +43,46 @@ into a compiled forward (which also returns what the backward needs) and a
 compiled backward, placed with it, so the shard's backward runs compiled on
 dev_t too. The copy f, the sum g, the LayerNorms and the residual stay
 outside, on dev_0.
+
+Sequence parallelism (--sequence_parallel; Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models", section 4.2.2). Outside
+the attention and the MLP, a block's ops (LayerNorm or RMSNorm, the output
+bias, dropout, the residual add) act on each position alone, so they split
+along the sequence: with S = T S', shard t holds positions
+[t S', (t+1) S') of the residual stream, x_t [B, S', d], on dev_t, and runs
+them there. The collectives become
+
+  forward   g: all-gather along the sequence: dev_t receives every y_u = LN(x_u)
+               and concatenates Y = [y_0 | ... | y_{T-1}] [B, S, d], the input of
+               its column-parallel matmuls (the copy f is gone);
+            g-bar: reduce-scatter: shard t cuts its partial P_t [B, S, d] into T
+               slices and dev_u sums the T slices u, z_u = sum_t P_t[:, u] [B, S', d]
+               (the sum g is gone);
+  backward  g's transpose is a reduce-scatter of dY and g-bar's an all-gather of dz:
+            tf.gradients derives both from the concat and the slices, placed with them.
+
+The bytes sent per sub-block equal the all-reduce's (a ring all-reduce is a
+reduce-scatter then an all-gather), so nothing is added; what is saved is
+memory: the LayerNorm inputs, dropout masks and residual of a block now take
+1/T of the sequence on each device instead of all of it on dev_0. In tfpar
+each block's gathered Y stays whole on every dev_t until the backward (as in
+plain tensor parallelism); Megatron-LM keeps only its slice and gathers again
+in the backward. Per block and micro-batch, in 16-bit values
+(tfpar.parallel.plan.activation_bytes_per_block):
+
+  tensor parallel               s b h (10 + 24/T) + 5 a s^2 b / T  (on dev_0)
+  + sequence parallel, tfpar    s b h (4 + 30/T)  + 5 a s^2 b / T  (on every dev_t)
+  + sequence parallel, Megatron s b h 34/T        + 5 a s^2 b / T
+
+The stream stays split from block to block inside a stage, and is joined on
+the stage's first device where it leaves the stage (to the next stage, or to
+the head); under --remat=full each block joins its output, so that the
+recomputed block's input is one tensor. LayerNorm weights and biases stay
+whole on dev_0, read by every shard (their gradient: the sum of the T
+shards'); Megatron replicates them and all-reduces their gradients. Under
+--jit_compile the compiled unit is still each shard's partial on dev_t; the
+per-slice ops run uncompiled on their devices. Dropout draws a mask per
+slice: the same rate, other masks than without sequence parallelism.
 """
 
 import contextlib
@@ -55,11 +95,14 @@ from tfpar.models.base import ParallelBlock
 
 
 class DevicePlacement(Placement):
-  """Shard t under `tf.device(devices[t])`; each shard's partial one XLA program if asked."""
+  """Shard t under `tf.device(devices[t])`; each shard's partial one XLA program if asked;
+  the blocks' sequence split over the shards if `sequence_parallel`."""
 
-  def __init__(self, devices: Sequence[str], jit_compile: bool = False):
+  def __init__(self, devices: Sequence[str], jit_compile: bool = False,
+               sequence_parallel: bool = False):
     self.devices = list(devices)
     self.jit_compile = jit_compile
+    self.sequence_parallel = sequence_parallel
     self._compiled = {}
 
   @contextlib.contextmanager
@@ -80,8 +123,10 @@ class DevicePlacement(Placement):
     return self._compiled[key]
 
 
-def place_shards(block: ParallelBlock, devices: Sequence[str], jit_compile: bool = False) -> None:
-  """Makes `block` run (and build) shard t under `tf.device(devices[t])`, compiled if asked."""
+def place_shards(block: ParallelBlock, devices: Sequence[str], jit_compile: bool = False,
+                 sequence_parallel: bool = False) -> None:
+  """Makes `block` run (and build) shard t under `tf.device(devices[t])`, compiled if asked,
+  its sequence split over the shards if `sequence_parallel`."""
   if len(devices) != block.tensor_shards:
     raise ValueError(f"{block.name} has {block.tensor_shards} shards, got {len(devices)} devices")
-  block.place(DevicePlacement(devices, jit_compile))
+  block.place(DevicePlacement(devices, jit_compile, sequence_parallel))

@@ -12,9 +12,13 @@ selective recompute q (0 or 1), optimizer sharding none, zero1 or zero2:
                                 the optimizer's by D, zero2 the summed gradient's too (tfpar
                                 keeps 2 of its D shards alive, tfpar.parallel.zero.state_bytes)
   activations per block and micro-batch (Korthikanti et al. 2022, 16-bit values):
-                                s b h (10 + 24/T + 5 a s / (h T))   without recompute
-                                s b h (10 + 24/T)                   selective recompute
-                                2 s b h                             with full recompute
+                                s b h (W + (34-W)/T + 5 a s / (h T))  without recompute
+                                s b h (W + (34-W)/T)                  selective recompute
+                                2 s b h                               with full recompute
+                                W = 10 (what stays whole on a shard's device); with sequence
+                                parallelism W = 4 in tfpar (the gathered matmul inputs kept
+                                whole), 0 in Megatron-LM (gathered again in the backward,
+                                whose full recompute then keeps 2 s b h / T)
   micro-batches in flight on stage k (activations kept for the backward):
                                 gpipe M; 1f1b min(M, K - k);
                                 interleaved (2(K-k-1) + (v-1)K + 1) / v  (Narayanan et al. 2021)
@@ -91,6 +95,9 @@ class System:
     sharding_all_reduces: a sharded step all-reduces the gradient and then all-gathers
       the new weights (tfpar: ReplicaContext has no reduce-scatter); else it
       reduce-scatters and all-gathers, the bytes of one all-reduce.
+    regather: under sequence parallelism each shard keeps only its slice of the gathered
+      input of the column-parallel matmuls and gathers it again in the backward
+      (Megatron-LM); else it keeps it whole (tfpar). tfpar.parallel.plan has the counts.
   """
   name: str
   schedules: Tuple[str, ...]
@@ -104,6 +111,7 @@ class System:
   sharding_with_model_parallel: bool = True
   zero2_gradient_shards: int = 1
   sharding_all_reduces: bool = False
+  regather: bool = False
 
 
 _FP32 = plan_lib.BYTES_PER_PARAM
@@ -126,7 +134,7 @@ MEGATRON = System(
     optimizer_bytes={"float32": 8, "mixed_bfloat16": 12, "mixed_float16": 12},
     # zero1 is Megatron-LM's distributed optimizer (--use-distributed-optimizer): master
     # weights, m and v split over the data-parallel group, the gradient buffer whole.
-    shardings=SHARDINGS[:2])
+    shardings=SHARDINGS[:2], regather=True)
 SYSTEMS = {"tfpar": TFPAR, "megatron": MEGATRON}
 
 
@@ -252,6 +260,7 @@ class Plans:
   schedule: Optional[np.ndarray] = None  # index into SCHEDULES; None: the System's first
   v: Optional[np.ndarray] = None  # virtual stages per device (interleaved), else 1
   sharding: Optional[np.ndarray] = None  # index into SHARDINGS; None: none
+  sp: Optional[np.ndarray] = None  # sequence parallelism (bool, T > 1); None: off
 
   def __len__(self):
     return len(self.D)
@@ -285,6 +294,7 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   rm = np.asarray(plans.remat, dtype=int)
   r, q = (rm == FULL).astype(float), (rm == SELECTIVE).astype(float)
   z = np.zeros(n, dtype=int) if plans.sharding is None else np.asarray(plans.sharding, dtype=int)
+  sp = np.zeros(n, dtype=bool) if plans.sp is None else np.asarray(plans.sp, dtype=bool)
   sched = (np.full(n, SCHEDULES.index(system.schedules[0])) if plans.schedule is None
            else np.asarray(plans.schedule, dtype=int))
   v = np.ones(n) if plans.v is None else np.asarray(plans.v, dtype=float)
@@ -313,7 +323,7 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
     st = stages(m, int(k), int(t), system, uniform=uniform)
     tv = t if system.vocab_parallel else 1
     bi, ri, mi, ei = b[idx, None], r[idx, None], M[idx, None], eff[idx, None]  # [P, 1] vs [K]
-    qi, rmi = q[idx, None], rm[idx, None]
+    qi, rmi, spi = q[idx, None], rm[idx, None], sp[idx, None]
     # Time of one micro-batch on each stage: matmuls, fixed per-op costs, tensor-parallel sums.
     flops = bi * (((3 + ri) * f_layer + qi * f_core) * st.blocks / t +
                   3 * st.logits * f_logits / tv)
@@ -323,8 +333,12 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
     # bandwidth: the forward writes the block's activations, the backward reads them
     # and writes as many gradients, a recompute writes them again.
     # Selective recompute writes the attention core's part again.
-    kept, touched = activation_bytes_per_block(m, bi, t, rmi, precision)
-    core = touched - activation_bytes_per_block(m, bi, t, SELECTIVE, precision)[0]
+    # Sequence parallelism splits the elementwise ops' bytes too; its reduce-scatter and
+    # all-gather move the bytes of the all-reduce they replace (tensor_comm unchanged).
+    kept, touched = activation_bytes_per_block(m, bi, t, rmi, precision, spi,
+                                               regather=system.regather)
+    core = touched - activation_bytes_per_block(m, bi, t, SELECTIVE, precision, spi,
+                                                regather=system.regather)[0]
     ops = ops + st.blocks * ((3 + ri) * touched + qi * core) / cluster.memory_bandwidth
     tp = st.blocks * (4 + 2 * ri) * all_reduce_seconds(bi * s * h * act, t, bw(t), lat(t))
     rows = np.arange(len(idx))
@@ -369,6 +383,7 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
                                                            lat(D * K * T)), 0.0)
   out["M"] = M
   out["schedule"], out["v"], out["remat"], out["sharding"] = sched, v, rm, z
+  out["sequence_parallel"] = sp
   out["step_seconds"] = sum(out[c] for c in COMPONENTS)
   out["memory_bytes"] = sum(out[p] for p in MEMORY_PARTS)
   out["fits"] = out["memory_bytes"] <= cluster.memory_bytes

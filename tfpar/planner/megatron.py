@@ -97,6 +97,7 @@ def compare(row: Row, efficiency: clusters.Efficiency = None, search_own: bool =
   published = search.candidates(row.model, cluster, row.batch, cost.MEGATRON,
                                 data_parallel=row.dp, pipeline_stages=row.pp,
                                 tensor_parallel=row.tp, remat="full", optimizer_sharding="none",
+                                sequence_parallel=False,
                                 microbatches=row.batch // (row.dp * row.microbatch),
                                 pipeline_schedule=row.schedule if row.pp > 1 else None,
                                 virtual_stages=row.virtual_stages)
@@ -104,9 +105,10 @@ def compare(row: Row, efficiency: clusters.Efficiency = None, search_own: bool =
   published_best = ranked_published.row(ranked_published.order[0])
   if not search_own:
     return Comparison(row=row, published=published_best, picked=published_best)
-  # Megatron-LM as the paper ran it: full recompute or none, no distributed optimizer.
+  # Megatron-LM as the paper ran it: full recompute or none, no distributed optimizer, no
+  # sequence parallelism (Korthikanti et al. came a year later).
   free = search.candidates(row.model, cluster, row.batch, cost.MEGATRON, remat=("none", "full"),
-                           optimizer_sharding="none")
+                           optimizer_sharding="none", sequence_parallel=False)
   ranked_free = search.rank(row.model, cluster, free, **kwargs)
   return Comparison(row=row, published=published_best, picked=ranked_free.row(ranked_free.order[0]))
 

@@ -23,7 +23,8 @@ def degrees(row: dict) -> str:
           f"remat {row['remat']}"
           + (f", {schedule(row)}" if row["pipeline_stages"] > 1 else "")
           + (f", optimizer {row['optimizer_sharding']}"
-             if row["optimizer_sharding"] != "none" else ""))
+             if row["optimizer_sharding"] != "none" else "")
+          + (", sequence parallel" if row.get("sequence_parallel") else ""))
 
 
 def training_run(row: dict, cluster) -> str:
@@ -79,6 +80,7 @@ def text(m, cluster, ranked: search.Ranked, top: int, precision: str, system) ->
   g = int(round(ranked.results["M"][0] * ranked.plans.D[0] * ranked.plans.b[0]))
   lines = [_model_line(m, cluster, precision, system, g), "",
            f"{'#':>2}  {'D x K x T':<14}{'b x M':<10}{'remat':<10}{'schedule':<16}{'ZeRO':<6}"
+           f"{'SP':<4}"
            f"{'GiB/dev':>8}"
            f"{'step s':>10}{'tokens/s':>12}{'TFLOP/s':>9}{'MFU':>7}{'bubble':>8}"]
   for n, i in enumerate(ranked.order[:top], 1):
@@ -89,6 +91,7 @@ def text(m, cluster, ranked: search.Ranked, top: int, precision: str, system) ->
         f"{n:>2}  {r['data_parallel']} x {r['pipeline_stages']} x {r['tensor_parallel']:<6}"
         f"{str(r['microbatch_size']) + ' x ' + str(r['microbatches']):<10}"
         f"{r['remat']:<10}{schedule(r):<16}{r['optimizer_sharding']:<6}"
+        f"{'on' if r['sequence_parallel'] else '-':<4}"
         f"{r['memory_bytes_per_device'] / GIB:>8.2f}"
         f"{r['step_seconds']:>10.4g}{r['tokens_per_second']:>12,.0f}"
         f"{r['tflops_per_device']:>9.1f}{r['mfu']:>7.1%}{r['bubble_fraction']:>8.1%}")
@@ -129,6 +132,9 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
   D, K, T, b, M, v = (p["data_parallel"], p["pipeline_stages"], p["tensor_parallel"],
                       p["microbatch_size"], p["microbatches"], p["virtual_stages"])
   rc = int(p["remat"] == "full")
+  # Of the block's s b h 34, what stays whole on a shard's device (cost's module docstring).
+  regather = p["sequence_parallel"] and system.regather
+  w = (0 if regather else 4) if p["sequence_parallel"] else 10
   s, h, f, a, L, V = m.seq_len, m.d_model, m.d_ff, m.num_heads, m.num_layers, m.vocab_size
   g = D * b * M
   act = cost.ACTIVATION_BYTES[precision]
@@ -152,10 +158,13 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
       + f" ({p['optimizer_sharding']}) -> "
       f"{(r['weights'][i] + r['gradients'][i] + r['optimizer'][i]) / GIB:.3f} GiB",
       f"  activations per block and micro-batch = "
-      + {"full": f"2sbh x {act}/2 = 2*{s}*{b}*{h}*{act / 2:g}",
-         "selective": f"sbh(10 + 24/T) x {act}/2 = {s}*{b}*{h}*(10 + 24/{T})*{act / 2:g}",
-         "none": f"sbh(10 + 24/T + 5as/(hT)) x {act}/2 = {s}*{b}*{h}*(10 + 24/{T} + "
+      + {"full": f"2sbh{'/T' if regather else ''} x {act}/2 = "
+                 f"2*{s}*{b}*{h}{f'/{T}' if regather else ''}*{act / 2:g}",
+         "selective": f"sbh(W + (34-W)/T) x {act}/2 = {s}*{b}*{h}*({w} + {34 - w}/{T})"
+                      f"*{act / 2:g}",
+         "none": f"sbh(W + (34-W)/T + 5as/(hT)) x {act}/2 = {s}*{b}*{h}*({w} + {34 - w}/{T} + "
                  f"5*{a}*{s}/({h}*{T}))*{act / 2:g}"}[p["remat"]]
+      + f" (W = {w}: {'sequence parallel' if p['sequence_parallel'] else 'not split'})"
       + f"; {IN_FLIGHT[p['pipeline_schedule']]} micro-batches in flight on stage k "
       f"({p['pipeline_schedule']}) -> activations {p['memory']['activations'] / GIB:.3f} GiB",
       f"  efficiency = e_max / (1 + w/(h/T) + r0/(bs)) = {e.max_efficiency} / (1 + "
@@ -229,6 +238,8 @@ def plan_flags(row: dict, cluster, schedule_flags: bool = True) -> list:
             f"--microbatches={mb}", f"--remat={row['remat']}"]
   if row["optimizer_sharding"] != "none":
     out.append(f"--optimizer_sharding={row['optimizer_sharding']}")
+  if row.get("sequence_parallel"):
+    out.append("--sequence_parallel")
   if k > 1 and schedule_flags:
     out += [f"--pipeline_schedule={row['pipeline_schedule']}",
             f"--virtual_stages={row['virtual_stages']}"]

@@ -1,5 +1,5 @@
-"""Search: every D x K x T x micro-batch x recompute x schedule x optimizer sharding plan a
-cluster allows, ranked.
+"""Search: every D x K x T x micro-batch x recompute x schedule x optimizer sharding x
+sequence parallelism plan a cluster allows, ranked.
 
 Candidates: T divides the head count and d_ff and stays inside a node (tensor
 parallelism sums activations twice per sub-block: it needs the fastest link);
@@ -11,9 +11,9 @@ stages where K v divides L and K divides M (Megatron-LM's conditions); with
 D > 1 each optimizer sharding the System runs (tfpar: zero1 and zero2 only in
 plain data parallelism, K = T = M = 1 without recompute, not under
 mixed_float16, as tfpar.rules allows; Megatron: zero1, its distributed
-optimizer, anywhere). With tfpar on TPUs only data parallelism runs.
-Sequence parallelism is not searched: tfpar's runtime has none. The
-candidates of 4,096 devices number a few thousand: one vectorised pass.
+optimizer, anywhere); with T > 1 sequence parallelism off and on (both Systems
+run it). With tfpar on TPUs only data parallelism runs. The candidates of
+4,096 devices number a few thousand: one vectorised pass.
 """
 
 import dataclasses
@@ -66,12 +66,14 @@ def candidates(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost
                tensor_parallel: Optional[int] = None, microbatches: Optional[int] = None,
                remat=None, pipeline_schedule: Optional[str] = None,
                virtual_stages: Optional[int] = None, optimizer_sharding=None,
+               sequence_parallel: Optional[bool] = None,
                precision: Optional[str] = None) -> cost.Plans:
   """All plans using every device of the cluster; any degree given fixes that degree.
 
   `remat` and `optimizer_sharding`: a mode (a bool for remat: True is full), a tuple
-  of modes to try, or None for all (the System's shardings). `precision` rules out
-  tfpar's sharding under mixed_float16.
+  of modes to try, or None for all (the System's shardings). `sequence_parallel`:
+  True or False fixes it (True only where T > 1), None tries both where T > 1.
+  `precision` rules out tfpar's sharding under mixed_float16.
   """
   remats = [cost.remat_index(x) for x in _options(remat, cost.REMATS)]
   shardings = [cost.SHARDINGS.index(x) for x in _options(optimizer_sharding, system.shardings)]
@@ -105,10 +107,17 @@ def candidates(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost
             for z in shardings:
               if z and not shards_optimizer(system, d, k, t, mb, r, precision):
                 continue
-              rows.append((d, k, t, b, r, sched, v, z))
-  a = np.array(rows, dtype=int).reshape(-1, 8)
+              for sp in sequence_parallels(t, sequence_parallel):
+                rows.append((d, k, t, b, r, sched, v, z, sp))
+  a = np.array(rows, dtype=int).reshape(-1, 9)
   return cost.Plans(D=a[:, 0], K=a[:, 1], T=a[:, 2], b=a[:, 3], remat=a[:, 4],
-                    schedule=a[:, 5], v=a[:, 6], sharding=a[:, 7])
+                    schedule=a[:, 5], v=a[:, 6], sharding=a[:, 7], sp=a[:, 8].astype(bool))
+
+
+def sequence_parallels(t: int, given: Optional[bool]) -> tuple:
+  """Sequence parallelism off (0) and on (1) to try at T shards: on needs T > 1."""
+  options = (0, 1) if t > 1 else (0,)
+  return options if given is None else tuple(o for o in options if o == int(given))
 
 
 def shards_optimizer(system: cost.System, d: int, k: int, t: int, mb: int, remat: int,
@@ -136,6 +145,7 @@ class Ranked:
            "tensor_parallel": int(p.T[i]), "microbatch_size": int(p.b[i]),
            "microbatches": int(round(r["M"][i])), "remat": cost.REMATS[int(r["remat"][i])],
            "optimizer_sharding": cost.SHARDINGS[int(r["sharding"][i])],
+           "sequence_parallel": bool(r["sequence_parallel"][i]),
            "pipeline_schedule": cost.SCHEDULES[int(r["schedule"][i])],
            "virtual_stages": int(r["v"][i]),
            "fits": bool(r["fits"][i]), "memory_bytes_per_device": float(r["memory_bytes"][i]),

@@ -28,6 +28,7 @@ class TaskSpec:
   name = ""
   model = ""  # What the start-up line calls the model ("GPT", "ViT classifier").
   tool = "tfpar.predict"  # What runs a trained model of this task (tfpar.generate, tfpar.predict).
+  splits_sequence = False  # Runs under --sequence_parallel (its blocks' sequence is --seq_len).
 
   def check_model(self, m) -> None:
     """The model flags (a tfpar.schema.ModelConfig) this task cannot build."""
@@ -47,6 +48,7 @@ class TaskSpec:
 
 class LanguageModelingSpec(TaskSpec):
   name, model, tool = "lm", "GPT", "tfpar.generate"
+  splits_sequence = True
 
   def model_name(self, m):
     return {"gpt": "GPT", "llama": "Llama"}[m.architecture]
