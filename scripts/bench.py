@@ -31,8 +31,9 @@ runs these sections (`--sections`), each a table:
     micro-batch pipeline and 2-way tensor parallel on 2 logical CPUs. The
     logical devices share the same cores, so the ratio to one_device measures
     the overhead of splitting, not a speed-up.
-  * precision (only when named): tfpar on the peer shapes with and without
-    XLA, per --precision; scripts/bf16.py's step table runs its systems.
+  * precision (only when named): tfpar on the peer shapes as it is (its
+    --jit_compile default: off under mixed_bfloat16) and with XLA on and off
+    explicitly, per --precision; scripts/bf16.py's step table runs its systems.
 
 Every measurement is a child process (`bench.py --only=SYSTEM`, which prints
 one JSON line) that builds its system, runs `--warmup` untimed steps (the
@@ -289,6 +290,8 @@ SECTIONS = {
         systems={
             "tfpar": System("tfpar (one_device, steps_per_call=10)",
                             _tfpar("--strategy=one_device")),
+            "tfpar_xla": System("tfpar --jit_compile",
+                                _tfpar("--strategy=one_device", "--jit_compile=true")),
             "tfpar_noxla": System("tfpar --nojit_compile",
                                   _tfpar("--strategy=one_device", "--jit_compile=false")),
         }),

@@ -49,8 +49,8 @@ from absl import app, flags  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("backends", None, "Only these BACKENDS in the matmul table (default: all).")
-flags.DEFINE_list("step_cases", ["tfpar:float32", "tfpar:mixed_bfloat16",
-                                 "tfpar_noxla:float32", "tfpar_noxla:mixed_bfloat16"],
+flags.DEFINE_list("step_cases", ["tfpar:float32", "tfpar_xla:mixed_bfloat16",
+                                 "tfpar_noxla:mixed_bfloat16"],
                   "Step table cases, SYSTEM[@ENV]:PRECISION; @ENV runs the child in the "
                   "environment of that BACKENDS or MIXES entry (e.g. "
                   "tfpar@xla_eigen:mixed_bfloat16).")
@@ -107,7 +107,7 @@ def matmul_case(backend: str, dtype: str) -> dict:
   for m, k, n in (QUICK_SHAPES if FLAGS.quick else SHAPES):
     a = tf.cast(tf.random.normal([m, k], seed=1), dtype)
     b = tf.cast(tf.random.normal([k, n], seed=2), dtype)
-    matmul = tf.function(tf.matmul, jit_compile=jit)
+    matmul = tf.function(lambda a, b: tf.matmul(a, b), jit_compile=jit)
     c = matmul(a, b)  # Compiles (XLA) or traces; on CPU the call returns once computed.
     exact = a.numpy().astype(np.float64) @ b.numpy().astype(np.float64)
     error = float(np.abs(c.numpy().astype(np.float64) - exact).max() / np.abs(exact).max())
@@ -120,8 +120,8 @@ def matmul_case(backend: str, dtype: str) -> dict:
     entry = {"gflops": 2 * m * k * n / best / 1e9, "rel_error": error, "calls": calls}
     if jit:  # Which kernel XLA chose: the optimised HLO's dot, fusion or custom call.
       hlo = matmul.experimental_get_compiler_ir(a, b)(stage="optimized_hlo")
-      entry["hlo"] = [l.strip()[:160] for l in hlo.splitlines()
-                      if any(w in l for w in (" dot(", "custom-call(", "kind=", "convert("))]
+      entry["hlo"] = [l.strip()[:120] for l in hlo.splitlines()
+                      if any(w in l for w in (" dot(", "custom-call(", "kind=kCustom"))]
     out["shapes"][f"{m}x{k}x{n}"] = entry
   return out
 
