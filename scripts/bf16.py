@@ -1,7 +1,7 @@
 """Where bfloat16 is fast on this CPU (AVX512_BF16), each case in its own process.
 
     python scripts/bf16.py --sections=matmul --rounds=3 --out=bf16.json
-    python scripts/bf16.py --sections=step --rounds=3 --steps=10 --warmup=3
+    python scripts/bf16.py --sections=step --rounds=2 --steps=10 --warmup=3
     python scripts/bf16.py --sections=loss --png=docs/bf16_loss.png
 
 Three tables (`--sections`):
@@ -17,10 +17,10 @@ Three tables (`--sections`):
     (the best of up to 10 calls of one `tf.function`, as scripts/bench.py's
     peak) and checks its result against float64 products of the same inputs.
   * step: tfpar's whole training step on the benchmark GPT (scripts/bench.py's
-    peer shapes, its `--only` children: tfpar and tfpar_noxla of its
-    `precision` section) under float32 and mixed_bfloat16, with and without
-    XLA, and XLA with a BACKENDS environment (`--step_cases`): tokens/s
-    medians and the ratio to float32 with XLA.
+    peer shapes, its `--only` children: tfpar as it is, tfpar_xla and
+    tfpar_noxla of its `precision` section) under float32 and mixed_bfloat16,
+    with and without XLA, or in a BACKENDS or MIXES environment
+    (`--step_cases`): tokens/s medians and the ratio to float32 with XLA.
   * loss: configs/gpt_tiny.flags trained `--loss_steps` steps in float32 and
     in mixed_bfloat16 by the CLI (scripts/bench_dp.run_one), each in its own
     process; prints both curves' final losses and draws them (`--png`).
