@@ -1,5 +1,6 @@
 """Training: mirrored equals one device, XLA equals no XLA, resume continues exactly,
-mixed precision trains, and the CLI end to end.
+mixed precision trains as float32 does (bfloat16 without XLA, its default), and the CLI end
+to end.
 
 In-process runs (conftest.train_in_process) share one TensorFlow with 8 logical
 CPUs; they use --jit_compile=false unless XLA is the subject, because a
@@ -154,9 +155,10 @@ def test_mixed_precision_trains(tmp_path, precision, float32_run):
   assert len(values) == 8 and np.all(np.isfinite(values))
   assert values[-2:].mean() < values[:2].mean() - 0.1, values
   # float32's losses step by step, up to 16-bit rounding (bfloat16 keeps 8 significant
-  # bits, ~0.4% per value), and not equal to them: the 16-bit compute really ran.
+  # bits, ~0.4% per value; the 8 losses agreed to 4e-5 on 4 December), and not equal to
+  # them: the 16-bit compute really ran.
   reference = losses(float32_run)
-  np.testing.assert_allclose(values, reference, rtol=2e-2)
+  np.testing.assert_allclose(values, reference, rtol=1e-3)
   assert np.abs(values - reference).max() > 1e-5, values
   assert all(math.isfinite(r["grad_norm"]) for r in read_metrics(model_dir))
   # The checkpoint holds float32 master weights.
