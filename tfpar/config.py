@@ -111,9 +111,9 @@ def jit_compile_default(precision: str, strategy: str) -> bool:
 
   XLA's CPU backend (TensorFlow 2.21) turns a bfloat16 dot into converts around
   a float32 dot, so under mixed_bfloat16 it runs slower than float32; TensorFlow's
-  own kernels without XLA reach oneDNN's AVX512_BF16 matmuls, 2-2.8x its float32
-  ones here, and the whole step about 2x float32 with XLA (scripts/bf16.py,
-  docs/benchmarks.md). TPUs compile everything with XLA.
+  own kernels without XLA reach oneDNN's AVX512_BF16 matmuls, 1.5-2.6x its float32
+  ones here, and the whole step ran at 1.14x float32 with XLA on a nearly idle
+  machine (scripts/bf16.py, docs/benchmarks.md). TPUs compile everything with XLA.
   """
   return precision != "mixed_bfloat16" or strategy == "tpu"
 

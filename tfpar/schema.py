@@ -173,9 +173,9 @@ class TrainConfig:
   jit_compile: bool = setting(  # Resolved by tfpar.config.jit_compile_default.
       True, "Compile the step with XLA (faster on CPU and GPU in float32). Default: on, but off "
       "under --precision=mixed_bfloat16 except with --strategy=tpu: on an AVX512_BF16 CPU, "
-      "TensorFlow's own (oneDNN) bfloat16 matmuls ran the step about 2x faster than XLA, whose "
-      "CPU dot computes bfloat16 in float32 (docs/benchmarks.md); on GPUs that is not measured, "
-      "pass --jit_compile there.", flag_default=None)
+      "TensorFlow's own (oneDNN) bfloat16 matmuls ran the step faster than XLA, whose CPU dot "
+      "computes bfloat16 in float32 (docs/benchmarks.md); on GPUs that is not measured, pass "
+      "--jit_compile there.", flag_default=None)
   fused_projections: bool = setting(  # tfpar.layers.fused; the weights are the same.
       False, "Compute each attention's Q, K, V (and a gated MLP's gate and up) as one matmul "
       "per tensor shard instead of three (two); same weights and checkpoints, same losses.")
