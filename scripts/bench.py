@@ -8,7 +8,7 @@ device, per gradient compression; whole CLI jobs, some of two processes) is
 scripts/bench_dp.py, which says how it measures; the rest of this docstring
 is about the other sections.
 
-runs three sections (`--sections`), each a table:
+runs these sections (`--sections`), each a table:
 
   * peer: tfpar beside keras-hub on the same GPT (4 layers, d_model 256, 4
     heads, d_ff 1024, seq 256, batch 16, byte vocabulary of 256, learned
@@ -37,6 +37,9 @@ runs three sections (`--sections`), each a table:
 
       python scripts/bench.py --sections=model_parallel \\
         --systems=one_device,pipeline,pipeline_across --rounds=3
+  * precision (only when named): tfpar on the peer shapes as it is (its
+    --jit_compile default: off under mixed_bfloat16) and with XLA on and off
+    explicitly, per --precision; scripts/bf16.py's step table runs its systems.
 
 Every measurement is a child process (`bench.py --only=SYSTEM`, which prints
 one JSON line) that builds its system, runs `--warmup` untimed steps (the
@@ -338,6 +341,17 @@ SECTIONS = {
                 "tfpar --causal_attention=online_softmax",
                 _tfpar("--strategy=one_device", "--causal_attention=online_softmax")),
         }),
+    "precision": Section(  # Not a default section: scripts/bf16.py's step table runs it.
+        title="tfpar with and without XLA under each precision (peer shapes)",
+        shape=PEER, reference="tfpar", precisions=["float32", "mixed_bfloat16"],
+        systems={
+            "tfpar": System("tfpar (one_device, steps_per_call=10)",
+                            _tfpar("--strategy=one_device")),
+            "tfpar_xla": System("tfpar --jit_compile",
+                                _tfpar("--strategy=one_device", "--jit_compile=true")),
+            "tfpar_noxla": System("tfpar --nojit_compile",
+                                  _tfpar("--strategy=one_device", "--jit_compile=false")),
+        }),
     "model_parallel": Section(
         title="model-parallel overhead on 2 logical CPUs of the same cores (gpt_tiny shapes)",
         shape=TINY, reference="one_device",
@@ -397,24 +411,31 @@ def measure(name: str, precision: str) -> dict:
 # --- the parent: alternate children, then tables --------------------------------------
 
 
-def run_child(name: str, precision: str) -> dict:
-  """Runs `bench.py --only=name` in a fresh process; returns its result and the load around it."""
-  args = [sys.executable, os.path.abspath(__file__), f"--only={name}",
-          f"--precision={precision}", f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}",
-          f"--steps_per_call={FLAGS.steps_per_call}",
-          f"--steps_per_execution={FLAGS.steps_per_execution}"] + \
-      (["--quick"] if FLAGS.quick else [])
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+def run_script(args: List[str], env: Optional[Dict[str, str]] = None) -> dict:
+  """Runs `python ARGS` in a fresh process (the repo on its path, `env` added to its
+  environment); returns its last RESULT line's JSON and the 1-minute load average around it."""
+  env = dict(os.environ, **(env or {}))
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
   load_before = os.getloadavg()[0]
-  proc = subprocess.run(args, capture_output=True, text=True, env=env, check=False)
+  proc = subprocess.run([sys.executable] + args, capture_output=True, text=True, env=env,
+                        check=False)
   load_after = os.getloadavg()[0]
   lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT)]
   if proc.returncode != 0 or not lines:
-    raise RuntimeError(f"{' '.join(args[1:])} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    raise RuntimeError(f"{' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
   result = json.loads(lines[-1][len(RESULT):])
   result["load_1min"] = [load_before, load_after]
   return result
+
+
+def run_child(name: str, precision: str, env: Optional[Dict[str, str]] = None) -> dict:
+  """Runs `bench.py --only=name` in a fresh process; returns its result and the load around it."""
+  return run_script(
+      [os.path.abspath(__file__), f"--only={name}", f"--precision={precision}",
+       f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}",
+       f"--steps_per_call={FLAGS.steps_per_call}",
+       f"--steps_per_execution={FLAGS.steps_per_execution}"] +
+      (["--quick"] if FLAGS.quick else []), env)
 
 
 def summarise(runs: List[dict], section: Section, shape: dict) -> List[dict]:

@@ -156,6 +156,18 @@ def test_defaults_are_derived():
   assert cfg.optim.warmup_steps == 10  # 5% of train_steps
 
 
+@pytest.mark.parametrize("extra, xla", [
+    ([], True),
+    (["--precision=mixed_bfloat16"], False),  # oneDNN's bf16 matmuls (config.jit_compile_default)
+    (["--precision=mixed_bfloat16", "--jit_compile"], True),
+    (["--precision=mixed_bfloat16", "--strategy=tpu"], True),
+    (["--precision=mixed_float16"], True),
+    (["--nojit_compile"], False),
+])
+def test_jit_compile_defaults_off_for_bfloat16_only(extra, xla):
+  assert make_config([MODEL_DIR] + extra).train.jit_compile is xla
+
+
 def test_a_warmup_past_the_end_is_clamped_with_a_warning():
   """A flagfile shortened to a quick try (vit_digits' warmup of 50, 3 steps) runs, and says so."""
   from tfpar import config, flags  # pylint: disable=import-outside-toplevel

@@ -106,6 +106,18 @@ def model_from_flags(f) -> ModelConfig:
   return m
 
 
+def jit_compile_default(precision: str, strategy: str) -> bool:
+  """--jit_compile when not passed: XLA, except for bfloat16 off TPUs.
+
+  XLA's CPU backend (TensorFlow 2.21) turns a bfloat16 dot into converts around
+  a float32 dot, so under mixed_bfloat16 it runs slower than float32; TensorFlow's
+  own kernels without XLA reach oneDNN's AVX512_BF16 matmuls, 1.5-2.6x its float32
+  ones here, and the whole step ran at 1.14x float32 with XLA on a nearly idle
+  machine (scripts/bf16.py, docs/benchmarks.md). TPUs compile everything with XLA.
+  """
+  return precision != "mixed_bfloat16" or strategy == "tpu"
+
+
 def from_flags(f, warn=None) -> Config:
   """Builds and validates a Config from parsed absl FLAGS (or any object with those attrs).
 
@@ -127,7 +139,9 @@ def from_flags(f, warn=None) -> Config:
     raise ConfigError("--model_dir is not set: pass --model_dir=DIR for checkpoints and metrics")
   # The flags from_flags resolves; every other field is its flag's value.
   resolved = {"warmup_steps": warmup, "profile_steps": profile_steps,
-              "stage_layers": stage_layers}
+              "stage_layers": stage_layers,
+              "jit_compile": f.jit_compile if f.jit_compile is not None
+                             else jit_compile_default(f.precision, f.strategy)}
   sections = {s.name: _section(s.default.__class__, f, **resolved)
               for s in dataclasses.fields(Config) if s.name != "model"}
   cfg = Config(model=model_from_flags(f), **sections)

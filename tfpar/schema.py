@@ -170,7 +170,12 @@ class TrainConfig:
   steps_per_call: int = setting(
       10, "Steps run inside one tf.function call (fewer Python round trips).")
   precision: str = setting("float32", "Compute precision policy.", choices=PRECISIONS)
-  jit_compile: bool = setting(True, "Compile the step with XLA (faster on CPU and GPU).")
+  jit_compile: bool = setting(  # Resolved by tfpar.config.jit_compile_default.
+      True, "Compile the step with XLA (faster on CPU and GPU in float32). Default: on, but off "
+      "under --precision=mixed_bfloat16 except with --strategy=tpu: on an AVX512_BF16 CPU, "
+      "TensorFlow's own (oneDNN) bfloat16 matmuls ran the step faster than XLA, whose CPU dot "
+      "computes bfloat16 in float32 (docs/benchmarks.md); on GPUs that is not measured, pass "
+      "--jit_compile there.", flag_default=None)
   fused_projections: bool = setting(  # tfpar.layers.fused; the weights are the same.
       False, "Compute each attention's Q, K, V (and a gated MLP's gate and up) as one matmul "
       "per tensor shard instead of three (two); same weights and checkpoints, same losses.")
