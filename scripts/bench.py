@@ -319,13 +319,15 @@ TENSOR = ["--num_cpu_devices=2", "--tensor_parallel=2"]
 # Whole CLI jobs (two of its configurations are two processes each), measured by
 # scripts/bench_dp.py rather than as SECTIONS systems.
 DATA_PARALLEL = "data_parallel"
+# tfpar as it is: the peer section's contender and the other peer-shape sections' reference.
+AS_IS = System("tfpar (one_device, steps_per_call=10)", _tfpar("--strategy=one_device"))
+
 SECTIONS = {
     "peer": Section(
         title="tfpar beside keras-hub (same model, same AdamW, same data)",
         shape=PEER, reference="kerashub", precisions=["float32", "mixed_bfloat16"],
         systems={
-            "tfpar": System("tfpar (one_device, steps_per_call=10)",
-                            _tfpar("--strategy=one_device")),
+            "tfpar": AS_IS,
             "kerashub": System("keras-hub GPT2Backbone (model.fit, jit_compile=True)",
                                _kerashub),
         }),
@@ -333,8 +335,7 @@ SECTIONS = {
         title="tfpar's own changes, each against tfpar as it is (peer shapes)",
         shape=PEER, reference="tfpar", precisions=["float32", "mixed_bfloat16"],
         systems={
-            "tfpar": System("tfpar (one_device, steps_per_call=10)",
-                            _tfpar("--strategy=one_device")),
+            "tfpar": AS_IS,
             "tfpar_fused": System("tfpar --fused_projections",
                                   _tfpar("--strategy=one_device", "--fused_projections")),
             "tfpar_online_softmax": System(
@@ -345,8 +346,7 @@ SECTIONS = {
         title="tfpar with and without XLA under each precision (peer shapes)",
         shape=PEER, reference="tfpar", precisions=["float32", "mixed_bfloat16"],
         systems={
-            "tfpar": System("tfpar (one_device, steps_per_call=10)",
-                            _tfpar("--strategy=one_device")),
+            "tfpar": AS_IS,
             "tfpar_xla": System("tfpar --jit_compile",
                                 _tfpar("--strategy=one_device", "--jit_compile=true")),
             "tfpar_noxla": System("tfpar --nojit_compile",
