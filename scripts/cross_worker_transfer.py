@@ -22,21 +22,14 @@ element of what arrived). Numbers depend on the machine's load: say so beside th
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-def free_ports(n):
-  socks = [socket.socket() for _ in range(n)]
-  for s in socks:
-    s.bind(("127.0.0.1", 0))
-  ports = [s.getsockname()[1] for s in socks]
-  for s in socks:
-    s.close()
-  return ports
+from tfpar.launch import free_ports  # pylint: disable=wrong-import-position
 
 
 def timed(fn, n):

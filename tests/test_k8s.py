@@ -34,6 +34,7 @@ from conftest import (OPTIONAL_K8S_SCHEMAS, REPO, TINY, in_background, read_metr
 from tfpar import cluster as cluster_lib
 from tfpar.k8s import __main__ as k8s_cli
 from tfpar.k8s import manifests
+from tfpar.launch import free_ports
 
 import k8s_validate
 
@@ -362,17 +363,6 @@ def test_a_pod_whose_peers_never_appear_exits_1_with_one_line(tmp_path):
       "tfpar.train: error: peers not found in DNS after 1 s: gpt-1.gpt.invalid:2222 (are their "
       "pods scheduled, and the headless Service and publishNotReadyAddresses in place?)"]
   assert not os.listdir(tmp_path)
-
-
-def free_ports(count):
-  import socket  # pylint: disable=import-outside-toplevel
-  sockets = [socket.socket() for _ in range(count)]
-  for s in sockets:
-    s.bind(("", 0))
-  ports = [s.getsockname()[1] for s in sockets]
-  for s in sockets:
-    s.close()
-  return ports
 
 
 POD_TRAIN_FLAGS = [*TINY, "--strategy=multi_worker_mirrored", "--jit_compile=false",
