@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import TINY, build_engine, canonical_grads, make_config
+from conftest import TINY, assert_same_state, build_engine, canonical_grads, make_config
 from tfpar import schema, tasks
 from tfpar.layers import GatedMLP, SelfAttention, set_compute
 from tfpar.layers.attention import (CAUSAL_CORES, causal_attention, causal_fraction,
@@ -151,14 +151,7 @@ def test_fused_projections_train_like_todays_model(runs, plan):
   np.testing.assert_allclose(run["losses"], one["losses"], rtol=1e-5)
   np.testing.assert_allclose(run["norms"], one["norms"], rtol=1e-5)
   assert sorted(run["final"]) == sorted(one["final"])
-  kind = lambda name: name[-2:] if name.endswith(("@m", "@v")) else "weight"
-  scale = {}
-  for name, value in one["final"].items():
-    scale[kind(name)] = max(scale.get(kind(name), 0), np.abs(value).max())
-  for name, want in one["final"].items():
-    if not name.startswith("dropout_rng/"):
-      np.testing.assert_allclose(run["final"][name], want, rtol=1e-5,
-                                 atol=1e-5 * scale[kind(name)], err_msg=name)
+  assert_same_state(run["final"], one["final"], plan, skip=("dropout_rng/",))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
