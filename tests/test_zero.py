@@ -137,11 +137,13 @@ def serial_run():
   return optim, out
 
 
-def mirrored_run(optim, mode, codec=CompressionConfig(), replicas=4):
+def mirrored_run(optim, mode, codec=CompressionConfig(), replicas=4, jit_compile=False):
   """[(loss, norm, weights, [m, v])] after each step of the toy on mirrored replicas.
 
   mode 'none': the exchange's sum and tfpar's apply_gradients (the unsharded
   update); 'zero1'/'zero2': ZeroUpdate. `codec`: the exchange's CompressionConfig.
+  `jit_compile`: each replica's update as one XLA program (AdamW.compile_update,
+  ZeroUpdate's jit_compile), as the engine does under --jit_compile.
   """
   devices = [f"/cpu:{i}" for i in range(replicas)]
   per = 8 // replicas  # Rows of the global batch (8) each replica reads.
@@ -153,13 +155,15 @@ def mirrored_run(optim, mode, codec=CompressionConfig(), replicas=4):
     opt = make_optimizer(optim, train_steps=STEPS)
     if mode == "none":
       opt.build(model.trainable_variables)
+  if mode == "none" and jit_compile:
+    opt.compile_update()
   variables = model.trainable_variables
   exchange = make_exchange(codec, variables, num_replicas=replicas,
                            state_devices=[[d] * len(variables)
                                           for d in strategy.extended.worker_devices])
   update = None if mode == "none" else zero.ZeroUpdate(
       opt, variables, mode=mode, shard_ids=range(replicas),
-      devices=strategy.extended.worker_devices, num_replicas=replicas)
+      devices=strategy.extended.worker_devices, num_replicas=replicas, jit_compile=jit_compile)
 
   @tf.function
   def step(x, y):
@@ -192,6 +196,9 @@ def mirrored_run(optim, mode, codec=CompressionConfig(), replicas=4):
       slots = [[t.numpy() for t in update.slots()[name]] for name in ("m", "v")]
     out.append((float(loss), float(norm), [v.numpy() for v in variables], slots))
   assert int(opt.iterations.numpy()) == STEPS
+  if jit_compile:  # One program per replica, traced once.
+    programs = opt._programs.programs.values() if update is None else update._updates
+    assert [f.experimental_get_tracing_count() for f in programs] == [1] * replicas
   if update is not None:
     assert update.slot_bytes() == 8 * update.layout.shard_size
     # 1/D of the slots, but padding.
@@ -213,14 +220,15 @@ def assert_same_steps(got_steps, want_steps):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
 
 
-@pytest.mark.parametrize("mode", zero.MODES)
-def test_zero_on_4_mirrored_replicas_is_the_serial_twin(serial_run, mode):
-  """Loss, gradient norm, weights and gathered slots after each step, at 1e-5."""
+@pytest.mark.parametrize("mode, jit_compile", [("zero1", True), ("zero2", False), ("none", True)])
+def test_zero_on_4_mirrored_replicas_is_the_serial_twin(serial_run, mode, jit_compile):
+  """Loss, gradient norm, weights and gathered slots after each step, at 1e-5; the update
+  compiled per replica (unsharded too) or not (zero1's engine below, zero2's here)."""
   optim, serial = serial_run
   norms = [n for _, n, _, _ in serial]
   assert max(n for n in norms if np.isfinite(n)) > optim.clip_norm > min(norms)  # Clipping active.
   assert sum(not np.isfinite(n) for n in norms) == 1  # One step skipped.
-  assert_same_steps(mirrored_run(optim, mode), serial)
+  assert_same_steps(mirrored_run(optim, mode, jit_compile=jit_compile), serial)
 
 
 def test_zero1_takes_a_codecs_sum_as_the_unsharded_update_does(serial_run):
@@ -242,7 +250,9 @@ ENGINE_ARGS = TINY + [f"--train_steps={STEPS}", "--seed=3", "--input_sharding=da
                       "--jit_compile=false", "--clip_norm=0.05", "--on_nonfinite=skip"]
 PLANS = {"none x1": ["--strategy=one_device"],
          "zero1 x4": ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero1"],
-         "zero2 x2": ["--strategy=mirrored", "--num_cpu_devices=2", "--optimizer_sharding=zero2"],
+         # Its forward, backward and (compiled per replica) update under XLA.
+         "zero2 x2": ["--strategy=mirrored", "--num_cpu_devices=2", "--optimizer_sharding=zero2",
+                      "--jit_compile=true"],
          "none x4": ["--strategy=mirrored", "--num_cpu_devices=4"],
          "zero2 x4": ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero2"]}
 CHAIN_SAVE = 2  # zero1 x4 saves here; none x1 resumes to 4, then zero2 x2 to STEPS.
@@ -316,6 +326,7 @@ def test_a_zero1_x4_checkpoint_resumes_unsharded_then_under_zero2_x2(engine_runs
   assert two.step == 4
   assert two.zero.mode == "zero2" and two.num_replicas == 2
   last = train_steps(two, 4, STEPS)
+  assert [f.experimental_get_tracing_count() for f in two.zero._updates] == [1, 1]
   for step, ((loss, norm, state), (want_loss, want_norm, want_state)) in enumerate(
       zip(middle + last, serial[CHAIN_SAVE:]), CHAIN_SAVE + 1):
     np.testing.assert_allclose([loss, norm], [want_loss, want_norm], rtol=1e-5)

@@ -7,7 +7,10 @@ its gradients, the run's gradient exchange (tfpar.parallel.exchange: the SUM
 over replicas, or a codec), then the update of the mirrored variables. Under
 --optimizer_sharding each replica keeps AdamW's state for its shard only and
 tfpar.parallel.zero.ZeroUpdate does the sum, clip and update instead of the
-Keras optimizer, whose slots are then never built.
+Keras optimizer, whose slots are then never built. With several replicas the
+exchange sits between the compiled gradients and the update, so under
+--jit_compile the update is compiled apart: one XLA program per replica
+(`AdamW.compile_update`, or ZeroUpdate's for its shard).
 """
 
 import json
@@ -61,14 +64,18 @@ class DataParallelEngine(Engine):
                                   state_devices=[[d] * len(variables)
                                                  for d in self._local_devices],
                                   seed=cfg.train.seed)
+    jit = cfg.train.jit_compile
     # --optimizer_sharding: each local replica's shard of AdamW's m and v, on its device.
+    # Under --jit_compile each replica's update (clip + AdamW) is one XLA program.
     self.zero = None if sharding_mode == "none" else zero.ZeroUpdate(
         self.optimizer, variables, mode=sharding_mode, shard_ids=_replica_ids(strategy),
-        devices=self._local_devices, num_replicas=self.num_replicas, strategy=strategy)
+        devices=self._local_devices, num_replicas=self.num_replicas, strategy=strategy,
+        jit_compile=jit)
+    if self.zero is None and jit and self.num_replicas > 1:
+      inner_optimizer(self.optimizer).compile_update()
     slots = self.zero.checkpoint_slots if self.zero else None
     self.layouts = [{**model_layout(self.model, self.optimizer, slots),
                      **self.exchange.checkpoint_entries(strategy)}]
-    jit = cfg.train.jit_compile
     # One replica: nothing runs between gradients and update, so XLA compiles both.
     self._train_step = TrainStep(self.model, self.optimizer, loss_fn=self.task.loss,
                                  jit_compile=jit,

@@ -45,6 +45,7 @@ Wired into tfpar.engines.data_parallel by --optimizer_sharding (docs/design.md,
 "Optimizer sharding"); tests/test_zero.py.
 """
 
+import functools
 from typing import List, Sequence
 
 import numpy as np
@@ -227,10 +228,13 @@ class ZeroUpdate:
     num_replicas: D, the replicas in sync.
     strategy: the strategy the replicas run under (gathers the slots at a
       save when other processes hold some shards).
+    jit_compile: each replica's update of its shard (slicing its weights,
+      clipping, AdamW) as one XLA program, one per replica.
   """
 
   def __init__(self, optimizer, variables, *, mode: str = "zero1", shard_ids: Sequence[int],
-               devices: Sequence[str], num_replicas: int, strategy=None):
+               devices: Sequence[str], num_replicas: int, strategy=None,
+               jit_compile: bool = False):
     if mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     self.mode = mode
@@ -242,6 +246,9 @@ class ZeroUpdate:
     for shard, device in zip(shard_ids, devices):
       with tf.device(device):
         self.shards.append(ShardedAdamW.like(optimizer, self.layout, shard, self.variables))
+    # One function per replica: each captures its replica's shard and copies of the weights.
+    self._updates = [tf.function(lambda *a, s=s: self._update(s, *a), jit_compile=True)
+                     if jit_compile else functools.partial(self._update, s) for s in self.shards]
     self._gathered = None  # ((step, version), {"m": [...], "v": [...]}): the last gather.
     self._version = 0  # Bumped by every restore, so a gather after one is not stale.
 
@@ -275,13 +282,17 @@ class ZeroUpdate:
       if exchange is not None:  # What the loop logs as comm_bytes: the same bytes as one SUM.
         exchange.traffic[compressed] = Traffic(4 * self.layout.padded_size,
                                                4 * self.layout.padded_size)
-    weights = self.layout.slice(self.variables, shard.shard)
-    finite = tf.math.is_finite(norm) if skip_nonfinite else True
-    new = shard.update(weights, mine, norm, self.optimizer.iterations, apply=finite)
+    new = self._updates[replica](mine, norm, skip_nonfinite)
     ctx = tf.distribute.get_replica_context()
     gathered = tf.reshape(ctx.all_gather(new[None], axis=0), [-1])
     ctx.merge_call(self._assign, args=(self.layout.unflatten(gathered),))
     return norm
+
+  def _update(self, shard: ShardedAdamW, mine, norm, skip_nonfinite: bool) -> tf.Tensor:
+    """`shard`'s new weights from its part of the summed gradient (`mine`) and the global norm."""
+    weights = self.layout.slice(self.variables, shard.shard)
+    finite = tf.math.is_finite(norm) if skip_nonfinite else True
+    return shard.update(weights, mine, norm, self.optimizer.iterations, apply=finite)
 
   def _reduce_scatter(self, grads, mine: int):
     """(this replica's shard of the summed gradient, the summed gradient's norm): zero2's sum."""

@@ -6,9 +6,21 @@ in the gradients' dtype, with no options). tfpar reduces them in
 live), so this optimizer applies the gradients it is given as they are.
 Global-norm clipping then happens inside `apply`, after that reduction, which is
 where it belongs: clipping each replica's partial gradient would be wrong.
+
+Under a strategy with several replicas in sync, Keras applies the update
+variable by variable in cross-replica context (a merge_call, then one
+`extended.update` per variable, each running its ops on every replica's
+device): a few hundred small ops outside XLA. `compile_update(True)` makes
+it one XLA program per replica instead (`_backend_apply_gradients`): after
+the same merge_call, each replica's device runs one compiled function that
+clips, decays and applies Keras' own `update_step` to that device's copies
+of all the variables and slots.
 """
 
+import functools
+
 import keras
+import tensorflow as tf
 
 from tfpar import partitioning
 from tfpar.config import OptimConfig
@@ -24,6 +36,20 @@ class AdamW(keras.optimizers.AdamW):
 
   def _all_reduce_sum_gradients(self, grads_and_vars):
     return list(grads_and_vars)
+
+  def compile_update(self, enabled: bool = True) -> None:
+    """Apply each replica's update as one XLA program (see the module docstring)."""
+    self._programs = _ReplicaPrograms(self) if enabled else None
+
+  def _backend_apply_gradients(self, grads, trainable_variables):
+    programs = getattr(self, "_programs", None)
+    ctx = tf.distribute.get_replica_context()
+    if (programs is None or ctx is None or ctx.num_replicas_in_sync == 1 or
+        self.gradient_accumulation_steps or self.use_ema or
+        tf.__internal__.distribute.strategy_supports_no_merge_call()):
+      super()._backend_apply_gradients(grads, trainable_variables)
+      return
+    ctx.merge_call(functools.partial(programs.apply, variables=trainable_variables), args=(grads,))
 
 
 def learning_rate_schedule(optim: OptimConfig, train_steps: int):
@@ -52,3 +78,39 @@ def make_optimizer(optim: OptimConfig, train_steps: int, precision: str = "float
 def inner_optimizer(opt):
   """The AdamW inside a LossScaleOptimizer, or the optimizer itself."""
   return getattr(opt, "inner_optimizer", opt)
+
+
+class _ReplicaPrograms:
+  """One `tf.function(jit_compile=True)` per replica: Keras AdamW's clip, decay and update of
+  that replica's copies (each traces in its replica's update context, so it captures them)."""
+
+  def __init__(self, optimizer):
+    self.optimizer = optimizer
+    self.programs = {}
+
+  def apply(self, distribution, grads, variables):
+    """Cross-replica (inside the merge_call): each device's program on its gradients."""
+    mirrored = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+    devices = [v.device for v in mirrored[0].values]
+
+    def on_device(first, *local_grads):
+      replica = devices.index(first.device)
+      if replica not in self.programs:
+        self.programs[replica] = tf.function(lambda g: self._update(g, variables),
+                                             jit_compile=True)
+      return self.programs[replica](list(local_grads))
+
+    distribution.extended.update(mirrored[0], on_device, args=tuple(grads), group=False)
+
+  def _update(self, grads, variables):
+    """As keras' _backend_apply_gradients without accumulation or EMA, on this device's copies."""
+    opt = self.optimizer
+    grads = opt._clip_gradients(grads)  # pylint: disable=protected-access
+    learning_rate = opt.learning_rate
+    if opt.weight_decay is not None:  # As TFOptimizer._apply_weight_decay, per device.
+      for variable in variables:
+        if opt._use_weight_decay(variable):  # pylint: disable=protected-access
+          decay = tf.cast(opt.weight_decay, variable.dtype)
+          opt.assign_sub(variable, variable * decay * tf.cast(learning_rate, variable.dtype))
+    for grad, variable in zip(grads, variables):
+      opt.update_step(grad, variable, learning_rate)
