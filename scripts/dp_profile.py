@@ -13,7 +13,10 @@ multi_worker the chief's trace). The trace's events are sorted into
             matmuls and QR, the casts, ReductionToOneDevice's AddN), the
             copies between devices, CollectiveReduceV2 across workers,
   update    clipping and AdamW (per-variable ops outside XLA once the
-            replicas are several; inside the one-device program otherwise),
+            replicas are several, unless --jit_compile compiles each
+            replica's update apart: then the XLA programs of a step beyond
+            its first one per local replica, which run after the exchange;
+            inside the one-device program otherwise),
   other ops everything else the executor ran,
 and each step's wall time (the `_train_steps` calls) is split by which of
 them was running, in that order of precedence: an exchange that runs while
@@ -95,17 +98,27 @@ def _subtract(intervals, taken):
   return out
 
 
-def breakdown(model_dir: str, steps: int) -> dict:
-  """Seconds per traced step of wall time in each part, idle, and the step itself."""
+def breakdown(model_dir: str, steps: int, replicas: int = 1) -> dict:
+  """Seconds per traced step of wall time in each part, idle, and the step itself.
+
+  `replicas`: the traced process's replicas; the first that many XLA programs of each
+  step are their forward and backward, any later ones their compiled updates.
+  """
   spans = {p: [] for p in PARTS}
-  calls = []
+  calls, programs = [], []
   for name, start, duration in xplane.events(model_dir):
     span = (start, start + duration)
     if name == "_train_steps":
       calls.append(span)
     part = part_of(name)
-    if part:
+    if part == "compiled":
+      programs.append(span)
+    elif part:
       spans[part].append(span)
+  for a, b in calls:  # One step per call (--steps_per_call=1).
+    mine = sorted(p for p in programs if a <= p[0] < b)
+    spans["compiled"] += mine[:replicas]
+    spans["update"] += mine[replicas:]
   length = lambda intervals: sum(b - a for a, b in intervals) * 1e-12 / steps
   free = _union(calls)  # The steps' wall time not yet given to a part.
   out = {"step": length(free)}
@@ -141,7 +154,7 @@ def main(argv):
                             env=env, cwd=bench_dp.REPO, timeout=3600)
       if proc.returncode != 0:
         sys.exit(f"dp_profile: {name} failed:\n{proc.stderr[-3000:]}")
-      rows[name] = breakdown(model_dir, FLAGS.traced)
+      rows[name] = breakdown(model_dir, FLAGS.traced, 2 if name.startswith("mirrored") else 1)
       print(f"{name}: " + json.dumps({k: round(v * 1e3, 1) for k, v in rows[name].items()}),
             flush=True)
   finally:

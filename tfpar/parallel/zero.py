@@ -282,7 +282,8 @@ class ZeroUpdate:
       if exchange is not None:  # What the loop logs as comm_bytes: the same bytes as one SUM.
         exchange.traffic[compressed] = Traffic(4 * self.layout.padded_size,
                                                4 * self.layout.padded_size)
-    new = self._updates[replica](mine, norm, skip_nonfinite)
+    with tf.name_scope("adamw"):  # Where scripts/dp_profile.py finds the update.
+      new = self._updates[replica](mine, norm, skip_nonfinite)
     ctx = tf.distribute.get_replica_context()
     gathered = tf.reshape(ctx.all_gather(new[None], axis=0), [-1])
     ctx.merge_call(self._assign, args=(self.layout.unflatten(gathered),))
