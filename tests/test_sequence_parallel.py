@@ -9,8 +9,9 @@ pipeline 2 x tensor 2 with the split and --remat (full), whose stages join
 the slices where they leave and whose blocks join them for the recompute.
 Then what it saves: the activations the backward reads on each device,
 counted on the traced step's graph, fall on the busiest device and spread
-evenly over the shards; plan.json records the split and its prediction, and
-the planner's bytes for the run are the measured ones within 10%.
+evenly over the shards; plan.json records the split and its prediction, which
+is the counted bytes within 3% (GPT and Llama, with and without the split),
+and the planner's bytes for the run are the measured ones within 10%.
 """
 
 import collections
@@ -50,11 +51,21 @@ def test_the_sequence_split_trains_like_one_device(runs):
   assert_twin(run, runs["one"])
 
 
+ALIASES = ("Reshape", "Identity", "StopGradient", "ExpandDims", "Squeeze")  # Share a buffer.
+NOT_ACTIVATIONS = ("ReadVariableOp", "Const", "Placeholder")
+
+
 def kept_bytes_per_device(graph):
   """{device: bytes of forward tensors that gradient ops read there}: the activations kept for
   the backward, counted on the traced step's graph (without XLA, so every op is in it; a
-  gradient op runs where the forward op it is colocated with does)."""
+  gradient op runs where the forward op it is colocated with does). Each buffer once: a
+  reshape's output is its input's buffer (the Dense layers' inputs come reshaped)."""
   backward = lambda op: op.name.startswith("gradients")
+
+  def buffer(x):
+    while x.op.type in ALIASES:
+      x = x.op.inputs[0]
+    return x
 
   def device(op):
     for group in op.colocation_groups():
@@ -68,7 +79,8 @@ def kept_bytes_per_device(graph):
     if not backward(op):
       continue
     for x in op.inputs:
-      if not backward(x.op) and x.op.type not in ("ReadVariableOp", "Const", "Placeholder"):
+      x = x if backward(x.op) else buffer(x)
+      if not backward(x.op) and x.op.type not in NOT_ACTIVATIONS:
         kept.add((device(op), x.name, x.shape.num_elements() * x.dtype.size))
   out = collections.Counter()
   for dev, _, nbytes in kept:
@@ -159,6 +171,18 @@ def test_plan_json_records_the_split_and_the_planner_predicts_its_bytes(steps):
     state = predicted["weights"][i] + predicted["optimizer"][i]
     assert abs(state / busiest - 1) < 0.1, (state, busiest)
     assert predicted["activations"][i] == pytest.approx(acts(plan), rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["tensor_2", "sequence_2", "llama_tensor_2", "llama_sequence_2"])
+def test_the_plans_activations_are_what_the_backward_keeps(steps, name):
+  """plan.json's activations on the busiest device (tfpar's count: plan.activation_bytes_per_block
+  and head_activation_bytes, the planner's for --system=tfpar) against the bytes the traced
+  backward reads there: within 3% (Korthikanti et al.'s count was 5-10% off, by errors that
+  cancel: fewer bytes per block, more for the head)."""
+  predicted = steps[name]["plan"]["activation_bytes_per_device"]
+  measured = steps[name]["kept"]
+  assert list(predicted) == ["CPU:0"]
+  assert abs(predicted["CPU:0"] / measured["CPU:0"] - 1) < 0.03, (predicted, measured)
 
 
 def test_the_planner_searches_the_split_and_models_its_memory():

@@ -30,10 +30,13 @@ of L/(vK) blocks each (`chunks`), not one contiguous run of blocks
 
 Activations: `activation_bytes` predicts each stage's peak, the schedule's
 micro-batches in flight on it (GPipe M, 1F1B K-k on stage k: `in_flight`)
-times one micro-batch's activations there, Korthikanti et al. 2022's count
-per block (`activation_bytes_per_block`, also the planner's; sequence
-parallelism splits part of it over the T shards) and the logits on the last
-stage. scripts/pipeline_memory.py measures it.
+times one micro-batch's activations there: what tfpar's blocks keep for the
+backward (`activation_bytes_per_block` with counts="tfpar", also the
+planner's for --system=tfpar; Korthikanti et al. 2022's count is Megatron-LM's;
+sequence parallelism splits part of it over the T shards) and what the head
+keeps on the last stage (`head_activation_bytes`). scripts/pipeline_memory.py
+measures it across stages; tests/test_sequence_parallel.py counts it per
+device on the traced step.
 """
 
 import dataclasses
@@ -126,34 +129,95 @@ def balance_stages(num_layers: int, stages: int, block: int, first_extra: int,
 
 
 def activation_bytes_per_block(m: ModelConfig, b, t, remat, precision: str,
-                               sequence_parallel=False, *, regather: bool = False):
+                               sequence_parallel=False, *, regather: bool = False,
+                               counts: str = "paper"):
   """(kept, all): activations one block keeps for the backward of one micro-batch of b
   sequences under `remat` (indices into schema.REMAT: NO_REMAT, FULL_REMAT, SELECTIVE_REMAT;
   an array of them too), and all it makes in its forward, on its busiest device.
 
-  Korthikanti et al. 2022, eq. (2) and section 4.2, in 16-bit values; float32
-  activations double it. Of the s b h 34 that grow with s, 24 are split over
-  the T tensor shards and 10 are not: the two LayerNorm inputs (4), the two
-  gathered inputs of the column-parallel matmuls (4) and the two dropout masks
-  (2), all on the first device, s b h (10 + 24/T). Sequence parallelism
-  (`sequence_parallel`, an array too) splits the LayerNorm inputs and dropout
-  masks along the sequence; tfpar keeps each shard's gathered input whole,
-  s b h (4 + 30/T), Megatron-LM (`regather`) keeps its slice and gathers again
-  in the backward, s b h 34/T. The attention core adds 5 a s^2 b / T (scores,
-  probabilities, dropout mask), which selective recompute drops. Full
-  recompute keeps only the block's input, 2 s b h (2 s b h / T where the
-  stream stays split: Megatron's sequence parallelism; tfpar joins it).
+  `counts` "paper": Korthikanti et al. 2022, eq. (2) and section 4.2, in 16-bit
+  values (Megatron-LM's; float32 activations double it). Of the s b h 34 that
+  grow with s, 24 are split over the T tensor shards and 10 are not: the two
+  LayerNorm inputs (4), the two gathered inputs of the column-parallel matmuls
+  (4) and the two dropout masks (2), all on the first device, s b h (10 + 24/T).
+  Sequence parallelism (`sequence_parallel`, an array too) splits the LayerNorm
+  inputs and dropout masks along the sequence; keeping each shard's gathered
+  input whole gives s b h (4 + 30/T), Megatron-LM (`regather`) keeps its slice
+  and gathers again in the backward, s b h 34/T. The attention core adds
+  5 a s^2 b / T (scores, probabilities, dropout mask), which selective
+  recompute drops. Full recompute keeps only the block's input, 2 s b h
+  (2 s b h / T where the stream stays split: Megatron's sequence parallelism).
+
+  `counts` "tfpar": what tfpar's own backward reads (`tfpar_kept_per_position`,
+  counted on the traced step by tests/test_sequence_parallel.py); its full
+  recompute keeps the block's input whole, s b h values (tfpar joins the stream).
   """
   s, h, a = m.seq_len, m.d_model, m.num_heads
-  scale = ACTIVATION_BYTES[precision] / 2
   split = np.asarray(sequence_parallel, dtype=bool)
-  whole = np.where(split, 0.0 if regather else 4.0, 10.0)  # Of the 10, what stays whole.
-  linear = s * b * h * (whole + (34 - whole) / t) * scale
-  full = linear + 5 * a * s * s * b / t * scale
-  block_input = 2 * s * b * h * scale / np.where(split & regather, t, 1)
   remat = np.asarray(remat)
+  if counts == "tfpar":
+    act = ACTIVATION_BYTES[precision]
+    linear = s * b * tfpar_kept_per_position(m, t, split) * act
+    full = linear + 2 * a * s * s * b / t * act
+    block_input = s * b * h * act
+  else:
+    scale = ACTIVATION_BYTES[precision] / 2
+    whole = np.where(split, 0.0 if regather else 4.0, 10.0)  # Of the 10, what stays whole.
+    linear = s * b * h * (whole + (34 - whole) / t) * scale
+    full = linear + 5 * a * s * s * b / t * scale
+    block_input = 2 * s * b * h * scale / np.where(split & regather, t, 1)
   return np.select([remat == FULL_REMAT, remat == SELECTIVE_REMAT],
                    [block_input * np.ones_like(linear), linear], full), full
+
+
+def tfpar_kept_per_position(m: ModelConfig, t, sequence_parallel=False):
+  """Values per sequence position that one tfpar block keeps for its backward on its busiest
+  device, but the attention core's 2 a s / T (its scores and probabilities).
+
+  Counted on the traced step's graph without XLA (each buffer once: a reshape
+  shares its input's), in the model's compute dtype:
+    norms      each of the two keeps its input, its normalised product and its
+               output (the column-parallel matmuls' input), and c statistics
+               per position (LayerNorm: mean, 1/sigma, -mean/sigma, c = 3;
+               RMSNorm: 1/rms, c = 1): 2 (3h + c). Under sequence parallelism
+               inputs, products and statistics are on 1/T of the sequence and
+               the outputs are gathered whole: 2h + 2 (2h + c) / T.
+    attention  Q, K, V and the heads' output, 4h/T (Llama's rotary also keeps
+               the halves of Q and K: (h + kv hd)/T).
+    MLP        GPT: the pre-activation, the tanh GELU's five intermediates and
+               its output, 7f/T; Llama's SwiGLU: gate, up, SiLU's output and
+               the two its custom gradient keeps, and the product, 5f/T.
+  Megatron-LM keeps less (the paper's count above): fused LayerNorm and bias +
+  GELU kernels keep only their inputs. Not counted: dropout masks (the
+  measured runs use --dropout=0, as pretraining does).
+  """
+  h, f = m.d_model, m.d_ff
+  split = np.asarray(sequence_parallel, dtype=bool)
+  llama = m.architecture == "llama"
+  stats = 1 if llama else 3
+  norms = np.where(split, 2 * h + 2 * (2 * h + stats) / t, 2 * (3 * h + stats))
+  attention = 4 * h / t
+  if llama:
+    attention = attention + (h + m.kv_heads * (h // m.num_heads)) / t
+  mlp = (5 if llama else 7) * f / t
+  return norms + attention + mlp
+
+
+def head_activation_bytes(m: ModelConfig, b, precision: str, counts: str = "paper", tv=1):
+  """Bytes the logits stage keeps for one micro-batch's backward of the output head.
+
+  "paper": float32 logits and their gradient, 8 b s V / T_vocab (our estimate).
+  "tfpar" (counted as tfpar_kept_per_position is): the loss's float32 gradient of
+  the logits, 4 b s V; the final norm's input, product and output, whole, with its
+  statistics; and GPT's tied output projection, the embedding transposed, h V.
+  """
+  s, h, v = m.seq_len, m.d_model, m.vocab_size
+  if counts != "tfpar":
+    return 8 * b * s * v / tv
+  act = ACTIVATION_BYTES[precision]
+  llama = m.architecture == "llama"
+  norm = s * b * (3 * h + (1 if llama else 3)) * act
+  return 4 * b * s * v + norm + (0 if llama else h * v * act)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,16 +450,17 @@ def make_plan(cfg: Config, devices: Sequence[str], *,
           [range(sum(per_stage[:i]), sum(per_stage[:i + 1]))] for i in range(k)]
   b = g // d // p.microbatches
   per_block, _ = activation_bytes_per_block(m, b, t, schema.REMAT.index(p.remat),
-                                            cfg.train.precision, p.sequence_parallel)
+                                            cfg.train.precision, p.sequence_parallel,
+                                            counts="tfpar")
+  head = head_activation_bytes(m, b, cfg.train.precision, "tfpar")
   stages, activations = [], []
   for i, n_blocks in enumerate(per_stage):
     params = n_blocks * counts.block + (counts.embedding if i == 0 else 0) + \
         (counts.head if i == k - 1 else 0)
     stages.append(Stage(index=i, blocks=tuple(j for run in runs[i] for j in run),
                         parameters=params, embedding=i == 0, head=i == k - 1))
-    # The last stage also keeps the logits and their softmax (float32, as the loss computes).
-    activations.append(int(n_blocks * per_block + (8 * b * m.seq_len * m.vocab_size
-                                                   if i == k - 1 else 0)))
+    # The last stage also keeps what the head's backward reads.
+    activations.append(int(n_blocks * per_block + (head if i == k - 1 else 0)))
   grid = tuple(tuple(tuple(flat[r * k * t + s * t + j] for j in range(t)) for s in range(k))
                for r in range(d))
   return ParallelPlan(data_parallel=d, pipeline_stages=k, tensor_parallel=t,

@@ -11,14 +11,18 @@ selective recompute q (0 or 1), optimizer sharding none, zero1 or zero2:
   bytes per parameter:          weights + gradients + optimizer (per System); zero1 divides
                                 the optimizer's by D, zero2 the summed gradient's too (tfpar
                                 keeps 2 of its D shards alive, tfpar.parallel.zero.state_bytes)
-  activations per block and micro-batch (Korthikanti et al. 2022, 16-bit values):
+  activations per block and micro-batch, megatron (Korthikanti et al. 2022, 16-bit values):
                                 s b h (W + (34-W)/T + 5 a s / (h T))  without recompute
                                 s b h (W + (34-W)/T)                  selective recompute
                                 2 s b h                               with full recompute
                                 W = 10 (what stays whole on a shard's device); with sequence
-                                parallelism W = 4 in tfpar (the gathered matmul inputs kept
-                                whole), 0 in Megatron-LM (gathered again in the backward,
-                                whose full recompute then keeps 2 s b h / T)
+                                parallelism 0 (gathered again in the backward, whose full
+                                recompute then keeps 2 s b h / T)
+                     tfpar (what its backward reads, counted; values of act bytes):
+                                s b (N + 2 a s / T), N = 2 (3h + c) + 4h/T + 7f/T (GPT);
+                                with sequence parallelism 2h + 2 (2h + c)/T + 4h/T + 7f/T;
+                                selective drops the 2 a s / T, full keeps s b h
+                                (tfpar.parallel.plan.tfpar_kept_per_position; Llama too)
   micro-batches in flight on stage k (activations kept for the backward):
                                 gpipe M; 1f1b min(M, K - k);
                                 interleaved (2(K-k-1) + (v-1)K + 1) / v  (Narayanan et al. 2021)
@@ -95,6 +99,9 @@ class System:
     sharding_all_reduces: a sharded step all-reduces the gradient and then all-gathers
       the new weights (tfpar: ReplicaContext has no reduce-scatter); else it
       reduce-scatters and all-gathers, the bytes of one all-reduce.
+    activation_counts: whose count of the activations a block and the head keep
+      (tfpar.parallel.plan.activation_bytes_per_block: "paper", Korthikanti et al.'s
+      count of Megatron-LM's; "tfpar", what tfpar's backward reads, measured).
     regather: under sequence parallelism each shard keeps only its slice of the gathered
       input of the column-parallel matmuls and gathers it again in the backward
       (Megatron-LM); else it keeps it whole (tfpar). tfpar.parallel.plan has the counts.
@@ -112,6 +119,7 @@ class System:
   zero2_gradient_shards: int = 1
   sharding_all_reduces: bool = False
   regather: bool = False
+  activation_counts: str = "paper"
 
 
 _FP32 = plan_lib.BYTES_PER_PARAM
@@ -124,7 +132,7 @@ TFPAR = System(
     # tfpar.parallel.zero: m and v sharded (the float32 weights stay replicated); zero2's
     # chunked sum keeps its own shard and the one in flight; the data-parallel engine only.
     shardings=SHARDINGS, sharding_with_model_parallel=False, zero2_gradient_shards=2,
-    sharding_all_reduces=True)
+    sharding_all_reduces=True, activation_counts="tfpar")
 MEGATRON = System(
     name="megatron", schedules=SCHEDULES[1:], vocab_parallel=True, uniform_stages=True,
     scatter_gather=True,
@@ -203,6 +211,7 @@ def p2p_seconds(nbytes, bandwidth, latency):
 # --- Memory ----------------------------------------------------------------------
 
 activation_bytes_per_block = plan_lib.activation_bytes_per_block  # Korthikanti et al. 2022
+head_activation_bytes = plan_lib.head_activation_bytes
 
 
 # --- Stages ------------------------------------------------------------------------
@@ -335,10 +344,9 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
     # Selective recompute writes the attention core's part again.
     # Sequence parallelism splits the elementwise ops' bytes too; its reduce-scatter and
     # all-gather move the bytes of the all-reduce they replace (tensor_comm unchanged).
-    kept, touched = activation_bytes_per_block(m, bi, t, rmi, precision, spi,
-                                               regather=system.regather)
-    core = touched - activation_bytes_per_block(m, bi, t, SELECTIVE, precision, spi,
-                                                regather=system.regather)[0]
+    counts = dict(regather=system.regather, counts=system.activation_counts)
+    kept, touched = activation_bytes_per_block(m, bi, t, rmi, precision, spi, **counts)
+    core = touched - activation_bytes_per_block(m, bi, t, SELECTIVE, precision, spi, **counts)[0]
     ops = ops + st.blocks * ((3 + ri) * touched + qi * core) / cluster.memory_bandwidth
     tp = st.blocks * (4 + 2 * ri) * all_reduce_seconds(bi * s * h * act, t, bw(t), lat(t))
     rows = np.arange(len(idx))
@@ -356,7 +364,8 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
     in_flight = micro_batches_in_flight(sched[idx, None], mi, v[idx, None], k)
     acts = in_flight * st.blocks * kept + ri * touched + qi * core
     logits_in_flight = np.where(sched[idx, None] == GPIPE, mi, 1.0)
-    acts = acts + st.logits * 8 * bi * s * m.vocab_size / tv * logits_in_flight
+    acts = acts + st.logits * head_activation_bytes(m, bi, precision, system.activation_counts,
+                                                    tv) * logits_in_flight
     state = st.params * (per_param[0] + per_param[1] * grad_share[idx, None] +
                          per_param[2] * optimizer_share[idx, None])
     worst = np.argmax(acts + state, axis=1)

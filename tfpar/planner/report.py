@@ -3,6 +3,7 @@
 import numpy as np
 
 from tfpar.console import count
+from tfpar.parallel import plan as plan_lib
 from tfpar.planner import cost, search
 
 GIB = 2 ** 30
@@ -125,6 +126,17 @@ def to_json(m, cluster, ranked: search.Ranked, top: int, precision: str, system)
           "rejected": [{**r, "reason": reason} for r, reason in rejected(ranked, top)]}
 
 
+def _tfpar_activations(m, p, act) -> str:
+  """The tfpar count of one block's activations (tfpar.parallel.plan) with the plan's numbers."""
+  s, b, h, a, T = m.seq_len, p["microbatch_size"], m.d_model, m.num_heads, p["tensor_parallel"]
+  n = float(plan_lib.tfpar_kept_per_position(m, T, p["sequence_parallel"]))
+  core = {"none": f" + 2*{a}*{s}/{T}", "selective": "", "full": None}[p["remat"]]
+  if core is None:
+    return f"sbh x act = {s}*{b}*{h}*{act} (full recompute: the block's input)"
+  return (f"sb(N{' + 2as/T' if core else ''}) x act = {s}*{b}*({n:g}{core})*{act} (N = values "
+          f"kept per position, {'sequence parallel' if p['sequence_parallel'] else 'not split'})")
+
+
 def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
   """The cost model's formulas with the best plan's numbers in them."""
   i = ranked.order[0]
@@ -157,14 +169,14 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
       + f" + optimizer {bpp[2]}" + (f"/D={D}" if p["optimizer_sharding"] != "none" else "")
       + f" ({p['optimizer_sharding']}) -> "
       f"{(r['weights'][i] + r['gradients'][i] + r['optimizer'][i]) / GIB:.3f} GiB",
-      f"  activations per block and micro-batch = "
-      + {"full": f"2sbh{'/T' if regather else ''} x {act}/2 = "
+      f"  activations per block and micro-batch = " + (_tfpar_activations(m, p, act)
+      if system.activation_counts == "tfpar" else {"full": f"2sbh{'/T' if regather else ''} x {act}/2 = "
                  f"2*{s}*{b}*{h}{f'/{T}' if regather else ''}*{act / 2:g}",
          "selective": f"sbh(W + (34-W)/T) x {act}/2 = {s}*{b}*{h}*({w} + {34 - w}/{T})"
                       f"*{act / 2:g}",
          "none": f"sbh(W + (34-W)/T + 5as/(hT)) x {act}/2 = {s}*{b}*{h}*({w} + {34 - w}/{T} + "
                  f"5*{a}*{s}/({h}*{T}))*{act / 2:g}"}[p["remat"]]
-      + f" (W = {w}: {'sequence parallel' if p['sequence_parallel'] else 'not split'})"
+      + f" (W = {w}: {'sequence parallel' if p['sequence_parallel'] else 'not split'})")
       + f"; {IN_FLIGHT[p['pipeline_schedule']]} micro-batches in flight on stage k "
       f"({p['pipeline_schedule']}) -> activations {p['memory']['activations'] / GIB:.3f} GiB",
       f"  efficiency = e_max / (1 + w/(h/T) + r0/(bs)) = {e.max_efficiency} / (1 + "
