@@ -80,9 +80,11 @@ def one_device_run(tmp_path_factory):
 
 
 def test_mirrored_on_4_devices_matches_one_device(tmp_path, one_device_run):
+  # Under XLA: each replica's forward and backward, then (after the exchange) its update,
+  # each one XLA program (AdamW.compile_update), against one device without XLA.
   four = str(tmp_path / "four")
   train_in_process(FAST + ["--train_steps=3", f"--model_dir={four}", "--strategy=mirrored",
-                           "--num_cpu_devices=4"])
+                           "--num_cpu_devices=4", "--jit_compile=true"])
   assert [r["replicas"] for r in read_metrics(four)] == [4, 4, 4]
   one = losses(one_device_run)
   assert len(set(one.tolist())) == 3  # the steps saw different batches and weights
