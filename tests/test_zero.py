@@ -8,7 +8,8 @@ Then ZeroUpdate on 4 mirrored logical CPUs against one device's tfpar update
 (apply_gradients, --on_nonfinite=skip, clipping active on some steps): loss,
 the summed gradient's norm, weights and the gathered m and v after every step
 (m after step 1 is (1 - beta_1) x the clipped summed gradient, so the
-gradients are compared through it).
+gradients are compared through it); zero1 and the unsharded update there also
+compiled as one XLA program per replica (--jit_compile's), zero2 op by op.
 """
 
 import json
