@@ -127,6 +127,10 @@ def validate(cfg: Config) -> None:
     raise ConfigError(f"--profile_steps={t.profile_steps[0]},{t.profile_steps[1]} must satisfy "
                       f"1 <= FIRST <= LAST <= --train_steps={t.train_steps}: e.g. "
                       f"--profile_steps={min(5, t.train_steps)},{min(8, t.train_steps)}")
+  if t.xla_auto_clustering != "none" and t.jit_compile:
+    raise ConfigError(f"--xla_auto_clustering={t.xla_auto_clustering} is for a step not "
+                      "compiled whole, and --jit_compile compiles every op with XLA already: "
+                      "drop --xla_auto_clustering, or pass --nojit_compile")
   if t.eval_every < 0 or t.eval_steps < 0:
     raise ConfigError("--eval_every and --eval_steps must be >= 0: use 0 to evaluate only at the end")
   if not 0.0 < d.eval_fraction < 0.5:
