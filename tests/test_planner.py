@@ -1,5 +1,6 @@
 """tfpar.plan: the cost model against the built model, tfpar's placement, Megatron's table and bad input."""
 
+import dataclasses
 import json
 import os
 
@@ -561,7 +562,21 @@ BAD_INPUT = [
      ["--optimizer_sharding=zero2 is not in --system=megatron's", "none, zero1"]),
     (["--cluster=cpu:4", "--optimizer_sharding=zero1", "--remat=selective"],
      ["--optimizer_sharding=zero1 cannot use", "--remat=none"]),
+    (["--cluster=cpu:4", "--dropout=0.1", "--remat"],
+     ["--remat=full with --dropout=0.1", "tfpar.train refuses it", "--remat=selective"]),
 ]
+
+
+def test_tfpar_plans_for_a_model_with_dropout_recompute_no_whole_block():
+  """tfpar.rules refuses --remat=full with dropout (new masks in the recompute): the planner
+  proposes only what tfpar.train runs; Megatron's system keeps full recompute."""
+  dropout = dataclasses.replace(GPT_SMALL, dropout=0.1)
+  cluster = clusters.parse("a100-80gb:8")
+  full = cost.remat_index("full")
+  for m, system, has_full in ((GPT_SMALL, cost.TFPAR, True), (dropout, cost.TFPAR, False),
+                              (dropout, cost.MEGATRON, True)):
+    plans = search.candidates(m, cluster, 64, system)
+    assert len(plans.remat) and (full in set(plans.remat)) is has_full
 
 
 @pytest.fixture(scope="module")

@@ -59,6 +59,10 @@ def fixed_degrees(fv) -> dict:
     raise PlanError(f"--optimizer_sharding={fv.optimizer_sharding} is not in --system="
                     f"{fv.system}'s runtime (it shards with {', '.join(system.shardings)}): "
                     "pass one of those")
+  if given("remat") and fv.remat == "full" and fv.dropout > 0 and system is cost.TFPAR:
+    raise PlanError(f"--remat=full with --dropout={fv.dropout}: tfpar's recomputed blocks would "
+                    "draw other dropout masks than the forward did, so tfpar.train refuses it; "
+                    "use --remat=selective, --dropout=0, or --system=megatron")
   schedule = fv.pipeline_schedule if given("pipeline_schedule") else None
   if given("virtual_stages") and fv.virtual_stages > 1 and schedule not in (None, "interleaved"):
     raise PlanError(f"--virtual_stages={fv.virtual_stages} needs --pipeline_schedule=interleaved "

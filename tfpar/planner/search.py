@@ -73,9 +73,12 @@ def candidates(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost
   `remat` and `optimizer_sharding`: a mode (a bool for remat: True is full), a tuple
   of modes to try, or None for all (the System's shardings). `sequence_parallel`:
   True or False fixes it (True only where T > 1), None tries both where T > 1.
-  `precision` rules out tfpar's sharding under mixed_float16.
+  `precision` rules out tfpar's sharding under mixed_float16. tfpar refuses full
+  recompute with dropout (tfpar.rules), so its plans for a model with dropout do not use it.
   """
   remats = [cost.remat_index(x) for x in _options(remat, cost.REMATS)]
+  if system is cost.TFPAR and m.dropout > 0:  # Its recomputed blocks would draw new masks.
+    remats = [r for r in remats if r != cost.remat_index("full")]
   shardings = [cost.SHARDINGS.index(x) for x in _options(optimizer_sharding, system.shardings)]
   n, dpn = cluster.devices, cluster.devices_per_node
   rows = []
