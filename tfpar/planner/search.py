@@ -105,7 +105,7 @@ def candidates(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost
         for sched, v in schedules(m, k, mb, system, pipeline_schedule, virtual_stages):
           for r in remats:
             for z in shardings:
-              if z and not shards_optimizer(system, d, k, t, mb, r, precision):
+              if z and not shards_optimizer(system, d, k, t, dpn, precision):
                 continue
               for sp in sequence_parallels(t, sequence_parallel):
                 rows.append((d, k, t, b, r, sched, v, z, sp))
@@ -120,14 +120,12 @@ def sequence_parallels(t: int, given: Optional[bool]) -> tuple:
   return options if given is None else tuple(o for o in options if o == int(given))
 
 
-def shards_optimizer(system: cost.System, d: int, k: int, t: int, mb: int, remat: int,
+def shards_optimizer(system: cost.System, d: int, k: int, t: int, devices_per_node: int,
                      precision: Optional[str]) -> bool:
-  """Whether the System can shard the optimizer of this plan: D > 1, and for tfpar plain data
-  parallelism without recompute or mixed_float16 (tfpar.rules' conditions)."""
-  if d == 1:
-    return False
-  return system.sharding_with_model_parallel or (
-      k == t == mb == 1 and remat == cost.NO_REMAT and precision != "mixed_float16")
+  """Whether the System can shard the optimizer of this plan: D > 1, and for tfpar no
+  mixed_float16 and a replica (K x T devices) inside one node (tfpar.rules' conditions)."""
+  return d > 1 and (system.sharding_with_float16 or precision != "mixed_float16") and (
+      system.sharding_across_nodes or k * t <= devices_per_node)
 
 
 @dataclasses.dataclass
