@@ -1,7 +1,7 @@
 """--optimizer_sharding on the data-parallel dimension of a hybrid plan (tfpar.parallel.zero.PlanZero).
 
-D=2 copies x K=2 pipeline stages on 4 logical CPUs, without XLA, 5 steps of the TINY model at
-seq 16, --clip_norm=0.05 (clips every step) and --on_nonfinite=skip: zero1 and zero2 must take
+D=2 copies x K=2 pipeline stages (and x T=2 tensor shards under zero1) on 4 logical CPUs,
+without XLA, 5 steps of the TINY model at seq 16, --clip_norm=0.05 (clips every step) and --on_nonfinite=skip: zero1 and zero2 must take
 one device's steps (loss, gradient norm, the first gradient through AdamW's m, the final
 weights and the gathered m and v, at 1e-5). Then checkpoints cross between the plans both
 ways, and plan.json's measured optimizer bytes per device are half the unsharded ones.
@@ -23,10 +23,12 @@ STEPS = 5  # Twinned; a sixth is trained after the checkpoints cross.
 BASE = TINY + ["--seq_len=16", f"--train_steps={STEPS + 1}", "--seed=3", "--jit_compile=false",
                "--clip_norm=0.05", "--on_nonfinite=skip", "--input_sharding=data"]
 HYBRID = ["--strategy=mirrored", "--num_cpu_devices=4", "--data_parallel=2",
-          "--pipeline_stages=2", "--microbatches=2"]
+          "--pipeline_stages=2", "--microbatches=1"]
 PLANS = {"one": ["--strategy=one_device"],
          "zero1 2x2": HYBRID + ["--optimizer_sharding=zero1"],
-         "zero2 2x2": HYBRID + ["--optimizer_sharding=zero2"]}
+         "zero2 2x2": HYBRID + ["--optimizer_sharding=zero2"],
+         "zero1 D2xT2": ["--strategy=mirrored", "--num_cpu_devices=4", "--data_parallel=2",
+                         "--tensor_parallel=2", "--optimizer_sharding=zero1"]}
 
 
 def build(args, model_dir):
@@ -42,14 +44,14 @@ def runs(tmp_path_factory):
   return out
 
 
-@pytest.mark.parametrize("plan", ["zero1 2x2", "zero2 2x2"])
+@pytest.mark.parametrize("plan", ["zero1 2x2", "zero2 2x2", "zero1 D2xT2"])
 def test_zero_on_a_2x2_hybrid_is_one_devices_twin(runs, plan):
   one, run = runs["one"], runs[plan]
   engine = run["engine"]
   assert min(one["norms"]) > engine.cfg.optim.clip_norm  # Clipping binds on every step.
   assert engine.zero.mode == plan.split()[0] and engine.num_replicas == 2
   assert not any(c.optimizer.built for c in engine.copies)  # No Keras slots: the shards hold them.
-  assert len(engine.zero.updates) == 2  # One ZeroUpdate per device position (stage).
+  assert len(engine.zero.updates) == 2  # One ZeroUpdate per device position (stage or shard).
   assert_twin(run, one)
   assert int(run["final"]["optimizer/iterations"]) == STEPS
 
@@ -63,7 +65,7 @@ def one_step(engine, step):
 def test_checkpoints_cross_between_the_hybrid_zero_plans_and_one_device(runs, tmp_path):
   """zero1 2x2's step-5 checkpoint is one device's state and resumes on one device; one
   device's resumes under zero2 2x2: the same sixth step as one device's own (1e-5)."""
-  one, zero1, zero2 = (runs[p]["engine"] for p in PLANS)
+  one, zero1, zero2 = (runs[p]["engine"] for p in ("one", "zero1 2x2", "zero2 2x2"))
   CanonicalCheckpointer(one.layouts, str(tmp_path / "one")).save(STEPS)
   CanonicalCheckpointer(zero1.layouts, str(tmp_path / "zero1")).save(STEPS)
   written = read_checkpoint(str(tmp_path / "zero1" / f"ckpt-{STEPS}"))
