@@ -35,6 +35,12 @@ optimizer called inside a replica context does a merge_call and a mirrored
 `extended.update`, which cannot work on per-replica, non-mirrored variables.)
 All copies apply the same summed gradient, so they stay identical.
 
+Under --optimizer_sharding the replica function does the whole update itself
+instead (tfpar.parallel.zero.PlanZero): per device position (k, t), copy d
+keeps AdamW's m and v for shard d of the weights there, sums (zero1) or
+reduce-scatters (zero2) the gradient, updates its shards and all-gathers
+every copy's; each replica function writes only its own copy's variables.
+
 The input, the step loop and the optimizer build are the engine core's
 (tfpar.engines.base), so tfpar.training.loop drives it unchanged. `layouts` holds one
 canonical layout per model copy in this process (D on one host, one per worker

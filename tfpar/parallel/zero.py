@@ -41,8 +41,13 @@ Checkpoints. `ZeroUpdate.checkpoint_slots` gives each variable's m and v as
 tfpar.training.checkpoint's canonical layout: a save gathers them, a restore
 writes each shard's part, so any sharding restores any other's checkpoint.
 
-Wired into tfpar.engines.data_parallel by --optimizer_sharding (docs/design.md,
-"Optimizer sharding"); tests/test_zero.py.
+Model-parallel plans (`PlanZero`): each device position (k, t) of a plan row
+is a ZeroUpdate of its own over the weights it holds, sharded over the D peers
+(d, k, t); the global norm stays that of the whole gradient.
+
+Wired into tfpar.engines.data_parallel and tfpar.engines.model_parallel by
+--optimizer_sharding (docs/design.md, "Optimizer sharding"); tests/test_zero.py,
+tests/test_zero_hybrid.py.
 """
 
 import contextlib
@@ -244,6 +249,8 @@ class ZeroUpdate:
       with tf.device(device):
         self.shards.append(ShardedAdamW.like(optimizer, self.layout, shard, self.variables))
     self._gathered = None  # ((step, version), {"m": [...], "v": [...]}): the last gather.
+    # [D, S]: every replica's [1, S], in replica order over all processes (traced once).
+    self._gather = tf.function(lambda v: strategy.gather(v, axis=0))
     self._version = 0  # Bumped by every restore, so a gather after one is not stale.
 
   def slot_bytes(self) -> int:
@@ -310,8 +317,8 @@ class ZeroUpdate:
         if len(mine) == self.layout.num_shards:
           flat = tf.concat([mine[i] for i in range(self.layout.num_shards)], 0)
         else:
-          flat = tf.reshape(_gather(self.strategy, lambda i, n=name: getattr(
-              self._shard_of(i), n)), [-1])
+          flat = tf.reshape(self._gather(_per_replica(self.strategy, lambda i, n=name: getattr(
+              self._shard_of(i), n))), [-1])
         out[name] = self.layout.unflatten(flat)
       self._gathered = (key, out)
     return self._gathered[1]
@@ -460,11 +467,10 @@ def _on(device):
   return tf.device(device) if device else contextlib.nullcontext()
 
 
-def _gather(strategy, value_of):
-  """[D, S]: `value_of(shard id)` of every replica, gathered in replica order over all processes."""
-  values = strategy.experimental_distribute_values_from_function(
+def _per_replica(strategy, value_of):
+  """`value_of(shard id)` of each local replica, [1, S], as one distributed value."""
+  return strategy.experimental_distribute_values_from_function(
       lambda ctx: tf.identity(value_of(ctx.replica_id_in_sync_group))[None])
-  return tf.function(lambda v: strategy.gather(v, axis=0))(values)
 
 
 class SlotView:
