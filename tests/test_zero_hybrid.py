@@ -1,10 +1,12 @@
-"""--optimizer_sharding on the data-parallel dimension of a hybrid plan (tfpar.parallel.zero.PlanZero).
+"""--optimizer_sharding on the data-parallel dimension of hybrid plans (zero.PlanZero).
 
-D=2 copies x K=2 pipeline stages (and x T=2 tensor shards under zero1) on 4 logical CPUs,
-without XLA, 5 steps of the TINY model at seq 16, --clip_norm=0.05 (clips every step) and --on_nonfinite=skip: zero1 and zero2 must take
-one device's steps (loss, gradient norm, the first gradient through AdamW's m, the final
-weights and the gathered m and v, at 1e-5). Then checkpoints cross between the plans both
-ways, and plan.json's measured optimizer bytes per device are half the unsharded ones.
+D=2 copies x K=2 pipeline stages (zero1, zero2) and D=2 x T=2 tensor shards (zero1) on 4
+logical CPUs, without XLA, 5 steps of the TINY model at seq 16, --clip_norm=0.05 (clips
+every step) and --on_nonfinite=skip: each must take one device's steps (loss, gradient norm,
+the first gradient through AdamW's m, the final weights and the gathered m and v, at 1e-5).
+Then checkpoints cross between the plans both ways, and plan.json's measured optimizer bytes
+per device are half the unsharded ones. (Two worker processes under zero1:
+tests/test_model_parallel.py::test_hybrid_across_two_worker_processes.)
 """
 
 import json
@@ -17,10 +19,11 @@ from tfpar import rules
 from tfpar.config import ConfigError
 from tfpar.parallel import plan as plan_lib
 from tfpar.planner import clusters, cost
-from tfpar.training.checkpoint import CanonicalCheckpointer, read_canonical, read_checkpoint
+from tfpar.training.checkpoint import (CanonicalCheckpointer, assign_canonical, read_canonical,
+                                       read_checkpoint)
 
-STEPS = 5  # Twinned; a sixth is trained after the checkpoints cross.
-BASE = TINY + ["--seq_len=16", f"--train_steps={STEPS + 1}", "--seed=3", "--jit_compile=false",
+STEPS = 5  # Twinned; a sixth is trained after the checkpoints cross, a seventh skipped.
+BASE = TINY + ["--seq_len=16", f"--train_steps={STEPS + 2}", "--seed=3", "--jit_compile=false",
                "--clip_norm=0.05", "--on_nonfinite=skip", "--input_sharding=data"]
 HYBRID = ["--strategy=mirrored", "--num_cpu_devices=4", "--data_parallel=2",
           "--pipeline_stages=2", "--microbatches=1"]
@@ -80,6 +83,27 @@ def test_checkpoints_cross_between_the_hybrid_zero_plans_and_one_device(runs, tm
     np.testing.assert_allclose([loss, norm], want[:2], rtol=1e-5)
     assert_same_state(state, want[2], f"step {STEPS + 1} from {source}'s checkpoint",
                       skip=("dropout_rng/",))
+
+
+def test_a_nonfinite_step_is_skipped_on_every_copy_under_zero2(runs):
+  """A NaN weight makes every gradient NaN: --on_nonfinite=skip keeps every weight, m and v
+  of both copies (the gathered shards) and still counts the step."""
+  engine = runs["zero2 2x2"]["engine"]
+  step = engine.step
+  values = read_canonical(engine.layouts[0])
+  name = next(n for n in values if n.endswith("@m")).removesuffix("@m")
+  values[name] = values[name].copy()
+  values[name].flat[0] = np.nan
+  for layout in engine.layouts:
+    assign_canonical(layout, values)
+  losses, norms = engine.train(engine.train_iterator(step), 1)
+  assert np.isnan(losses[0]) and not np.isfinite(norms[0])
+  assert engine.step == step + 1
+  for layout in engine.layouts:
+    after = read_canonical(layout)
+    for key, want in values.items():
+      if key != "optimizer/iterations" and not key.startswith("dropout_rng/"):
+        np.testing.assert_array_equal(after[key], want, err_msg=key)
 
 
 def test_plan_json_measures_half_the_optimizer_bytes_per_device_under_zero1(runs, tmp_path):
