@@ -8,10 +8,9 @@ may sit on different nodes; D = N / (K T) divides the global batch; the
 micro-batch b divides G / D; recompute none, full and selective; with K > 1
 each schedule the System runs: GPipe, 1F1B, and interleaved with v virtual
 stages where K v divides L and K divides M (Megatron-LM's conditions); with
-D > 1 each optimizer sharding the System runs (tfpar: zero1 and zero2 only in
-plain data parallelism, K = T = M = 1 without recompute, not under
-mixed_float16, as tfpar.rules allows; Megatron: zero1, its distributed
-optimizer, anywhere); with T > 1 sequence parallelism off and on (both Systems
+D > 1 each optimizer sharding the System runs (tfpar: zero1 and zero2 where
+a replica's K x T devices sit in one node, not under mixed_float16, as
+tfpar.rules allows; Megatron: zero1, its distributed optimizer, anywhere); with T > 1 sequence parallelism off and on (both Systems
 run it). With tfpar on TPUs only data parallelism runs. The candidates of
 4,096 devices number a few thousand: one vectorised pass.
 """
