@@ -78,8 +78,6 @@ BAD = [
     (["--optimizer_sharding=zero1"], "optimizer_sharding"),  # one_device
     (["--strategy=parameter_server", "--optimizer_sharding=zero1"], "optimizer_sharding"),
     (["--strategy=tpu", "--optimizer_sharding=zero2"], "optimizer_sharding"),
-    (["--strategy=mirrored", "--num_cpu_devices=4", "--pipeline_stages=2", "--data_parallel=2",
-      "--optimizer_sharding=zero1"], "optimizer_sharding"),  # The hybrid engine.
     (["--strategy=mirrored", "--optimizer_sharding=zero1", "--precision=mixed_float16"],
      "optimizer_sharding"),
     (["--strategy=mirrored", "--optimizer_sharding=zero2", "--grad_compression=bf16"],
@@ -120,6 +118,8 @@ def test_missing_model_dir_is_named():
     ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero1",
      "--grad_compression=powersgd", "--precision=mixed_bfloat16"],
     ["--strategy=multi_worker_mirrored", "--optimizer_sharding=zero2"],
+    ["--strategy=mirrored", "--num_cpu_devices=4", "--pipeline_stages=2", "--data_parallel=2",
+     "--optimizer_sharding=zero1"],  # On the hybrid plan's D copies.
 ], ids=lambda e: " ".join(e) or "tiny")
 def test_valid_configs_pass(extra):
   make_config(TINY + [MODEL_DIR] + extra)  # raises ConfigError if a rule over-reaches

@@ -256,9 +256,10 @@ class ParallelConfig:
   data_parallel: Optional[int] = setting(
       None, "Model replicas for model-parallel runs (default: what the devices allow).")
   optimizer_sharding: str = setting(
-      "none", "mirrored and multi_worker_mirrored: each of the D replicas keeps AdamW's m and v "
-      "for 1/D of the parameters (zero1), and also only its 1/D of the summed gradient through "
-      "the update (zero2); the weights stay replicated. Same numbers as none.",
+      "none", "mirrored, multi_worker_mirrored and the --data_parallel copies of a pipeline/"
+      "tensor plan: each of the D replicas keeps AdamW's m and v for 1/D of the parameters "
+      "(per device of its plan row), zero1, and also only its 1/D of the summed gradient "
+      "through the update, zero2; the weights stay replicated. Same numbers as none.",
       choices=OPTIMIZER_SHARDING)
   remat: str = setting(
       "none", "What each block recomputes in the backward pass: none keeps every activation, "
