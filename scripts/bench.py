@@ -155,13 +155,14 @@ class TfparSystem:
 
   def __init__(self, shape: dict, precision: str, total_steps: int, extra_flags: List[str],
                model_dir: Optional[str] = None):
-    from tfpar import config, strategies  # pylint: disable=import-outside-toplevel
+    from tfpar import config, console, strategies  # pylint: disable=import-outside-toplevel
     from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
 
     self.model_dir = model_dir or tempfile.mkdtemp(prefix="tfpar_bench_")
     cfg = config.from_flags(tfpar_flags.parse(
         tfpar_args(shape, precision, total_steps, extra_flags, self.model_dir)))
     strategies.setup_devices(cfg.dist.num_cpu_devices)  # Before TensorFlow starts.
+    console.set_xla_auto_clustering(cfg.train.xla_auto_clustering)  # Before XLA reads its flags.
     import keras  # pylint: disable=import-outside-toplevel
     from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
     from tfpar.data import pipeline  # pylint: disable=import-outside-toplevel
@@ -220,9 +221,14 @@ class AcrossWorkersSystem(TfparSystem):
 
 
 class KerasHubSystem:
-  """keras-hub GPT2Backbone with its tied reverse-embedding head, model.fit(jit_compile=True)."""
+  """keras-hub GPT2Backbone with its tied reverse-embedding head, model.fit(jit_compile=True);
+  or, with `jit_compile=False`, model.fit without XLA under tfpar's --xla_auto_clustering
+  (tfpar's mixed_bfloat16 default, given to keras-hub alike)."""
 
-  def __init__(self, shape: dict, precision: str, total_steps: int):
+  def __init__(self, shape: dict, precision: str, total_steps: int, jit_compile: bool = True):
+    from tfpar import console  # pylint: disable=import-outside-toplevel
+    if not jit_compile:
+      console.set_xla_auto_clustering("fusible")  # Before XLA reads its flags.
     import keras  # pylint: disable=import-outside-toplevel
     import keras_hub  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
@@ -248,7 +254,7 @@ class KerasHubSystem:
     self.spe = FLAGS.steps_per_execution
     self.model.compile(optimizer=opt,
                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                       jit_compile=True, steps_per_execution=self.spe)
+                       jit_compile=jit_compile, steps_per_execution=self.spe)
     corpus = pipeline.load_corpus(None, seq_len=shape["seq_len"], eval_fraction=0.05)
     windows = pipeline.window_dataset(corpus.train, shape["seq_len"],
                                       pipeline.Shard(shape["batch"]), seed=0)
@@ -321,6 +327,7 @@ TENSOR = ["--num_cpu_devices=2", "--tensor_parallel=2"]
 DATA_PARALLEL = "data_parallel"
 # tfpar as it is: the peer section's contender and the other peer-shape sections' reference.
 AS_IS = System("tfpar (one_device, steps_per_call=10)", _tfpar("--strategy=one_device"))
+KERASHUB = System("keras-hub GPT2Backbone (model.fit, jit_compile=True)", _kerashub)
 
 SECTIONS = {
     "peer": Section(
@@ -328,8 +335,7 @@ SECTIONS = {
         shape=PEER, reference="kerashub", precisions=["float32", "mixed_bfloat16"],
         systems={
             "tfpar": AS_IS,
-            "kerashub": System("keras-hub GPT2Backbone (model.fit, jit_compile=True)",
-                               _kerashub),
+            "kerashub": KERASHUB,
         }),
     "variants": Section(
         title="tfpar's own changes, each against tfpar as it is (peer shapes)",
@@ -349,8 +355,19 @@ SECTIONS = {
             "tfpar": AS_IS,
             "tfpar_xla": System("tfpar --jit_compile",
                                 _tfpar("--strategy=one_device", "--jit_compile=true")),
-            "tfpar_noxla": System("tfpar --nojit_compile",
+            "tfpar_noxla": System("tfpar --nojit_compile (bf16: XLA auto-clustering of the "
+                                  "fusible ops, the default)",
                                   _tfpar("--strategy=one_device", "--jit_compile=false")),
+            "kerashub": KERASHUB,
+            "kerashub_fusible": System(
+                "keras-hub GPT2Backbone (model.fit, jit_compile=False, XLA auto-clustering of "
+                "the fusible ops as tfpar's bf16 default)",
+                lambda shape, precision, steps: KerasHubSystem(shape, precision, steps,
+                                                               jit_compile=False)),
+            "tfpar_onednn": System("tfpar --nojit_compile --xla_auto_clustering=none "
+                                   "(TensorFlow's kernels only)",
+                                   _tfpar("--strategy=one_device", "--jit_compile=false",
+                                          "--xla_auto_clustering=none")),
         }),
     "model_parallel": Section(
         title="model-parallel overhead on 2 logical CPUs of the same cores (gpt_tiny shapes)",

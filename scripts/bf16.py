@@ -17,10 +17,12 @@ Three tables (`--sections`):
     (the best of up to 10 calls of one `tf.function`, as scripts/bench.py's
     peak) and checks its result against float64 products of the same inputs.
   * step: tfpar's whole training step on the benchmark GPT (scripts/bench.py's
-    peer shapes, its `--only` children: tfpar as it is, tfpar_xla and
-    tfpar_noxla of its `precision` section) under float32 and mixed_bfloat16,
-    with and without XLA, or in a BACKENDS or MIXES environment
-    (`--step_cases`): tokens/s medians and the ratio to float32 with XLA.
+    peer shapes, its `--only` children: tfpar as it is, tfpar_xla, tfpar_noxla
+    and tfpar_onednn of its `precision` section) under float32 and
+    mixed_bfloat16, with XLA, with XLA's auto-clustering of the fusible ops
+    only (--xla_auto_clustering), without XLA at all, or in a BACKENDS
+    environment (`--step_cases`): tokens/s medians and the ratio to float32
+    with XLA.
   * loss: configs/gpt_tiny.flags trained `--loss_steps` steps in float32 and
     in mixed_bfloat16 by the CLI (scripts/bench_dp.run_one), each in its own
     process; prints both curves' final losses and draws them (`--png`).
@@ -50,9 +52,9 @@ from absl import app, flags  # pylint: disable=wrong-import-position
 FLAGS = flags.FLAGS
 flags.DEFINE_list("backends", None, "Only these BACKENDS in the matmul table (default: all).")
 flags.DEFINE_list("step_cases", ["tfpar:float32", "tfpar_xla:mixed_bfloat16",
-                                 "tfpar_noxla:mixed_bfloat16"],
+                                 "tfpar_onednn:mixed_bfloat16", "tfpar:mixed_bfloat16"],
                   "Step table cases, SYSTEM[@ENV]:PRECISION; @ENV runs the child in the "
-                  "environment of that BACKENDS or MIXES entry (e.g. "
+                  "environment of that BACKENDS entry (e.g. "
                   "tfpar@xla_eigen:mixed_bfloat16).")
 flags.DEFINE_integer("loss_steps", 200, "Steps of each loss-curve run.")
 flags.DEFINE_string("png", None, "Draw the loss curves here.")
@@ -87,11 +89,6 @@ BACKENDS = {
     "tf_eigen": Backend(False, {"TF_ENABLE_ONEDNN_OPTS": "0"},
                         "TensorFlow without XLA, oneDNN off: Eigen kernels"),
 }
-# Step-table environments beside BACKENDS': XLA auto-clustering of the elementwise ops only
-# (FUSIBLE), the matmuls left to TensorFlow's kernels (oneDNN): a mix per op class, for
-# tfpar_noxla. (--tf_xla_cluster_exclude_ops refuses MatMul: "not supported by XLA".)
-MIXES = {"autojit_fusible": {"TF_XLA_FLAGS": "--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit "
-                                             "--tf_xla_ops_to_cluster=FUSIBLE"}}
 DTYPES = ("float32", "bfloat16")
 
 
@@ -180,7 +177,7 @@ def run_matmul() -> dict:
 
 
 def run_step() -> dict:
-  envs = {"": {}, **{name: b.env for name, b in BACKENDS.items()}, **MIXES}
+  envs = {"": {}, **{name: b.env for name, b in BACKENDS.items()}}
   cases = []
   for case in FLAGS.step_cases:
     system, _, precision = case.partition(":")

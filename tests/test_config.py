@@ -78,8 +78,6 @@ BAD = [
     (["--optimizer_sharding=zero1"], "optimizer_sharding"),  # one_device
     (["--strategy=parameter_server", "--optimizer_sharding=zero1"], "optimizer_sharding"),
     (["--strategy=tpu", "--optimizer_sharding=zero2"], "optimizer_sharding"),
-    (["--strategy=mirrored", "--num_cpu_devices=4", "--pipeline_stages=2", "--data_parallel=2",
-      "--optimizer_sharding=zero1"], "optimizer_sharding"),  # The hybrid engine.
     (["--strategy=mirrored", "--optimizer_sharding=zero1", "--precision=mixed_float16"],
      "optimizer_sharding"),
     (["--strategy=mirrored", "--optimizer_sharding=zero2", "--grad_compression=bf16"],
@@ -120,6 +118,8 @@ def test_missing_model_dir_is_named():
     ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero1",
      "--grad_compression=powersgd", "--precision=mixed_bfloat16"],
     ["--strategy=multi_worker_mirrored", "--optimizer_sharding=zero2"],
+    ["--strategy=mirrored", "--num_cpu_devices=4", "--pipeline_stages=2", "--data_parallel=2",
+     "--optimizer_sharding=zero1"],  # On the hybrid plan's D copies.
 ], ids=lambda e: " ".join(e) or "tiny")
 def test_valid_configs_pass(extra):
   make_config(TINY + [MODEL_DIR] + extra)  # raises ConfigError if a rule over-reaches
@@ -156,16 +156,42 @@ def test_defaults_are_derived():
   assert cfg.optim.warmup_steps == 10  # 5% of train_steps
 
 
-@pytest.mark.parametrize("extra, xla", [
-    ([], True),
-    (["--precision=mixed_bfloat16"], False),  # oneDNN's bf16 matmuls (config.jit_compile_default)
-    (["--precision=mixed_bfloat16", "--jit_compile"], True),
-    (["--precision=mixed_bfloat16", "--strategy=tpu"], True),
-    (["--precision=mixed_float16"], True),
-    (["--nojit_compile"], False),
+@pytest.mark.parametrize("extra, xla, clustering", [
+    ([], True, "none"),
+    # oneDNN's bf16 matmuls, XLA for the elementwise ops (config.jit_compile_default,
+    # config.auto_clustering_default).
+    (["--precision=mixed_bfloat16"], False, "fusible"),
+    (["--precision=mixed_bfloat16", "--xla_auto_clustering=none"], False, "none"),
+    (["--precision=mixed_bfloat16", "--jit_compile"], True, "none"),
+    (["--precision=mixed_bfloat16", "--strategy=tpu"], True, "none"),
+    (["--precision=mixed_float16"], True, "none"),
+    (["--nojit_compile"], False, "none"),
+    (["--nojit_compile", "--xla_auto_clustering=fusible"], False, "fusible"),
 ])
-def test_jit_compile_defaults_off_for_bfloat16_only(extra, xla):
-  assert make_config([MODEL_DIR] + extra).train.jit_compile is xla
+def test_jit_compile_defaults_off_for_bfloat16_only(extra, xla, clustering):
+  train = make_config([MODEL_DIR] + extra).train
+  assert train.jit_compile is xla and train.xla_auto_clustering == clustering
+
+
+def test_auto_clustering_with_a_step_compiled_whole_is_refused():
+  from tfpar.config import ConfigError  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ConfigError, match="--xla_auto_clustering=fusible is for a step not "
+                     "compiled whole.*pass --nojit_compile"):
+    make_config([MODEL_DIR, "--jit_compile", "--xla_auto_clustering=fusible"])
+
+
+def test_auto_clustering_sets_tf_xla_flags_before_the_users_own(monkeypatch):
+  """The user's own TF_XLA_FLAGS come after tfpar's and win; 'none' adds nothing."""
+  from tfpar import console  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv("TF_XLA_FLAGS", "--tf_xla_auto_jit=1")
+  console.set_xla_auto_clustering("none")
+  assert os.environ["TF_XLA_FLAGS"] == "--tf_xla_auto_jit=1"
+  assert not console.xla_auto_clustering_active("fusible")
+  console.set_xla_auto_clustering("fusible")
+  console.set_xla_auto_clustering("fusible")  # Once only.
+  assert os.environ["TF_XLA_FLAGS"] == (console.XLA_AUTO_CLUSTERING_FLAGS["fusible"] +
+                                        " --tf_xla_auto_jit=1")
+  assert console.xla_auto_clustering_active("fusible")
 
 
 def test_a_warmup_past_the_end_is_clamped_with_a_warning():

@@ -112,12 +112,18 @@ def test_selective_remat_matches_one_device(one_device, tmp_path, plan):
 
 
 def test_hybrid_across_two_worker_processes(one_device, tmp_path):
-  """D=2 over two local workers (the all-reduce crosses processes), K=2 stages in each."""
+  """D=2 over two local workers (the all-reduce crosses processes), K=2 stages in each, under
+  --optimizer_sharding=zero1 (each worker's shards of m and v; the new weights all-gathered
+  across the processes, the slots gathered at the save: tests/test_zero_hybrid.py twins it
+  in one process)."""
   model_dir = str(tmp_path)
   run_module("tfpar.launch", ["--num_workers=2", "--"] + BASE + [
       "--strategy=multi_worker_mirrored", "--num_cpu_devices=2", "--pipeline_stages=2",
-      "--microbatches=2", "--input_sharding=data", f"--model_dir={model_dir}"], timeout=300)
+      "--microbatches=2", "--input_sharding=data", "--optimizer_sharding=zero1",
+      f"--model_dir={model_dir}"], timeout=300)
   assert_same_losses(model_dir, one_device)
+  with open(os.path.join(model_dir, "plan.json")) as f:
+    assert json.load(f)["optimizer_sharding"] == "zero1"
 
 
 # --- placement and checkpoints (engines built, not trained) ------------------------

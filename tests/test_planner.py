@@ -1,5 +1,6 @@
 """tfpar.plan: the cost model against the built model, tfpar's placement, Megatron's table and bad input."""
 
+import dataclasses
 import json
 import os
 
@@ -322,16 +323,22 @@ def test_optimizer_sharding_divides_the_optimizer_state_over_d(precision, megatr
 
 
 def test_the_search_shards_the_optimizer_only_where_the_runtime_does():
-  """tfpar: D > 1, K = T = M = 1, no recompute, not mixed_float16 (tfpar.rules); Megatron's
-  distributed optimizer: wherever D > 1, zero1 only."""
+  """tfpar: D > 1, not mixed_float16, a replica's K x T devices inside one node (tfpar.rules),
+  any recompute and micro-batches; Megatron's distributed optimizer: wherever D > 1, zero1
+  only."""
   m = SHAPES[0]
   for precision, expect in (("float32", {1, 2}), ("mixed_float16", set())):
     p = search.candidates(m, clusters.parse("cpu:4"), 8, cost.TFPAR, precision=precision)
     z = p.sharding > 0
     assert set(p.sharding[z]) == expect
-    assert (p.D[z] > 1).all() and (p.K[z] == 1).all() and (p.T[z] == 1).all()
-    assert (p.remat[z] == cost.NO_REMAT).all() and (p.b[z] == 8 // p.D[z]).all()
+    assert (p.D[z] > 1).all()
+    if expect:  # Hybrid plans (D=2 x K=2 or T=2) too, under every recompute mode.
+      assert ((p.K[z] > 1) | (p.T[z] > 1)).any() and set(p.remat[z]) == {0, 1, 2}
     assert set(p.remat) == {0, 1, 2}
+  deep = ModelConfig(seq_len=16, num_layers=16, d_model=64, num_heads=2, d_ff=256)
+  p = search.candidates(deep, clusters.parse("a100-80gb:32"), 32, cost.TFPAR)  # Nodes of 8.
+  z, across = p.sharding > 0, p.K * p.T > 8
+  assert z.any() and not (z & across).any() and (across & (p.D > 1)).any()
   p = search.candidates(MEGATRON_145B, clusters.parse("a100-80gb:512"), 512, cost.MEGATRON,
                         pipeline_stages=8, tensor_parallel=8, microbatches=64)
   assert set(p.sharding) == {0, 1} and (p.D[p.sharding > 0] > 1).all()
@@ -559,9 +566,23 @@ BAD_INPUT = [
      ["the directory", "MISSING_DIR does not exist: create it"]),
     (["--cluster=cpu:4", "--system=megatron", "--optimizer_sharding=zero2"],
      ["--optimizer_sharding=zero2 is not in --system=megatron's", "none, zero1"]),
-    (["--cluster=cpu:4", "--optimizer_sharding=zero1", "--remat=selective"],
-     ["--optimizer_sharding=zero1 cannot use", "--remat=none"]),
+    (["--cluster=cpu:4", "--optimizer_sharding=zero1", "--precision=mixed_float16"],
+     ["--optimizer_sharding=zero1 cannot use", "no mixed_float16"]),
+    (["--cluster=cpu:4", "--dropout=0.1", "--remat"],
+     ["--remat=full with --dropout=0.1", "tfpar.train refuses it", "--remat=selective"]),
 ]
+
+
+def test_tfpar_plans_for_a_model_with_dropout_recompute_no_whole_block():
+  """tfpar.rules refuses --remat=full with dropout (new masks in the recompute): the planner
+  proposes only what tfpar.train runs; Megatron's system keeps full recompute."""
+  dropout = dataclasses.replace(GPT_SMALL, dropout=0.1)
+  cluster = clusters.parse("a100-80gb:8")
+  full = cost.remat_index("full")
+  for m, system, has_full in ((GPT_SMALL, cost.TFPAR, True), (dropout, cost.TFPAR, False),
+                              (dropout, cost.MEGATRON, True)):
+    plans = search.candidates(m, cluster, 64, system)
+    assert len(plans.remat) and (full in set(plans.remat)) is has_full
 
 
 @pytest.fixture(scope="module")

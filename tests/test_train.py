@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import (REPO, TINY, make_config, read_metrics, run_module,
+from conftest import (REPO, TINY, in_background, make_config, read_metrics, run_module,
                       run_module_in_background, selected_tests_use, train_in_process)
 from tfpar.training.checkpoint import read_checkpoint
 
@@ -62,6 +62,46 @@ def started(request, tmp_path_factory):
     return None
   model_dir = str(tmp_path_factory.mktemp("cli") / "run")
   return model_dir, run_module_in_background("tfpar.train", CLI_ARGS + [f"--model_dir={model_dir}"])
+
+
+# mixed_bfloat16 as a user gets it from the CLI (no XLA for the step, XLA's auto-clustering of
+# the fusible ops set up before TensorFlow starts), under the data-parallel engine and the
+# model-parallel one; --verbosity=0 brings back TensorFlow's C++ lines, which say XLA compiled.
+BF16_CLI = {"mirrored_2": ["--strategy=mirrored", "--num_cpu_devices=2"],
+            "pipeline_2_x_tensor_2": ["--num_cpu_devices=4", "--pipeline_stages=2",
+                                      "--tensor_parallel=2", "--microbatches=2"]}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bf16_started(request, tmp_path_factory):
+  """{plan: (model_dir, Future of its CLI runs)}, one after the other beside the in-process tests."""
+  if not selected_tests_use(request, "bf16_cli_runs"):
+    return None
+  dirs = {name: str(tmp_path_factory.mktemp(name) / "run") for name in BF16_CLI}
+  runs = lambda: {name: run_module("tfpar.train", MIXED + args + [
+      "--precision=mixed_bfloat16", f"--model_dir={dirs[name]}", "--verbosity=0"])
+                  for name, args in BF16_CLI.items()}
+  return dirs, in_background(runs)
+
+
+@pytest.fixture(scope="module")
+def bf16_cli_runs(bf16_started):
+  dirs, future = bf16_started
+  return {name: (dirs[name], proc) for name, proc in future.result().items()}
+
+
+@pytest.mark.parametrize("plan", BF16_CLI)
+def test_bfloat16_by_default_auto_clusters_the_fusible_ops_and_trains_as_float32(
+    plan, bf16_cli_runs, float32_run):
+  model_dir, proc = bf16_cli_runs[plan]
+  what = next(line for line in proc.stdout.splitlines() if "training a" in line)
+  assert "XLA auto-clustering of the fusible ops" in what and "asked for but off" not in what
+  assert "Compiled cluster using XLA" in proc.stderr  # XLA ran, though the step is not compiled.
+  values = losses(model_dir)
+  reference = losses(float32_run)  # One device's float32: every plan's twin in float32.
+  assert len(values) == 8 and values[-2:].mean() < values[:2].mean() - 0.1, values
+  np.testing.assert_allclose(values, reference, rtol=1e-3)
+  assert np.abs(values - reference).max() > 1e-5, values  # 16-bit compute really ran.
 
 
 @pytest.fixture(scope="module")

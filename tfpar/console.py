@@ -18,6 +18,26 @@ from typing import Optional
 _QUIET = "3"
 
 
+# --xla_auto_clustering -> the TF_XLA_FLAGS that turn it on (XLA reads them once per
+# process, at its first use). --tf_xla_cpu_global_jit: auto-clustering on CPUs too.
+XLA_AUTO_CLUSTERING_FLAGS = {
+    "fusible": "--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit --tf_xla_ops_to_cluster=FUSIBLE"}
+
+
+def set_xla_auto_clustering(mode: str) -> None:
+  """Puts --xla_auto_clustering's flags into TF_XLA_FLAGS (call before TensorFlow runs a
+  function: XLA reads them once). Flags the user set there already come after ours and win."""
+  ours = XLA_AUTO_CLUSTERING_FLAGS.get(mode)
+  if ours and ours not in os.environ.get("TF_XLA_FLAGS", ""):
+    os.environ["TF_XLA_FLAGS"] = f"{ours} {os.environ.get('TF_XLA_FLAGS', '')}".strip()
+
+
+def xla_auto_clustering_active(mode: str) -> bool:
+  """Did this process set --xla_auto_clustering's flags (so XLA reads them)?"""
+  ours = XLA_AUTO_CLUSTERING_FLAGS.get(mode)
+  return bool(ours) and ours in os.environ.get("TF_XLA_FLAGS", "")
+
+
 def cpp_log_level(verbosity: Optional[int]) -> Optional[str]:
   """TF_CPP_MIN_LOG_LEVEL for absl's --verbosity (None: not passed on the command line)."""
   if verbosity is None:

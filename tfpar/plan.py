@@ -59,6 +59,10 @@ def fixed_degrees(fv) -> dict:
     raise PlanError(f"--optimizer_sharding={fv.optimizer_sharding} is not in --system="
                     f"{fv.system}'s runtime (it shards with {', '.join(system.shardings)}): "
                     "pass one of those")
+  if given("remat") and fv.remat == "full" and fv.dropout > 0 and system is cost.TFPAR:
+    raise PlanError(f"--remat=full with --dropout={fv.dropout}: tfpar's recomputed blocks would "
+                    "draw other dropout masks than the forward did, so tfpar.train refuses it; "
+                    "use --remat=selective, --dropout=0, or --system=megatron")
   schedule = fv.pipeline_schedule if given("pipeline_schedule") else None
   if given("virtual_stages") and fv.virtual_stages > 1 and schedule not in (None, "interleaved"):
     raise PlanError(f"--virtual_stages={fv.virtual_stages} needs --pipeline_schedule=interleaved "
@@ -87,8 +91,8 @@ def plan(m, cluster, *, global_batch, precision, system, fixed) -> search.Ranked
         "batch, T divide --num_heads and --d_ff and sit in one node, K <= --num_layers; "
         "interleaved needs K x --virtual_stages to divide --num_layers and K the micro-batches"
         + ("; optimizer sharding needs D > 1" + (
-            ", K = T = --microbatches = 1, --remat=none and no mixed_float16 in tfpar"
-            if not system.sharding_with_model_parallel else "")
+            ", no mixed_float16 and a replica inside one node in tfpar"
+            if system is cost.TFPAR else "")
            if fixed.get("optimizer_sharding") not in (None, "none") else "")
         + (" (tfpar runs only data parallelism on TPUs)" if cluster.kind == "tpu" and
            system is cost.TFPAR else ""))

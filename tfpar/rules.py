@@ -127,6 +127,10 @@ def validate(cfg: Config) -> None:
     raise ConfigError(f"--profile_steps={t.profile_steps[0]},{t.profile_steps[1]} must satisfy "
                       f"1 <= FIRST <= LAST <= --train_steps={t.train_steps}: e.g. "
                       f"--profile_steps={min(5, t.train_steps)},{min(8, t.train_steps)}")
+  if t.xla_auto_clustering != "none" and t.jit_compile:
+    raise ConfigError(f"--xla_auto_clustering={t.xla_auto_clustering} is for a step not "
+                      "compiled whole, and --jit_compile compiles every op with XLA already: "
+                      "drop --xla_auto_clustering, or pass --nojit_compile")
   if t.eval_every < 0 or t.eval_steps < 0:
     raise ConfigError("--eval_every and --eval_steps must be >= 0: use 0 to evaluate only at the end")
   if not 0.0 < d.eval_fraction < 0.5:
@@ -177,13 +181,11 @@ def _validate_optimizer_sharding(cfg: Config) -> None:
          "parameter_server": "the optimizer state lives on the parameter servers, not on the "
                              "replicas",
          "tpu": "TPUStrategy's update is not wired to it"}.get(s.strategy)
-  if p.model_parallel:
-    why = ("the model-parallel engine, which --pipeline_stages, --tensor_parallel, "
-           "--data_parallel, --microbatches or --remat choose, does not shard its optimizer yet")
-  if why:
-    raise ConfigError(f"--optimizer_sharding={z} is for --strategy=mirrored or "
-                      f"multi_worker_mirrored without model parallelism ({why}): use one of "
-                      "them, or --optimizer_sharding=none")
+  if why and not p.model_parallel:  # A model-parallel plan shards over its own D copies.
+    raise ConfigError(f"--optimizer_sharding={z} shards over synchronous data-parallel "
+                      f"replicas: --strategy=mirrored or multi_worker_mirrored, or a "
+                      f"model-parallel plan's --data_parallel ({why}): use one of them, or "
+                      "--optimizer_sharding=none")
   if cfg.train.precision == "mixed_float16":
     raise ConfigError(f"--optimizer_sharding={z} does not combine with --precision="
                       "mixed_float16 (its loss scaling is not sharded): use --precision="
@@ -386,6 +388,11 @@ def worker_layout(p: ParallelConfig, num_workers: int, devices_per_worker: int,
                         f"{count(g, 'device')}, and {count(n, 'worker')} do not split into "
                         f"replicas: use a multiple of {w} workers")
     d = n // w
+    if p.optimizer_sharding != "none":
+      raise ConfigError(f"--optimizer_sharding={p.optimizer_sharding} does not combine with "
+                        "pipeline stages on different workers yet (their replicas run in one "
+                        "program that sums on one device): use --optimizer_sharding=none, or "
+                        f"--num_cpu_devices={k * t} (a whole replica per worker)")
     if compression != "none":
       raise ConfigError(f"--grad_compression={compression} does not combine with pipeline "
                         "stages on different workers yet: use --grad_compression=none, or "

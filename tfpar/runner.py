@@ -27,6 +27,11 @@ def describe_run(cfg, info: dict) -> str:
   """One sentence saying what runs, from the config and an engine's describe() dict."""
   skip = ("strategy", "replicas", "parameters", "measured_bytes_per_device")
   extra = [f"{key.replace('_', ' ')} {value}" for key, value in info.items() if key not in skip]
+  mode = cfg.train.xla_auto_clustering
+  if mode != "none":
+    extra.append(f"XLA auto-clustering of the {mode} ops" + (
+        "" if console.xla_auto_clustering_active(mode) else
+        " asked for but off (TF_XLA_FLAGS was not set before TensorFlow started here)"))
   how = info["strategy"] + (": " + ", ".join(extra) if extra else "")
   m, t = cfg.model, cfg.train
   spec = tasks.spec(m.task)

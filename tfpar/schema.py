@@ -25,6 +25,7 @@ REMAT = ("none", "full", "selective")  # What blocks recompute in the backward p
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # tfpar.parallel.schedules.
 CAUSAL_ATTENTION = ("query_blocks", "online_softmax")  # tfpar.layers.attention.CAUSAL_CORES.
 OPTIMIZER_SHARDING = ("none", "zero1", "zero2")  # tfpar.parallel.zero.
+XLA_AUTO_CLUSTERING = ("none", "fusible")  # tfpar.console.XLA_AUTO_CLUSTERING_FLAGS.
 ARCHITECTURES = ("gpt", "llama")  # --architecture: tfpar.models.GPT, tfpar.models.Llama.
 UNSET = object()  # A flag's default where it is the field's own.
 
@@ -176,6 +177,13 @@ class TrainConfig:
       "TensorFlow's own (oneDNN) bfloat16 matmuls ran the step faster than XLA, whose CPU dot "
       "computes bfloat16 in float32 (docs/benchmarks.md); on GPUs that is not measured, pass "
       "--jit_compile there.", flag_default=None)
+  xla_auto_clustering: str = setting(  # Resolved by tfpar.config.auto_clustering_default.
+      "none", "For a step not compiled whole (--nojit_compile): 'fusible' lets TensorFlow's XLA "
+      "auto-clustering compile the elementwise ops (norms, activations, softmax, the update) "
+      "and leaves the matmuls to TensorFlow's own (oneDNN) kernels; 'none' runs every op as "
+      "its own kernel. Default: fusible under --precision=mixed_bfloat16 without --jit_compile, "
+      "else none. Set through TF_XLA_FLAGS as the process starts (docs/benchmarks.md).",
+      choices=XLA_AUTO_CLUSTERING, flag_default=None)
   fused_projections: bool = setting(  # tfpar.layers.fused; the weights are the same.
       False, "Compute each attention's Q, K, V (and a gated MLP's gate and up) as one matmul "
       "per tensor shard instead of three (two); same weights and checkpoints, same losses.")
@@ -248,9 +256,10 @@ class ParallelConfig:
   data_parallel: Optional[int] = setting(
       None, "Model replicas for model-parallel runs (default: what the devices allow).")
   optimizer_sharding: str = setting(
-      "none", "mirrored and multi_worker_mirrored: each of the D replicas keeps AdamW's m and v "
-      "for 1/D of the parameters (zero1), and also only its 1/D of the summed gradient through "
-      "the update (zero2); the weights stay replicated. Same numbers as none.",
+      "none", "mirrored, multi_worker_mirrored and the --data_parallel copies of a pipeline/"
+      "tensor plan: each of the D replicas keeps AdamW's m and v for 1/D of the parameters "
+      "(per device of its plan row), zero1, and also only its 1/D of the summed gradient "
+      "through the update, zero2; the weights stay replicated. Same numbers as none.",
       choices=OPTIMIZER_SHARDING)
   remat: str = setting(
       "none", "What each block recomputes in the backward pass: none keeps every activation, "

@@ -56,6 +56,7 @@ def main(argv):
   except cluster_lib.PeersNotFound as e:  # Not bad input: a restart may find them.
     print(f"tfpar.train: error: {e}", file=sys.stderr, flush=True)
     sys.exit(status.CRASH)
+  console.set_xla_auto_clustering(cfg.train.xla_auto_clustering)  # Before XLA reads its flags.
   console.import_tensorflow_quietly(FLAGS.verbosity if FLAGS["verbosity"].present else None)
   try:
     rundir.check_run(cfg)  # Reads --model_dir through tf.io.gfile (TF_CONFIG: checked above).

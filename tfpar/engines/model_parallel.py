@@ -35,6 +35,12 @@ optimizer called inside a replica context does a merge_call and a mirrored
 `extended.update`, which cannot work on per-replica, non-mirrored variables.)
 All copies apply the same summed gradient, so they stay identical.
 
+Under --optimizer_sharding the replica function does the whole update itself
+instead (tfpar.parallel.zero.PlanZero): per device position (k, t), copy d
+keeps AdamW's m and v for shard d of the weights there, sums (zero1) or
+reduce-scatters (zero2) the gradient, updates its shards and all-gathers
+every copy's; each replica function writes only its own copy's variables.
+
 The input, the step loop and the optimizer build are the engine core's
 (tfpar.engines.base), so tfpar.training.loop drives it unchanged. `layouts` holds one
 canonical layout per model copy in this process (D on one host, one per worker
@@ -56,7 +62,7 @@ from tfpar import strategies
 from tfpar.config import Config
 from tfpar.engines.base import Engine, build_model
 from tfpar.parallel import plan as plan_lib
-from tfpar.parallel import remote, schedules, tensor
+from tfpar.parallel import collectives, remote, schedules, tensor, zero
 from tfpar.parallel.compression import make_exchange
 from tfpar.parallel.pipeline import Pipeline, split_batch
 from tfpar.training.checkpoint import assign_canonical, model_layout, read_canonical
@@ -96,15 +102,16 @@ class ModelCopy:
     return list(self.model.variables) + list(self.optimizer.variables)
 
 
-def measured_bytes(copies) -> dict:
-  """{device: {"parameters": bytes, "optimizer": bytes}} of the copies' real variables."""
+def measured_bytes(copies, slots=()) -> dict:
+  """{device: {"parameters": bytes, "optimizer": bytes}} of the copies' real variables;
+  `slots`: optimizer variables held apart from the copies' optimizers (ZeRO's shards)."""
   out = collections.defaultdict(lambda: {"parameters": 0, "optimizer": 0})
-  for copy in copies:
-    for kind, variables in (("parameters", copy.model.variables),
-                            ("optimizer", copy.optimizer.variables)):
-      for v in variables:
-        nbytes = int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
-        out[plan_lib.device_key(v.value.device)][kind] += nbytes
+  held = [("parameters", v) for copy in copies for v in copy.model.variables] + \
+      [("optimizer", v) for copy in copies for v in copy.optimizer.variables] + \
+      [("optimizer", v) for v in slots]
+  for kind, v in held:
+    nbytes = int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+    out[plan_lib.device_key(zero.variable_device(v))][kind] += nbytes
   return dict(out)
 
 
@@ -143,9 +150,11 @@ class ModelParallelEngine(Engine):
           self.plan.anchors, cross_device_ops=tf.distribute.ReductionToOneDevice())
       rows = list(range(d))
     self.num_replicas = self.plan.data_parallel
+    sharding = cfg.parallel.optimizer_sharding
+    build_optimizer = lambda variables: self.build_optimizer(variables, slots=sharding == "none")
     self.copies: List[ModelCopy] = [
         ModelCopy(cfg, self.plan, self.plan.devices[r], task=self.task,
-                  build_optimizer=self.build_optimizer)
+                  build_optimizer=build_optimizer)
         for r in rows]
     self._copy_of_anchor = {plan_lib.device_key(self.plan.devices[r][0][0]): i
                             for i, r in enumerate(rows)}
@@ -155,7 +164,13 @@ class ModelParallelEngine(Engine):
         state_devices=[[v.value.device for v in c.model.trainable_variables]
                        for c in self.copies],
         pack_by_device=True, seed=cfg.train.seed)
-    self.layouts = [model_layout(c.model, c.optimizer) for c in self.copies]
+    # --optimizer_sharding: per device position, each copy's shard of AdamW's m and v there.
+    self.zero = None if sharding == "none" else zero.PlanZero(
+        [c.optimizer for c in self.copies], [c.model.trainable_variables for c in self.copies],
+        mode=sharding, shard_ids=collectives.replica_ids(self.strategy, len(self.copies)),
+        num_replicas=self.num_replicas, strategy=self.strategy)
+    slots = self.zero.checkpoint_slots if self.zero else None
+    self.layouts = [model_layout(c.model, c.optimizer, slots) for c in self.copies]
     # The compression state of every copy rides in the first layout (read at save).
     self.layouts[0].update(self.exchange.checkpoint_entries(self.strategy))
     if self.worker_index == 0 and cfg.train.model_dir:
@@ -183,8 +198,12 @@ class ModelParallelEngine(Engine):
     return self.copies[self._copy_index()]
 
   def _replica_train(self, inputs, targets, compressed=False):
+    """(loss, the summed gradients); under ZeRO (loss, norm), the copy updated already."""
     index = self._copy_index()
     loss, grads = self.copies[index].pipeline.loss_and_grads(inputs, targets)
+    if self.zero:
+      return loss, self.zero.apply(grads, index, exchange=self.exchange, compressed=compressed,
+                                   skip_nonfinite=self.cfg.train.on_nonfinite == "skip")
     return loss, reduce_gradients(self.exchange, grads, replica=index, compressed=compressed)
 
   def _replica_eval(self, inputs, targets):
@@ -225,6 +244,8 @@ class ModelParallelEngine(Engine):
   def _replica_step(self, inputs, targets, compressed):
     replica_train = lambda x, y: self._replica_train(x, y, compressed)
     per_copy, loss = self._run(replica_train, inputs, targets)
+    if self.zero:  # Each replica updated its copy (tfpar.parallel.zero.PlanZero).
+      return loss, per_copy[0][1]
     # Cross-replica context, default strategy: each optimizer updates its own copy.
     # The reduced gradient is the same on every copy, and so is its norm (and the
     # skip branch of --on_nonfinite=skip).
@@ -241,7 +262,7 @@ class ModelParallelEngine(Engine):
     return self.copies[0].optimizer
 
   def measured_bytes(self) -> dict:
-    return measured_bytes(self.copies)
+    return measured_bytes(self.copies, self.zero.slot_variables() if self.zero else ())
 
   def describe(self) -> dict:
     p = self.plan
@@ -257,7 +278,8 @@ class ModelParallelEngine(Engine):
                     f"{f' v={p.virtual_stages}' if p.virtual_stages > 1 else ''}, "
                     f"bubble {p.bubble:.1%}, remat {p.remat}, "
                     f"{'sequence parallel, ' if p.sequence_parallel else ''}"
-                    f"xla {'per stage/shard' if self.cfg.train.jit_compile else 'off'}",
+                    f"xla {'per stage/shard' if self.cfg.train.jit_compile else 'off'}"
+                    f"{f', optimizer {self.zero.mode}' if self.zero else ''}",
             "parameters": int(sum(np.prod(v.shape)
                                   for v in self.copies[0].model.trainable_variables)),
             "measured_bytes_per_device": per_device}

@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 
-def _by_device(devices: Sequence[Optional[str]]) -> Dict[Optional[str], List[int]]:
+def by_device(devices: Sequence[Optional[str]]) -> Dict[Optional[str], List[int]]:
   """Tensor indices grouped by device, in first-seen order."""
   groups = collections.defaultdict(list)
   for i, device in enumerate(devices):
@@ -48,7 +48,7 @@ def all_reduce(op, tensors: List[tf.Tensor], devices: Optional[List[str]] = None
     return list(tensors)
   if devices is None:
     return ctx.all_reduce(op, list(tensors))
-  groups = _by_device(devices)
+  groups = by_device(devices)
   packed = []
   for device, indices in groups.items():
     with tf.device(device):
@@ -71,7 +71,7 @@ def all_max(scalars: List[tf.Tensor], devices: Optional[List[str]] = None) -> Li
   """
   ctx = tf.distribute.get_replica_context()
   out = [None] * len(scalars)
-  for device, indices in _by_device(devices or [None] * len(scalars)).items():
+  for device, indices in by_device(devices or [None] * len(scalars)).items():
     with tf.device(device):
       packed = tf.concat([scalars[i] for i in indices], axis=0)[None]  # [1, n]
       peaks = tf.reduce_max(ctx.all_gather(packed, axis=0), axis=0)  # [n]

@@ -246,6 +246,8 @@ class ParallelPlan:
     virtual_stages: v, chunks per stage (interleaved; 1 otherwise).
     microbatch_activations: per stage, the predicted bytes of one micro-batch's activations.
     sequence_parallel: the blocks' sequence split over the T shards (--sequence_parallel).
+    optimizer_sharding: --optimizer_sharding: zero1/zero2 split each device's AdamW slots
+      over its D data-parallel peers (tfpar.parallel.zero.PlanZero).
   """
   data_parallel: int
   pipeline_stages: int
@@ -260,6 +262,7 @@ class ParallelPlan:
   virtual_stages: int = 1
   microbatch_activations: Tuple[int, ...] = ()
   sequence_parallel: bool = False
+  optimizer_sharding: str = "none"
 
   @property
   def bubble(self) -> float:
@@ -311,13 +314,19 @@ class ParallelPlan:
     return n
 
   def bytes_per_device(self) -> Dict[str, Dict[str, int]]:
-    """Predicted {device: {"parameters": bytes, "optimizer": bytes}} over the whole grid."""
+    """Predicted {device: {"parameters": bytes, "optimizer": bytes}} over the whole grid.
+
+    Under --optimizer_sharding a device keeps the slots of ceil(1/D) of its parameters.
+    """
     out = {}
+    d = self.data_parallel if self.optimizer_sharding != "none" else 1
     for row in self.devices:
       for k, shards in enumerate(row):
         for t, device in enumerate(shards):
-          p = self.params_on(k, t) * BYTES_PER_PARAM
-          o = OPTIMIZER_SLOTS * p + (STEP_COUNTER_BYTES if k == 0 and t == 0 else 0)
+          n = self.params_on(k, t)
+          p = n * BYTES_PER_PARAM
+          o = OPTIMIZER_SLOTS * BYTES_PER_PARAM * -(-n // d) + (
+              STEP_COUNTER_BYTES if k == 0 and t == 0 else 0)
           out[device_key(device)] = {"parameters": p, "optimizer": o}
     return out
 
@@ -326,6 +335,7 @@ class ParallelPlan:
             "tensor_parallel": self.tensor_parallel, "microbatches": self.microbatches,
             "per_replica_batch": self.per_replica_batch, "remat": self.remat,
             "sequence_parallel": self.sequence_parallel,
+            "optimizer_sharding": self.optimizer_sharding,
             "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "bubble": self.bubble, "in_flight_microbatches": self.in_flight,
             "activation_bytes_per_device": self.activation_bytes(),
@@ -343,7 +353,9 @@ class ParallelPlan:
              f"M={m} micro-batches of {self.per_replica_batch // m}; schedule {self.schedule}"
              f"{f' over v={v} chunks per stage' if v > 1 else ''}, bubble (K-1)/({vm}+K-1) = "
              f"{k - 1}/{v * m + k - 1} = {self.bubble:.1%}; remat {self.remat}"
-             f"{'; sequence parallel' if self.sequence_parallel else ''}"]
+             f"{'; sequence parallel' if self.sequence_parallel else ''}"
+             + (f"; optimizer {self.optimizer_sharding} over the D replicas"
+                if self.optimizer_sharding != "none" else "")]
     for s in self.stages:
       extra = (" + embedding" if s.embedding else "") + (" + head" if s.head else "")
       devs = " | ".join(" ".join(device_key(dev) for dev in row[s.index]) for row in self.devices)
@@ -468,4 +480,5 @@ def make_plan(cfg: Config, devices: Sequence[str], *,
                       devices=grid, remat=p.remat, counts=counts,
                       schedule=p.pipeline_schedule, virtual_stages=v,
                       microbatch_activations=tuple(activations),
-                      sequence_parallel=p.sequence_parallel)
+                      sequence_parallel=p.sequence_parallel,
+                      optimizer_sharding=p.optimizer_sharding)

@@ -41,10 +41,16 @@ Checkpoints. `ZeroUpdate.checkpoint_slots` gives each variable's m and v as
 tfpar.training.checkpoint's canonical layout: a save gathers them, a restore
 writes each shard's part, so any sharding restores any other's checkpoint.
 
-Wired into tfpar.engines.data_parallel by --optimizer_sharding (docs/design.md,
-"Optimizer sharding"); tests/test_zero.py.
+Model-parallel plans (`PlanZero`): each device position (k, t) of a plan row
+is a ZeroUpdate of its own over the weights it holds, sharded over the D peers
+(d, k, t); the global norm stays that of the whole gradient.
+
+Wired into tfpar.engines.data_parallel and tfpar.engines.model_parallel by
+--optimizer_sharding (docs/design.md, "Optimizer sharding"); tests/test_zero.py,
+tests/test_zero_hybrid.py.
 """
 
+import contextlib
 import functools
 from typing import List, Sequence
 
@@ -250,6 +256,8 @@ class ZeroUpdate:
     self._updates = [tf.function(lambda *a, s=s: self._update(s, *a), jit_compile=True)
                      if jit_compile else functools.partial(self._update, s) for s in self.shards]
     self._gathered = None  # ((step, version), {"m": [...], "v": [...]}): the last gather.
+    # [D, S]: every replica's [1, S], in replica order over all processes (traced once).
+    self._gather = tf.function(lambda v: strategy.gather(v, axis=0))
     self._version = 0  # Bumped by every restore, so a gather after one is not stale.
 
   def slot_bytes(self) -> int:
@@ -278,7 +286,8 @@ class ZeroUpdate:
       norm = tf.linalg.global_norm(summed)  # As tfpar.training.step.apply_gradients.
       mine = self.layout.slice(summed, shard.shard)
     else:
-      mine, norm = self._reduce_scatter(grads, shard.shard)
+      kept, norm = reduce_scatter([self.layout], [grads], shard.shard)
+      mine = kept[0]
       if exchange is not None:  # What the loop logs as comm_bytes: the same bytes as one SUM.
         exchange.traffic[compressed] = Traffic(4 * self.layout.padded_size,
                                                4 * self.layout.padded_size)
@@ -294,19 +303,6 @@ class ZeroUpdate:
     weights = self.layout.slice(self.variables, shard.shard)
     finite = tf.math.is_finite(norm) if skip_nonfinite else True
     return shard.update(weights, mine, norm, self.optimizer.iterations, apply=finite)
-
-  def _reduce_scatter(self, grads, mine: int):
-    """(this replica's shard of the summed gradient, the summed gradient's norm): zero2's sum."""
-    squares, kept, after = [], None, []
-    for k in range(self.layout.num_shards):
-      with tf.control_dependencies(after):
-        chunk = self.layout.slice(grads, k)
-      summed = collectives.all_reduce(tf.distribute.ReduceOp.SUM, [chunk])[0]
-      squares.append(tf.reduce_sum(tf.square(summed)))
-      after = [squares[-1]]
-      if k == mine:
-        kept = summed
-    return kept, tf.sqrt(tf.add_n(squares))
 
   def _assign(self, distribution, values):
     """Cross-replica: every replica's copy of each variable takes the gathered value."""
@@ -333,8 +329,8 @@ class ZeroUpdate:
         if len(mine) == self.layout.num_shards:
           flat = tf.concat([mine[i] for i in range(self.layout.num_shards)], 0)
         else:
-          flat = tf.reshape(_gather(self.strategy, lambda i, n=name: getattr(
-              self._shard_of(i), n)), [-1])
+          flat = tf.reshape(self._gather(_per_replica(self.strategy, lambda i, n=name: getattr(
+              self._shard_of(i), n))), [-1])
         out[name] = self.layout.unflatten(flat)
       self._gathered = (key, out)
     return self._gathered[1]
@@ -359,11 +355,134 @@ class ZeroUpdate:
     return tuple(SlotView(self, name, index) for name in ("m", "v"))
 
 
-def _gather(strategy, value_of):
-  """[D, S]: `value_of(shard id)` of every replica, gathered in replica order over all processes."""
-  values = strategy.experimental_distribute_values_from_function(
+class PlanZero:
+  """ZeRO on the data-parallel dimension of a model-parallel plan: one ZeroUpdate per device.
+
+  A plan row holds the weights of one model copy over its K x T devices; device
+  (d, k, t) and its D-1 peers (d', k, t) hold the same weights. Each device position is a
+  ZeroUpdate of its own (its FlatLayout over the weights that position holds, cut into D
+  shards; copy d keeps shard d of m and v on device (d, k, t)). Per step, in copy d's
+  replica function (`apply`): the gradient summed over the D copies (zero1: through the
+  run's gradient exchange, packed per device; zero2: chunk by chunk, `reduce_scatter`, every
+  position's chunk in one round), its norm over ALL positions (the number one device
+  computes, which clips and skips), each position's shard updated on its device, and one
+  all_gather of every position's new shard into the copy's weights. The weights stay
+  replicated: only m and v are split.
+
+  Args:
+    optimizers: each local copy's Keras AdamW (built without slots; its step counter,
+      schedule, decay set and clipping are used).
+    copies: each local copy's trainable variables (the same order and shapes in every copy).
+    mode, num_replicas, strategy: as for ZeroUpdate (strategy: the data-parallel one).
+    shard_ids: the global replica id of each local copy.
+  """
+
+  def __init__(self, optimizers, copies, *, mode: str, shard_ids: Sequence[int],
+               num_replicas: int, strategy=None):
+    self.mode = mode
+    self.optimizers = list(optimizers)
+    self.copies = [list(c) for c in copies]
+    self.num_replicas = num_replicas
+    self.groups = list(collectives.by_device([variable_device(v) for v in self.copies[0]]).values())
+    self.updates = [
+        ZeroUpdate(self.optimizers[0], [self.copies[0][i] for i in group], mode=mode,
+                   shard_ids=shard_ids, devices=[variable_device(c[group[0]]) for c in self.copies],
+                   num_replicas=num_replicas, strategy=strategy)
+        for group in self.groups]
+    self._slot_of = {id(c[i]): (update, j) for c in self.copies
+                     for update, group in zip(self.updates, self.groups)
+                     for j, i in enumerate(group)}
+
+  def slot_variables(self) -> list:
+    """Every m and v shard this process holds (each on its device)."""
+    return [x for u in self.updates for s in u.shards for x in (s.m, s.v)]
+
+  def apply(self, grads: List[tf.Tensor], copy: int, *, exchange, compressed: bool = True,
+            skip_nonfinite: bool = False) -> tf.Tensor:
+    """Local copy `copy`'s step after its backward pass (replica context); returns the norm."""
+    grads = [tf.convert_to_tensor(g) for g in grads]
+    variables = self.copies[copy]
+    devices = [variable_device(variables[group[0]]) for group in self.groups]
+    layouts = [u.layout for u in self.updates]
+    shard = self.updates[0].shards[copy].shard
+    if self.mode == "zero1":
+      summed = exchange.reduce(grads, replica=copy, compressed=compressed)
+      norm = tf.linalg.global_norm(summed)  # As tfpar.training.step.apply_gradients.
+      mine = []
+      for layout, group, device in zip(layouts, self.groups, devices):
+        with tf.device(device):
+          mine.append(layout.slice([summed[i] for i in group], shard))
+    else:
+      mine, norm = reduce_scatter(layouts, [[grads[i] for i in group] for group in self.groups],
+                                  shard, devices)
+      padded = 4 * sum(layout.padded_size for layout in layouts)
+      exchange.traffic[compressed] = Traffic(padded, padded)  # As one SUM of the gradient.
+    finite = tf.math.is_finite(norm) if skip_nonfinite else True
+    iterations = self.optimizers[copy].iterations
+    new = []
+    for update, group, device, summed_shard in zip(self.updates, self.groups, devices, mine):
+      with tf.device(device):
+        weights = update.layout.slice([variables[i] for i in group], shard)
+        new.append(update.shards[copy].update(weights, summed_shard, norm, iterations,
+                                              apply=finite)[None])
+    if self.num_replicas > 1:  # [1, S] per position -> [D, S]: every copy's shard, in order.
+      new = tf.distribute.get_replica_context().all_gather(new, axis=0)
+    for update, group, device, flat in zip(self.updates, self.groups, devices, new):
+      with tf.device(device):
+        for i, value in zip(group, update.layout.unflatten(tf.reshape(flat, [-1]))):
+          variables[i].assign(value)
+    iterations.assign_add(1)
+    return norm
+
+  def checkpoint_slots(self, variable):
+    """(m, v) of any local copy's `variable`, at full shape (tfpar.training.checkpoint)."""
+    update, index = self._slot_of[id(variable)]
+    return tuple(SlotView(update, name, index) for name in ("m", "v"))
+
+
+def variable_device(variable) -> str:
+  """The device of a tf.Variable or a Keras variable (whose `.value` is the tf.Variable)."""
+  return (variable if isinstance(variable, tf.Variable) else variable.value).device
+
+
+def reduce_scatter(layouts: Sequence[FlatLayout], groups, mine: int, devices=None):
+  """([shard `mine` of each group's summed flat gradient], the norm of the whole sum): zero2's sum.
+
+  `groups[g]` are this replica's gradients in `layouts[g]`'s order: one group for the
+  data-parallel engine; one per device (on `devices[g]`) for a model-parallel plan. The D
+  shard-sized chunks are summed in shard order, chunk k of every group in one round (one
+  collective per device), each round waiting for the previous round's sums of squares: a
+  replica keeps the chunks of its own shard and drops each other one once its squares are
+  counted, so at most two shards of the summed gradient are alive instead of all of it.
+  """
+  places = devices or [None] * len(layouts)
+  squares, kept, after = [], None, []
+  for k in range(layouts[0].num_shards):
+    chunks = []
+    with tf.control_dependencies(after):
+      for layout, grads, device in zip(layouts, groups, places):
+        with _on(device):
+          chunks.append(layout.slice(grads, k))
+    summed = collectives.all_reduce(tf.distribute.ReduceOp.SUM, chunks, devices)
+    after = []
+    for chunk, device in zip(summed, places):
+      with _on(device):
+        after.append(tf.reduce_sum(tf.square(chunk)))
+    squares += after
+    if k == mine:
+      kept = summed
+  return kept, tf.sqrt(tf.add_n(squares))
+
+
+def _on(device):
+  """tf.device(device), or no change of placement for None (tf.device(None) would clear it)."""
+  return tf.device(device) if device else contextlib.nullcontext()
+
+
+def _per_replica(strategy, value_of):
+  """`value_of(shard id)` of each local replica, [1, S], as one distributed value."""
+  return strategy.experimental_distribute_values_from_function(
       lambda ctx: tf.identity(value_of(ctx.replica_id_in_sync_group))[None])
-  return tf.function(lambda v: strategy.gather(v, axis=0))(values)
 
 
 class SlotView:

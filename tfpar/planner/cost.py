@@ -94,8 +94,10 @@ class System:
     shardings: the --optimizer_sharding modes it runs (zero1: optimizer_bytes / D per
       device; zero2: also the summed gradient, of which `zero2_gradient_shards` of the D
       shards are alive at once).
-    sharding_with_model_parallel: whether it shards the optimizer under pipeline, tensor
-      parallel, micro-batches or recompute too (tfpar: only in plain data parallelism).
+    sharding_with_float16: whether it shards the optimizer under mixed_float16 (tfpar: no,
+      its loss scaling is not sharded).
+    sharding_across_nodes: whether it shards the optimizer of a replica whose K x T devices
+      span several nodes (tfpar: no, stages on different workers run in one program).
     sharding_all_reduces: a sharded step all-reduces the gradient and then all-gathers
       the new weights (tfpar: ReplicaContext has no reduce-scatter); else it
       reduce-scatters and all-gathers, the bytes of one all-reduce.
@@ -115,7 +117,8 @@ class System:
   grad_bytes: Dict[str, int]
   optimizer_bytes: Dict[str, int]
   shardings: Tuple[str, ...] = ("none",)
-  sharding_with_model_parallel: bool = True
+  sharding_with_float16: bool = True
+  sharding_across_nodes: bool = True
   zero2_gradient_shards: int = 1
   sharding_all_reduces: bool = False
   regather: bool = False
@@ -130,8 +133,10 @@ TFPAR = System(
     weight_bytes={p: _FP32 for p in COMPUTE_DTYPE}, grad_bytes={p: _FP32 for p in COMPUTE_DTYPE},
     optimizer_bytes={p: plan_lib.OPTIMIZER_SLOTS * _FP32 for p in COMPUTE_DTYPE},
     # tfpar.parallel.zero: m and v sharded (the float32 weights stay replicated); zero2's
-    # chunked sum keeps its own shard and the one in flight; the data-parallel engine only.
-    shardings=SHARDINGS, sharding_with_model_parallel=False, zero2_gradient_shards=2,
+    # chunked sum keeps its own shard and the one in flight; over the D copies of a
+    # model-parallel plan too, per device position, while a replica sits in one node.
+    shardings=SHARDINGS, sharding_with_float16=False, sharding_across_nodes=False,
+    zero2_gradient_shards=2,
     sharding_all_reduces=True, activation_counts="tfpar")
 MEGATRON = System(
     name="megatron", schedules=SCHEDULES[1:], vocab_parallel=True, uniform_stages=True,

@@ -8,10 +8,9 @@ may sit on different nodes; D = N / (K T) divides the global batch; the
 micro-batch b divides G / D; recompute none, full and selective; with K > 1
 each schedule the System runs: GPipe, 1F1B, and interleaved with v virtual
 stages where K v divides L and K divides M (Megatron-LM's conditions); with
-D > 1 each optimizer sharding the System runs (tfpar: zero1 and zero2 only in
-plain data parallelism, K = T = M = 1 without recompute, not under
-mixed_float16, as tfpar.rules allows; Megatron: zero1, its distributed
-optimizer, anywhere); with T > 1 sequence parallelism off and on (both Systems
+D > 1 each optimizer sharding the System runs (tfpar: zero1 and zero2 where
+a replica's K x T devices sit in one node, not under mixed_float16, as
+tfpar.rules allows; Megatron: zero1, its distributed optimizer, anywhere); with T > 1 sequence parallelism off and on (both Systems
 run it). With tfpar on TPUs only data parallelism runs. The candidates of
 4,096 devices number a few thousand: one vectorised pass.
 """
@@ -73,9 +72,12 @@ def candidates(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost
   `remat` and `optimizer_sharding`: a mode (a bool for remat: True is full), a tuple
   of modes to try, or None for all (the System's shardings). `sequence_parallel`:
   True or False fixes it (True only where T > 1), None tries both where T > 1.
-  `precision` rules out tfpar's sharding under mixed_float16.
+  `precision` rules out tfpar's sharding under mixed_float16. tfpar refuses full
+  recompute with dropout (tfpar.rules), so its plans for a model with dropout do not use it.
   """
   remats = [cost.remat_index(x) for x in _options(remat, cost.REMATS)]
+  if system is cost.TFPAR and m.dropout > 0:  # Its recomputed blocks would draw new masks.
+    remats = [r for r in remats if r != cost.remat_index("full")]
   shardings = [cost.SHARDINGS.index(x) for x in _options(optimizer_sharding, system.shardings)]
   n, dpn = cluster.devices, cluster.devices_per_node
   rows = []
@@ -105,7 +107,7 @@ def candidates(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost
         for sched, v in schedules(m, k, mb, system, pipeline_schedule, virtual_stages):
           for r in remats:
             for z in shardings:
-              if z and not shards_optimizer(system, d, k, t, mb, r, precision):
+              if z and not shards_optimizer(system, d, k, t, dpn, precision):
                 continue
               for sp in sequence_parallels(t, sequence_parallel):
                 rows.append((d, k, t, b, r, sched, v, z, sp))
@@ -120,14 +122,12 @@ def sequence_parallels(t: int, given: Optional[bool]) -> tuple:
   return options if given is None else tuple(o for o in options if o == int(given))
 
 
-def shards_optimizer(system: cost.System, d: int, k: int, t: int, mb: int, remat: int,
+def shards_optimizer(system: cost.System, d: int, k: int, t: int, devices_per_node: int,
                      precision: Optional[str]) -> bool:
-  """Whether the System can shard the optimizer of this plan: D > 1, and for tfpar plain data
-  parallelism without recompute or mixed_float16 (tfpar.rules' conditions)."""
-  if d == 1:
-    return False
-  return system.sharding_with_model_parallel or (
-      k == t == mb == 1 and remat == cost.NO_REMAT and precision != "mixed_float16")
+  """Whether the System can shard the optimizer of this plan: D > 1, and for tfpar no
+  mixed_float16 and a replica (K x T devices) inside one node (tfpar.rules' conditions)."""
+  return d > 1 and (system.sharding_with_float16 or precision != "mixed_float16") and (
+      system.sharding_across_nodes or k * t <= devices_per_node)
 
 
 @dataclasses.dataclass
