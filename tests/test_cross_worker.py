@@ -7,12 +7,19 @@ test (conftest.EARLY) and shared by every test here:
           XLA on, 4 steps;
   four    4 workers as D=2 x K=2, interleaved 1F1B over v=2 chunks per stage
           (4 blocks), XLA off, resumed at step 2 from a checkpoint one device
-          wrote (the reference `one_nojit` itself).
+          wrote (the reference `one_nojit` itself), then on to step 8 with
+          --grad_compression=powersgd after a warmup of 4 steps;
+  bf16    4 workers as D=2 x K=2, 1F1B, --precision=mixed_bfloat16 and
+          --grad_compression=bf16 (XLA off: bf16's default), 4 steps.
 
 Each is held to one device's loss per step at relative 1e-5 and its gradient
-norm at 1e-4; the 2-worker run's final weights and AdamW slots to one
-device's; its step-2 checkpoint restores on one device and trains on to the
-same losses.
+norm at 1e-4 (`four` in steps 3-4, before compression); the 2-worker run's
+final weights and AdamW slots to one device's; its step-2 checkpoint
+restores on one device and trains on to the same losses. The compressed
+steps are held to the same plan inside one worker (`four_in_worker`,
+`bf16_in_worker`: 4 logical CPUs, the codecs in replica context) at the
+same tolerances, `four`'s whole step-8 state too (each copy's PowerSGD
+residual and Q included).
 
   faults  2 workers x 1 stage, GPipe, XLA off, under `tfpar.launch
           --max_restarts=1`: SIGTERM to worker 1 (a stage server, not the

@@ -14,7 +14,10 @@ twin. A `GradientExchange` is that step as an interface, in replica context:
     reduce(grads, replica, compressed) -> sum_r grads   (or an estimate of it)
 
 `AllReduce` is the plain float32 SUM; the codecs of tfpar.parallel.compression
-(fp16, bf16, PowerSGD) hand the collectives fewer bytes. A ZeRO-style
+(fp16, bf16, PowerSGD) hand the collectives fewer bytes. Where the D replicas
+are D copies in one program (no replica context: a model-parallel plan whose
+stages sit on different workers), `reduce_copies(per_copy)` does the same
+sum, with the same codec code, onto copy 0's device of each gradient. A ZeRO-style
 distributed optimizer adds reduce-scatter (each replica keeps the sum of its
 1/R of the gradient) and all-gather (the updated shards back to every replica)
 beside `reduce`, over tfpar.parallel.collectives.
