@@ -387,9 +387,9 @@ def worker_layout(p: ParallelConfig, num_workers: int, devices_per_worker: int,
                         f"replicas: use a multiple of {w} workers")
     d = n // w
     if compression != "none" and d == 1:
-      raise ConfigError(f"--grad_compression={compression} needs data-parallel replicas, and a "
-                        f"replica of {k}x{t} devices over {count(n, 'worker')} of "
-                        f"{count(g, 'device')} is one: use {2 * w} workers or more, or "
+      raise ConfigError(f"--grad_compression={compression} needs data-parallel replicas, and "
+                        f"{count(n, 'worker')} of {count(g, 'device')} hold one replica of "
+                        f"{k}x{t} devices (--data_parallel=1): use {2 * w} workers or more, or "
                         "--grad_compression=none")
   if p.data_parallel not in (None, d):
     where = "one replica per worker" if w == 1 else f"a replica spans {w} workers"
