@@ -7,19 +7,18 @@ test (conftest.EARLY) and shared by every test here:
           XLA on, 4 steps;
   four    4 workers as D=2 x K=2, interleaved 1F1B over v=2 chunks per stage
           (4 blocks), XLA off, resumed at step 2 from a checkpoint one device
-          wrote (the reference `one_nojit` itself), then on to step 8 with
-          --grad_compression=powersgd after a warmup of 4 steps;
-  bf16    4 workers as D=2 x K=2, 1F1B, --precision=mixed_bfloat16 and
-          --grad_compression=bf16 (XLA off: bf16's default), 4 steps.
+          wrote (the reference `one_nojit` itself);
+  bf16    4 workers as D=2 x K=2, 1F1B, --precision=mixed_bfloat16 (XLA off:
+          its default) and --grad_compression=powersgd, 4 steps.
 
-Each is held to one device's loss per step at relative 1e-5 and its gradient
-norm at 1e-4 (`four` in steps 3-4, before compression); the 2-worker run's
-final weights and AdamW slots to one device's; its step-2 checkpoint
-restores on one device and trains on to the same losses. The compressed
-steps are held to the same plan inside one worker (`four_in_worker`,
-`bf16_in_worker`: 4 logical CPUs, the codecs in replica context) at the
-same tolerances, `four`'s whole step-8 state too (each copy's PowerSGD
-residual and Q included).
+Each of the first three is held to one device's loss per step at relative
+1e-5 and its gradient norm at 1e-4; the 2-worker run's final weights and
+AdamW slots to one device's; its step-2 checkpoint restores on one device
+and trains on to the same losses. `bf16` is held to the same plan inside one
+worker (`bf16_in_worker`: 4 logical CPUs, the codec in replica context) at
+the same tolerances, its whole final state too (each copy's PowerSGD
+residual and Q included). The cast codecs (fp16, bf16) are held to replica
+context on fixed gradients (test_a_codec_sums_copies_in_one_program_...).
 
   faults  2 workers x 1 stage, GPipe, XLA off, under `tfpar.launch
           --max_restarts=1`: SIGTERM to worker 1 (a stage server, not the
@@ -43,7 +42,8 @@ import signal
 import numpy as np
 import pytest
 
-from conftest import (TINY, assert_same_state, read_metrics, run_modules, train_in_process)
+from conftest import (TINY, assert_same_state, read_metrics, run_module, run_modules,
+                      train_in_process)
 from test_compression import reduce_steps
 from test_launch import Launched, assert_every_line_prefixed, group_alive
 
@@ -55,17 +55,12 @@ IN_WORKER = ["--strategy=mirrored", "--num_cpu_devices=4", "--pipeline_stages=2"
 NO_XLA = ["--jit_compile=false"]
 # Each run's schedule (plan.json names it); interleaving cuts 4 blocks into K x v = 4 chunks.
 TWO = CROSS + ["--microbatches=4", "--pipeline_schedule=1f1b"]
-# A constant rate after warmup: one device's 4 steps are the first 4 of `four`'s 8.
-FOUR_MODEL = ["--num_layers=4", "--min_lr_ratio=1.0"] + NO_XLA
+FOUR_MODEL = ["--num_layers=4"] + NO_XLA
 FOUR = ["--microbatches=2", "--pipeline_schedule=interleaved", "--virtual_stages=2"] + FOUR_MODEL
-# `four` trains on to step 8: steps 3-4 are PowerSGD's warmup (uncompressed: one device's),
-# steps 5-8 compressed (rank 2, every matrix, error feedback carried), as in one worker.
-FOUR_STEPS = 8
-POWERSGD = [f"--train_steps={FOUR_STEPS}", "--grad_compression=powersgd", "--powersgd_rank=2",
-            "--powersgd_min_size=0", f"--powersgd_warmup_steps={STEPS}"]
-# bf16 precision (XLA off: its default) and the bf16 codec, D=2 x K=2 across 4 workers and in one.
-BF16 = ["--precision=mixed_bfloat16", "--grad_compression=bf16", "--microbatches=2",
-        "--pipeline_schedule=1f1b"]
+# bf16 precision (XLA off: its default) and PowerSGD (rank 2, every matrix, error feedback
+# carried), D=2 x K=2 across 4 workers and in one.
+BF16 = ["--precision=mixed_bfloat16", "--grad_compression=powersgd", "--powersgd_rank=2",
+        "--powersgd_min_size=0", "--microbatches=2", "--pipeline_schedule=1f1b"]
 
 
 # Steps enough that the chief's save (within a second of the server's SIGTERM, the relay's
@@ -87,7 +82,7 @@ def launch_args(num_workers, args):
 
 def run_cross_worker(tmp_path):
   """({name: model_dir}, the 4-worker launchers' output) of the module docstring's runs."""
-  names = ("two", "one_nojit", "bf16", "bf16_in_worker", "four", "four_in_worker")
+  names = ("two", "one_nojit", "bf16", "bf16_in_worker", "four")
   dirs = {name: str(tmp_path / name) for name in names}
   first = run_modules([
       ("tfpar.launch", launch_args(2, TWO + [f"--model_dir={dirs['two']}"]), {"timeout": 600}),
@@ -97,19 +92,13 @@ def run_cross_worker(tmp_path):
        {"timeout": 600}),
       ("tfpar.train", BASE + IN_WORKER + BF16 + [f"--model_dir={dirs['bf16_in_worker']}"],
        {"timeout": 600})], at_once=4)
-  # Both runs of `four` resume from one device's step-2 checkpoint.
-  for name in ("four", "four_in_worker"):
-    shutil.copytree(dirs["one_nojit"], dirs[name])
-    drop_checkpoint(dirs[name], STEPS)
-  second = run_modules([
-      ("tfpar.launch", launch_args(4, CROSS + FOUR + POWERSGD + [f"--model_dir={dirs['four']}"]),
-       {"timeout": 600}),
-      ("tfpar.train", BASE + IN_WORKER + FOUR + POWERSGD +
-       [f"--model_dir={dirs['four_in_worker']}"], {"timeout": 600})])
-  for proc in first + second:
+  for proc in first:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  return dirs, {"four": second[0].stdout + second[0].stderr,
-                "bf16": first[2].stdout + first[2].stderr}
+  shutil.copytree(dirs["one_nojit"], dirs["four"])
+  drop_checkpoint(dirs["four"], STEPS)
+  four = run_module("tfpar.launch", launch_args(4, CROSS + FOUR + [f"--model_dir={dirs['four']}"]),
+                    timeout=600)
+  return dirs, {"four": four.stdout + four.stderr, "bf16": first[2].stdout + first[2].stderr}
 
 
 def run_stage_worker_faults(tmp_path):
@@ -146,13 +135,12 @@ def one_device(tmp_path_factory):
   return model_dir
 
 
-def assert_same_steps(model_dir, reference_dir, steps, last=STEPS, loss_rtol=1e-5,
-                      norm_rtol=1e-4):
-  """Both runs logged steps 1..last, and `steps` of them at the same loss and gradient norm."""
+def assert_same_steps(model_dir, reference_dir, steps):
+  """Both runs logged steps 1..STEPS, and `steps` of them at the same loss and gradient norm."""
   got = {r["step"]: r for r in read_metrics(model_dir)}
   want = {r["step"]: r for r in read_metrics(reference_dir)}
-  assert sorted(got) == sorted(want) == list(range(1, last + 1))
-  for key, rtol in (("loss", loss_rtol), ("grad_norm", norm_rtol)):
+  assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+  for key, rtol in (("loss", 1e-5), ("grad_norm", 1e-4)):
     np.testing.assert_allclose([got[s][key] for s in steps], [want[s][key] for s in steps],
                                rtol=rtol, err_msg=key)
 
@@ -200,46 +188,30 @@ def test_two_workers_final_weights_and_slots_are_one_devices(cross_worker_runs, 
 def test_four_workers_d2_k2_resume_one_devices_checkpoint_and_match_it(cross_worker_runs):
   dirs, outs = cross_worker_runs
   assert f"resumed from {dirs['four']}/checkpoints/ckpt-2 at step 2" in outs["four"]
-  got = {r["step"]: r for r in read_metrics(dirs["four"])}
-  want = {r["step"]: r for r in read_metrics(dirs["one_nojit"])}
-  for key, rtol in (("loss", 1e-5), ("grad_norm", 1e-4)):  # Steps 3-4: PowerSGD's warmup.
-    np.testing.assert_allclose([got[s][key] for s in (3, 4)], [want[s][key] for s in (3, 4)],
-                               rtol=rtol, err_msg=key)
+  assert_same_steps(dirs["four"], dirs["one_nojit"], range(3, STEPS + 1))
 
 
-def test_powersgd_across_workers_is_powersgd_in_one_worker_and_trains(cross_worker_runs):
-  """Steps 5-8 of `four` compressed, against the same plan on one worker's logical CPUs."""
-  from tfpar.training.checkpoint import read_checkpoint  # pylint: disable=import-outside-toplevel
-  dirs, _ = cross_worker_runs
-  assert_same_steps(dirs["four"], dirs["four_in_worker"], range(3, FOUR_STEPS + 1),
-                    last=FOUR_STEPS)
-  records = read_metrics(dirs["four"])
-  for r in records[2:]:  # Bytes one replica hands on: all of them in the warmup, then P and Q.
-    compressed = r["step"] > STEPS
-    assert (r["comm_bytes"] < r["comm_bytes_uncompressed"] / 3) == compressed, r
-  losses = [r["loss"] for r in records]
-  assert losses[-1] < losses[STEPS - 1] - 0.05 < losses[0] - 0.1, losses
-  # The whole state at step 8: weights, AdamW's slots, and each copy's residual and Q.
-  got, want = (read_checkpoint(os.path.join(dirs[name], "checkpoints", f"ckpt-{FOUR_STEPS}"))
-               for name in ("four", "four_in_worker"))
-  errors = got["compression/powersgd@error"]
-  assert errors.shape[0] == 2 and np.abs(errors[0] - errors[1]).max() > 1e-4
-  assert_same_state(got, want, "four vs in one worker at step 8")
-
-
-def test_bf16_across_workers_is_bf16_in_one_worker_and_trains(cross_worker_runs):
-  """mixed_bfloat16 with the bf16 codec, D=2 x K=2: across 4 workers as on one worker's CPUs.
+def test_bf16_and_powersgd_across_workers_are_as_in_one_worker_and_train(cross_worker_runs):
+  """mixed_bfloat16 and PowerSGD, D=2 x K=2: across 4 workers as on one worker's CPUs.
 
   The same ops in the same order on the same kind of device (XLA off, bf16's
-  default): held to the float32 twins' tolerances, not a bf16 one.
+  default; a sum of two copies is the same in either order): held to the
+  float32 twins' tolerances, not a bf16 one.
   """
+  from tfpar.training.checkpoint import read_checkpoint  # pylint: disable=import-outside-toplevel
   dirs, outs = cross_worker_runs
   assert "D=2 x K=2 x T=1, M=2, 1f1b" in outs["bf16"] and "xla off" in outs["bf16"]
   assert_same_steps(dirs["bf16"], dirs["bf16_in_worker"], range(1, STEPS + 1))
-  records = read_metrics(dirs["bf16"])
-  assert all(r["comm_bytes"] * 2 == r["comm_bytes_uncompressed"] for r in records), records
+  records = read_metrics(dirs["bf16"])  # Bytes one replica hands on: P and Q.
+  assert all(r["comm_bytes"] < r["comm_bytes_uncompressed"] / 3 for r in records), records
   losses = [r["loss"] for r in records]
   assert losses[-1] < losses[0] - 0.05, losses
+  # The whole final state: weights, AdamW's slots, and each copy's residual and Q.
+  got, want = (read_checkpoint(os.path.join(dirs[name], "checkpoints", f"ckpt-{STEPS}"))
+               for name in ("bf16", "bf16_in_worker"))
+  errors = got["compression/powersgd@error"]
+  assert errors.shape[0] == 2 and np.abs(errors[0] - errors[1]).max() > 1e-4
+  assert_same_state(got, want, "across 4 workers vs in one at the last step")
 
 
 def test_cross_worker_checkpoint_restores_on_one_device(cross_worker_runs, one_device, tmp_path,
