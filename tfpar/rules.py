@@ -368,7 +368,7 @@ def worker_layout(p: ParallelConfig, num_workers: int, devices_per_worker: int,
     p: the parallel settings (K, T, --data_parallel).
     num_workers: N, the computing workers (the chief included).
     devices_per_worker: G, each worker's devices (GPUs, or --num_cpu_devices).
-    compression: --grad_compression, which stages across workers do not take yet.
+    compression: --grad_compression, which needs D >= 2 replicas to compress between.
   """
   k, t, n, g = p.pipeline_stages, p.tensor_parallel, num_workers, devices_per_worker
   if k * t <= g:
@@ -393,10 +393,11 @@ def worker_layout(p: ParallelConfig, num_workers: int, devices_per_worker: int,
                         "pipeline stages on different workers yet (their replicas run in one "
                         "program that sums on one device): use --optimizer_sharding=none, or "
                         f"--num_cpu_devices={k * t} (a whole replica per worker)")
-    if compression != "none":
-      raise ConfigError(f"--grad_compression={compression} does not combine with pipeline "
-                        "stages on different workers yet: use --grad_compression=none, or "
-                        f"--num_cpu_devices={k * t} (a whole replica per worker)")
+    if compression != "none" and d == 1:
+      raise ConfigError(f"--grad_compression={compression} needs data-parallel replicas, and "
+                        f"{count(n, 'worker')} of {count(g, 'device')} hold one replica of "
+                        f"{k}x{t} devices (--data_parallel=1): use {2 * w} workers or more, or "
+                        "--grad_compression=none")
   if p.data_parallel not in (None, d):
     where = "one replica per worker" if w == 1 else f"a replica spans {w} workers"
     raise ConfigError(f"--data_parallel={p.data_parallel} does not match {count(n, 'worker')} "

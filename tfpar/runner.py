@@ -162,6 +162,9 @@ PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
                tf.errors.AbortedError, tf.errors.CancelledError)
 _TASK = re.compile(r"/job:(\w+)(?:/replica:\d+)?/task:(\d+)")
 _CAUSE = re.compile(r"abort|timed out|timeout|connect|unavailable|heartbeat|deadline|reset", re.I)
+# Lines of TensorFlow's message that say where, not what: the header, the stack, graph nodes.
+_BOILERPLATE = re.compile(r"Graph execution error|<stack traces unavailable>|Detected at node|"
+                          r"File \"|\[\[|Additional GRPC error information|\[Op:")
 
 
 def _peer_message(error, cluster: Cluster, timeout: int) -> str:
@@ -172,10 +175,13 @@ def _peer_message(error, cluster: Cluster, timeout: int) -> str:
     addresses = cluster.spec.get(job, [])
     if int(index) < len(addresses) and (job, int(index)) != (cluster.task_type, cluster.task_index):
       peers.append(f"{job} {index} ({addresses[int(index)]})")
-  lines = [line.strip() for line in text.splitlines() if line.strip()]
-  # TensorFlow's message opens with "Graph execution error:" and a stack; the cause is further down.
+  # TensorFlow's message opens with "Graph execution error:" and a stack (or "<stack traces
+  # unavailable>"); the cause, e.g. "recvmsg:Connection reset by peer", is further down.
+  lines = [line.strip() for line in text.splitlines()
+           if line.strip() and not _BOILERPLATE.match(line.strip())]
   first = next((line for line in lines if _CAUSE.search(line)), lines[0] if lines else "")
   who = ", ".join(peers) or "a peer (TensorFlow did not say which)"
   return (f"{cluster.task_type} {cluster.task_index} waited for {who}, which stopped answering "
-          f"(a collective waits at most --collective_timeout={timeout} s): {type(error).__name__}: {first[:200]}. The latest checkpoint is intact: restart "
-          "the job (tfpar.launch --max_restarts, or the Kubernetes restart policy) to resume")
+          f"(a collective waits at most --collective_timeout={timeout} s): "
+          f"{type(error).__name__}: {first[:200]}. The latest checkpoint is intact: restart the job "
+          "(tfpar.launch --max_restarts, or the Kubernetes restart policy) to resume")

@@ -26,7 +26,8 @@ holding its K x T devices), nothing at all for D=1. Each replica function
      all-reduces per round (device (d, k, t) with its peers (d', k, t)), not
      one per weight. PowerSGD works per weight matrix before that packing
      (its P and Q are what gets packed), with its state beside each weight.
-     It RETURNS the reduced gradients.
+     It RETURNS the reduced gradients. (Stages across workers: no replica
+     context; the exchange's `reduce_copies` sums all D copies in one program.)
 
 Then, in cross-replica context and outside any strategy scope, each copy's
 optimizer applies its reduced gradients to its own variables
@@ -211,8 +212,6 @@ class ModelParallelEngine(Engine):
 
   def _run(self, fn, inputs, targets):
     """(per-copy (loss, grads), summed loss) of fn over the data-parallel replicas."""
-    if self.strategy is None and len(self.copies) > 1:  # Every replica in this program.
-      return self._run_here(inputs, targets)
     if self.strategy is None:
       out = fn(inputs, targets)
       return [out], out[0]
@@ -223,27 +222,29 @@ class ModelParallelEngine(Engine):
                 for r in range(len(self.copies))]
     return per_copy, total
 
-  def _run_here(self, inputs, targets):
+  def _run_here(self, inputs, targets, compressed):
     """_run of a training step whose D copies all run in this program (stages across workers).
 
     Copy r takes the r-th of D equal slices of the global batch (each loss is
-    already a share of the global mean, so any split sums to the same); each
-    gradient is summed on copy 0's device for its variable, where every copy
-    reads it: a reduction to one device, like MirroredStrategy's on one host.
+    already a share of the global mean, so any split sums to the same); the
+    gradient exchange sums the copies' gradients (or compresses them, each
+    copy's codec work beside its own gradients) onto copy 0's device of each
+    variable, where every copy reads them: a reduction to one device, like
+    MirroredStrategy's on one host.
     """
     xs, ys = split_batch(inputs, len(self.copies)), split_batch(targets, len(self.copies))
     outs = [copy.pipeline.loss_and_grads(x, y) for copy, x, y in zip(self.copies, xs, ys)]
-    summed = []
-    for i, v in enumerate(self.copies[0].model.trainable_variables):
-      with tf.device(v.value.device):
-        summed.append(tf.add_n([tf.convert_to_tensor(grads[i]) for _, grads in outs]))
+    summed = self.exchange.reduce_copies([list(grads) for _, grads in outs], compressed)
     with tf.device(self.copies[0].devices[-1][0]):
       loss = tf.add_n([loss for loss, _ in outs])
     return [(loss, summed)] * len(self.copies), loss
 
   def _replica_step(self, inputs, targets, compressed):
-    replica_train = lambda x, y: self._replica_train(x, y, compressed)
-    per_copy, loss = self._run(replica_train, inputs, targets)
+    if self.strategy is None and len(self.copies) > 1:  # Every replica in this program.
+      per_copy, loss = self._run_here(inputs, targets, compressed)
+    else:
+      per_copy, loss = self._run(lambda x, y: self._replica_train(x, y, compressed), inputs,
+                                 targets)
     if self.zero:  # Each replica updated its copy (tfpar.parallel.zero.PlanZero).
       return loss, per_copy[0][1]
     # Cross-replica context, default strategy: each optimizer updates its own copy.

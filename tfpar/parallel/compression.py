@@ -50,6 +50,14 @@ powersgd (Vogels, Karimireddy and Jaggi, NeurIPS 2019)
   strategy scope; `checkpoint_entries` puts it in the canonical checkpoint
   (tfpar.parallel.exchange_state).
 
+Each codec is written once, over per-copy lists of gradients and two
+reductions (tfpar.parallel.exchange): in replica context the list holds this
+replica's gradients and a sum is a collective (`InReplica`); when every copy
+runs in one program (stages across workers: `GradientExchange.
+reduce_copies`) it holds all D copies' and a sum is an AddN onto copy 0's
+device (`InProgram`), each copy's cast or M_r, P_r and Q_r computed beside
+its own gradients first.
+
 Bytes handed to the collectives per codec: tfpar.parallel.traffic.
 
 """
@@ -60,8 +68,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar.config import CompressionConfig, ConfigError
-from tfpar.parallel import collectives, exchange_state
-from tfpar.parallel.exchange import AllReduce, GradientExchange, all_reduce_sum
+from tfpar.parallel import exchange_state
+from tfpar.parallel.exchange import AllReduce, GradientExchange
 # Byte accounting, importable from here as before.
 from tfpar.parallel.traffic import Traffic, expected_bytes, matrix_shape, powersgd_compresses  # pylint: disable=unused-import
 
@@ -75,25 +83,31 @@ class CastExchange(GradientExchange):
     self.method = method
     super().__init__(variables, **kwargs)
 
-  def _reduce(self, grads, replica, devices):
+  def _reduce(self, per_copy, replicas, ops):
     dtype = tf.float16 if self.method == "fp16" else tf.bfloat16
-    handed = []
+    every = range(len(self.shapes))
+    handed, scales = [], [None] * len(self.shapes)
     if self.method == "fp16":
       # One float32 per tensor: the largest magnitude on any replica (see the docstring).
-      peaks = [tf.reshape(tf.reduce_max(tf.abs(g)), [1]) for g in grads]
-      handed.append(peaks)
-      peaks = collectives.all_max(peaks, devices)
-      exponents = [tf.clip_by_value(tf.floor(tf.math.log(
-          FP16_TARGET / (self.num_replicas * p)) / np.log(2.0)), -100.0, 100.0)
-          for p in peaks]
-      scales = [tf.pow(2.0, e) for e in exponents]
-    else:
-      scales = [None] * len(grads)
-    cast = [tf.cast(g if s is None else g * s, dtype) for g, s in zip(grads, scales)]
-    handed.append(cast)
-    summed = all_reduce_sum(cast, devices)
-    out = [tf.cast(x, g.dtype) if s is None else tf.cast(x, g.dtype) / s
-           for x, g, s in zip(summed, grads, scales)]
+      peaks = [[self.beside(r, i, lambda g=g: tf.reshape(tf.reduce_max(tf.abs(g)), [1]))
+                for i, g in enumerate(grads)] for r, grads in zip(replicas, per_copy)]
+      handed.append(peaks[0])
+      scales = []
+      for i, p in zip(every, ops.peak(peaks, every)):
+        with ops.at(i):
+          exponent = tf.clip_by_value(tf.floor(tf.math.log(
+              FP16_TARGET / (self.num_replicas * p)) / np.log(2.0)), -100.0, 100.0)
+          scales.append(tf.pow(2.0, exponent))
+    # Cast beside each gradient: only the narrow copy crosses devices.
+    cast = [[self.beside(r, i, lambda g=g, s=s: tf.cast(g if s is None else g * s, dtype))
+             for i, (g, s) in enumerate(zip(grads, scales))]
+            for r, grads in zip(replicas, per_copy)]
+    handed.append(cast[0])
+    out = []
+    for i, x, s in zip(every, ops.sum(cast, every), scales):
+      with ops.at(i):
+        x = tf.cast(x, per_copy[0][i].dtype)
+        out.append(x if s is None else x / s)
     return out, handed
 
 
@@ -143,37 +157,50 @@ class PowerSGDExchange(GradientExchange):
   def stateful(self) -> bool:
     return True
 
-  def _reduce(self, grads, replica, devices):
-    q_vars, e_vars = self.q[replica], self.error[replica]
-    idx = sorted(q_vars)
-    m = {}  # i -> M_r = g_r + e_r (m x n)
-    for i in idx:
-      with tf.device(self.state_devices[replica][i]):
-        m[i] = tf.reshape(grads[i], matrix_shape(self.shapes[i])) + e_vars[i]
-    plain = [i for i in range(len(grads)) if i not in m]
+  def _reduce(self, per_copy, replicas, ops):
+    idx = sorted(self.q[replicas[0]])
+    plain = [i for i in range(len(self.shapes)) if i not in self.q[replicas[0]]]
+    m, first = [], []  # Per copy: {i: M_r = g_r + e_r (m x n)}; [every P_r, the plain tensors].
+    for r, grads in zip(replicas, per_copy):
+      m_r, p_r = {}, []
+      for i in idx:
+        with tf.device(self.state_devices[r][i]):
+          m_r[i] = tf.reshape(grads[i], matrix_shape(self.shapes[i])) + self.error[r][i]
+          p_r.append(tf.matmul(m_r[i], self.q[r][i]))
+      m.append(m_r)
+      first.append(p_r + [grads[i] for i in plain])
     # All-reduce #1: every P, and the tensors sent as they are.
-    first = [tf.matmul(m[i], q_vars[i]) for i in idx] + [grads[i] for i in plain]
-    first_devices = None if devices is None else [devices[i] for i in idx + plain]
-    reduced = all_reduce_sum(first, first_devices)
-    out = [None] * len(grads)
+    reduced = ops.sum(first, idx + plain)
+    out = [None] * len(self.shapes)
     for i, g in zip(plain, reduced[len(idx):]):
       out[i] = g
     p_hat = {}
     for i, p in zip(idx, reduced[:len(idx)]):
-      p_hat[i] = tf.linalg.qr(p).q  # m x R, orthonormal columns
+      with ops.at(i):
+        p_hat[i] = tf.linalg.qr(p).q  # m x R, orthonormal columns
     # All-reduce #2: every Q_r = M_r^T P^.
-    q_local = [tf.matmul(m[i], p_hat[i], transpose_a=True) for i in idx]
-    second_devices = None if devices is None else [devices[i] for i in idx]
-    q_sum = all_reduce_sum(q_local, second_devices)
-    updates = []
-    for i, q_r, q in zip(idx, q_local, q_sum):
-      with tf.device(self.state_devices[replica][i]):
+    q_local = []
+    for r, m_r in zip(replicas, m):
+      q_local.append([])
+      for i in idx:
+        with tf.device(self.state_devices[r][i]):
+          q_local[-1].append(tf.matmul(m_r[i], p_hat[i], transpose_a=True))
+    q_sum = ops.sum(q_local, idx)
+    for i, q in zip(idx, q_sum):
+      with ops.at(i):
         out[i] = tf.reshape(tf.matmul(p_hat[i], q, transpose_b=True), self.shapes[i])
-        updates.append(e_vars[i].assign(m[i] - tf.matmul(p_hat[i], q_r, transpose_b=True)))
-        updates.append(q_vars[i].assign(q))
+    updates = []
+    for r, m_r, q_r in zip(replicas, m, q_local):
+      for i, q_ri, q in zip(idx, q_r, q_sum):
+        with tf.device(self.state_devices[r][i]):
+          updates.append(self.error[r][i].assign(
+              m_r[i] - tf.matmul(p_hat[i], q_ri, transpose_b=True)))
+          updates.append(self.q[r][i].assign(q))
     with tf.control_dependencies(updates):
-      out = [tf.identity(g) for g in out]
-    return out, [first, q_local]
+      for i, g in enumerate(out):
+        with ops.at(i):
+          out[i] = tf.identity(g)
+    return out, [first[0], q_local[0]]
 
   def checkpoint_entries(self, strategy=None) -> dict:
     return exchange_state.powersgd_entries(self.q, self.error, self.num_replicas, strategy)

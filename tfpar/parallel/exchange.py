@@ -14,7 +14,10 @@ twin. A `GradientExchange` is that step as an interface, in replica context:
     reduce(grads, replica, compressed) -> sum_r grads   (or an estimate of it)
 
 `AllReduce` is the plain float32 SUM; the codecs of tfpar.parallel.compression
-(fp16, bf16, PowerSGD) hand the collectives fewer bytes. A ZeRO-style
+(fp16, bf16, PowerSGD) hand the collectives fewer bytes. Where the D replicas
+are D copies in one program (no replica context: a model-parallel plan whose
+stages sit on different workers), `reduce_copies(per_copy)` does the same
+sum, with the same codec code, onto copy 0's device of each gradient. A ZeRO-style
 distributed optimizer adds reduce-scatter (each replica keeps the sum of its
 1/R of the gradient) and all-gather (the updated shards back to every replica)
 beside `reduce`, over tfpar.parallel.collectives.
@@ -30,6 +33,7 @@ uncompressed and a compressed part, each its own trace (the choice is made
 when tracing, not by a tf.cond around collectives).
 """
 
+import contextlib
 from typing import Dict, List, Optional
 
 import tensorflow as tf
@@ -99,19 +103,53 @@ class GradientExchange:
     if ctx is None or ctx.num_replicas_in_sync == 1:  # Nothing to exchange.
       self.traffic[compressed] = NONE
       return list(grads)
-    # Static shapes (a traced gradient's may be unknown): the bytes are counted from them.
-    grads = [tf.ensure_shape(g, s) for g, s in zip(grads, self.shapes)]
-    devices = self.state_devices[replica] if self.pack_by_device else None
+    home = self.state_devices[replica] if self.state_devices else None
+    return self._exchange([grads], [replica], InReplica(home, self.pack_by_device), compressed)
+
+  def reduce_copies(self, per_copy: List[List[tf.Tensor]],
+                    compressed: bool = True) -> List[tf.Tensor]:
+    """sum_r per_copy[r] (or its compressed estimate) when every replica runs in this program.
+
+    Outside any replica context (a model-parallel plan whose stages sit on
+    different workers: the chief's one program holds all D copies). The
+    codec's per-copy work runs beside copy r's gradients (`state_devices[r]`),
+    so only what a collective would carry crosses devices; the sums land on
+    copy 0's device of each variable, where every copy reads them.
+    """
+    if len(per_copy) == 1:
+      self.traffic[compressed] = NONE
+      return list(per_copy[0])
+    return self._exchange(per_copy, range(len(per_copy)), InProgram(self.state_devices[0]),
+                          compressed)
+
+  def _exchange(self, per_copy, replicas, ops, compressed):
+    """The exchange of `per_copy` (the gradients of `replicas`), summed by `ops`."""
+    # Dense, with static shapes (a traced gradient's may be unknown): the bytes are counted from them.
+    per_copy = [[self.beside(r, i, lambda g=g, s=s: tf.ensure_shape(tf.convert_to_tensor(g), s))
+                 for i, (g, s) in enumerate(zip(grads, self.shapes))]
+                for r, grads in zip(replicas, per_copy)]
     with tf.name_scope("grad_exchange"):  # What a profile (scripts/dp_profile.py) counts.
       if compressed and self.method != "none":
-        out, handed = self._reduce(grads, replica, devices)
+        out, handed = self._reduce(per_copy, list(replicas), ops)
       else:
-        out, handed = all_reduce_sum(grads, devices), [grads]
-    self.traffic[compressed] = Traffic(sum(nbytes(h) for h in handed), nbytes(grads))
+        out, handed = ops.sum(per_copy, range(len(self.shapes))), [per_copy[0]]
+    self.traffic[compressed] = Traffic(sum(nbytes(h) for h in handed), nbytes(per_copy[0]))
     return out
 
-  def _reduce(self, grads, replica: int, devices):
-    """(sum_r grads or its estimate, [the lists of tensors handed to the collectives])."""
+  def beside(self, replica: int, i: int, fn):
+    """fn() placed beside replica `replica`'s gradient of variable i (where its state lives)."""
+    if not self.state_devices:  # The replica's own device scope.
+      return fn()
+    with tf.device(self.state_devices[replica][i]):
+      return fn()
+
+  def _reduce(self, per_copy, replicas: List[int], ops):
+    """(sum_r grads or its estimate, [the lists of tensors one replica handed to the collectives]).
+
+    per_copy[c][i] is replica replicas[c]'s gradient of variable i: one
+    replica (this one) in replica context, every replica in `reduce_copies`.
+    `ops` sums over the replicas (InReplica, InProgram).
+    """
     raise NotImplementedError
 
   def checkpoint_entries(self, strategy=None) -> dict:
@@ -127,3 +165,48 @@ class AllReduce(GradientExchange):
 def all_reduce_sum(grads: List[tf.Tensor], devices=None) -> List[tf.Tensor]:
   """SUMs each gradient over the replicas in sync (identity with one replica)."""
   return collectives.all_reduce(tf.distribute.ReduceOp.SUM, list(grads), devices)
+
+
+class InReplica:
+  """A codec's reductions from one replica's program: collectives over the replicas in sync.
+
+  `sum(per_copy, indices)` and `peak(...)` take [this replica's tensors], tensor j
+  belonging to variable indices[j]; `home` is the device of each variable's
+  gradient here (packed by it when `pack`); `at(i)` places work on a sum.
+  """
+
+  def __init__(self, home: Optional[List[str]], pack: bool):
+    self.home, self.pack = home, pack
+
+  def _devices(self, indices):
+    return [self.home[i] for i in indices] if self.pack else None
+
+  def sum(self, per_copy, indices) -> List[tf.Tensor]:
+    return all_reduce_sum(per_copy[0], self._devices(indices))
+
+  def peak(self, per_copy, indices) -> List[tf.Tensor]:
+    """The largest value over the replicas of each [1]-shaped tensor."""
+    return collectives.all_max(per_copy[0], self._devices(indices))
+
+  def at(self, i: int):
+    return tf.device(self.home[i]) if self.home else contextlib.nullcontext()
+
+
+class InProgram(InReplica):
+  """The same reductions over every copy's tensors in this program: onto `home` (copy 0's)."""
+
+  def __init__(self, home: List[str]):
+    super().__init__(home, pack=False)
+
+  def _fold(self, fn, per_copy, indices):
+    out = []
+    for j, i in enumerate(indices):
+      with self.at(i):
+        out.append(fn([copy[j] for copy in per_copy]))
+    return out
+
+  def sum(self, per_copy, indices) -> List[tf.Tensor]:
+    return self._fold(tf.add_n, per_copy, indices)
+
+  def peak(self, per_copy, indices) -> List[tf.Tensor]:
+    return self._fold(lambda xs: tf.reduce_max(tf.concat(xs, axis=0)), per_copy, indices)

@@ -10,8 +10,10 @@ model-parallel engine runs unchanged over them: each stage's variables are
 created under `tf.device` of its worker's device, each stage's forward and
 backward (compiled or not) run there, and the activations and their gradients
 cross between workers as the graph's send/recv over gRPC. The D replicas are
-D rows of the same plan in the chief's one program; their gradients are summed
-per variable on replica 0's device for it, then applied by each copy's AdamW.
+D rows of the same plan in the chief's one program; the run's gradient exchange
+sums their gradients per variable on replica 0's device for it (compressed by
+--grad_compression's codec, if one is set: GradientExchange.reduce_copies), and
+each copy's AdamW applies the sum.
 Input, logging and checkpoints are the chief's alone (it reads every weight
 where it lives).
 
