@@ -164,6 +164,10 @@ def test_defaults_are_derived():
     (["--precision=mixed_bfloat16", "--xla_auto_clustering=none"], False, "none"),
     (["--precision=mixed_bfloat16", "--jit_compile"], True, "none"),
     (["--precision=mixed_bfloat16", "--strategy=tpu"], True, "none"),
+    (["--precision=mixed_bfloat16", "--strategy=mirrored"], False, "fusible"),
+    # Across processes not by default (stages on other workers refuse it: tfpar.runner).
+    (["--precision=mixed_bfloat16", "--strategy=multi_worker_mirrored"], False, "none"),
+    (["--precision=mixed_bfloat16", "--strategy=parameter_server"], False, "none"),
     (["--precision=mixed_float16"], True, "none"),
     (["--nojit_compile"], False, "none"),
     (["--nojit_compile", "--xla_auto_clustering=fusible"], False, "fusible"),

@@ -59,8 +59,10 @@ FOUR_MODEL = ["--num_layers=4"] + NO_XLA
 FOUR = ["--microbatches=2", "--pipeline_schedule=interleaved", "--virtual_stages=2"] + FOUR_MODEL
 # bf16 precision (XLA off: its default) and PowerSGD (rank 2, every matrix, error feedback
 # carried), D=2 x K=2 across 4 workers and in one.
-BF16 = ["--precision=mixed_bfloat16", "--grad_compression=powersgd", "--powersgd_rank=2",
-        "--powersgd_min_size=0", "--microbatches=2", "--pipeline_schedule=1f1b"]
+# Both sides without XLA's auto-clustering (mirrored's bf16 default; refused across workers).
+BF16 = ["--precision=mixed_bfloat16", "--xla_auto_clustering=none", "--grad_compression=powersgd",
+        "--powersgd_rank=2", "--powersgd_min_size=0", "--microbatches=2",
+        "--pipeline_schedule=1f1b"]
 
 
 # Steps enough that the chief's save (within a second of the server's SIGTERM, the relay's

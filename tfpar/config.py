@@ -118,15 +118,22 @@ def jit_compile_default(precision: str, strategy: str) -> bool:
   return precision != "mixed_bfloat16" or strategy == "tpu"
 
 
-def auto_clustering_default(precision: str, jit_compile: bool) -> str:
+# Where --xla_auto_clustering=fusible is the default: the strategies whose devices are all
+# this process's own (tested under them: tests/test_train.py). Across processes it is the
+# user's choice, and refused with stages on other workers (tfpar.runner).
+AUTO_CLUSTERING_STRATEGIES = ("one_device", "mirrored")
+
+
+def auto_clustering_default(precision: str, jit_compile: bool, strategy: str) -> str:
   """--xla_auto_clustering when not passed: 'fusible' for a mixed_bfloat16 step not compiled
-  whole, else 'none'.
+  whole on this process's devices (AUTO_CLUSTERING_STRATEGIES), else 'none'.
 
   The matmuls stay on oneDNN's bfloat16 kernels and XLA fuses the elementwise ops
   around them: the step ran at 1.33x float32 with XLA near idle, against 1.14x with
   no XLA at all (scripts/bf16.py, docs/benchmarks.md).
   """
-  return "fusible" if precision == "mixed_bfloat16" and not jit_compile else "none"
+  return ("fusible" if precision == "mixed_bfloat16" and not jit_compile and
+          strategy in AUTO_CLUSTERING_STRATEGIES else "none")
 
 
 def from_flags(f, warn=None) -> Config:
@@ -154,7 +161,7 @@ def from_flags(f, warn=None) -> Config:
   resolved = {"warmup_steps": warmup, "profile_steps": profile_steps,
               "stage_layers": stage_layers, "jit_compile": jit,
               "xla_auto_clustering": f.xla_auto_clustering or auto_clustering_default(
-                  f.precision, jit)}
+                  f.precision, jit, f.strategy)}
   sections = {s.name: _section(s.default.__class__, f, **resolved)
               for s in dataclasses.fields(Config) if s.name != "model"}
   cfg = Config(model=model_from_flags(f), **sections)

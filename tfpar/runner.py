@@ -115,6 +115,10 @@ def _run(cfg: Config, cluster: Cluster) -> dict:
     parameter_server.serve(cluster)
     return {}
   across = strategies.stages_across_workers(cfg)
+  if across and cfg.train.xla_auto_clustering != "none":
+    raise ConfigError(f"--xla_auto_clustering={cfg.train.xla_auto_clustering} does not work "
+                      "with pipeline stages on different workers (TensorFlow then puts the "
+                      "chief's input iterator on two CPUs at once): use --xla_auto_clustering=none")
   if across and not cluster.is_chief:  # The chief places this worker's stages (parallel/remote).
     remote.serve(cluster, cfg.train.model_dir)
     return {}

@@ -181,8 +181,8 @@ class TrainConfig:
       "none", "For a step not compiled whole (--nojit_compile): 'fusible' lets TensorFlow's XLA "
       "auto-clustering compile the elementwise ops (norms, activations, softmax, the update) "
       "and leaves the matmuls to TensorFlow's own (oneDNN) kernels; 'none' runs every op as "
-      "its own kernel. Default: fusible under --precision=mixed_bfloat16 without --jit_compile, "
-      "else none. Set through TF_XLA_FLAGS as the process starts (docs/benchmarks.md).",
+      "its own kernel. Default: fusible under --precision=mixed_bfloat16 without --jit_compile on "
+      "one_device and mirrored, else none (refused with pipeline stages on other workers). Set through TF_XLA_FLAGS as the process starts (docs/benchmarks.md).",
       choices=XLA_AUTO_CLUSTERING, flag_default=None)
   fused_projections: bool = setting(  # tfpar.layers.fused; the weights are the same.
       False, "Compute each attention's Q, K, V (and a gated MLP's gate and up) as one matmul "
