@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from conftest import TINY, Watched, read_metrics, run_module
+from conftest import TINY, Watched, in_background, read_metrics, run_module, selected_tests_use
 from tfpar import launch as launch_lib
 from tfpar import status
 
@@ -151,15 +151,41 @@ def test_a_failing_task_ends_the_job_non_zero_and_leaves_no_process(launch, tmp_
   assert_every_line_prefixed(job)
 
 
-def test_max_restarts_restarts_the_whole_job_which_resumes_from_its_checkpoint(launch, tmp_path):
+def killed_and_restarted(model_dir):
+  """A two-worker job under --max_restarts=1 whose worker 1 is SIGKILLed once a checkpoint is
+  saved; waits for the job to end (its exit status in job.code)."""
   # --input_sharding=auto: the default corpus has >= 4 files per worker, so file-level.
-  job = launch("--num_workers=2", "--max_restarts=1", "--restart_backoff=0.5", "--", *MWMS,
-               f"--model_dir={tmp_path}",
-               "--train_steps=200", "--checkpoint_every=50", "--steps_per_call=10",
-               "--log_every=10")
-  job.wait_for(r"^\[worker 0\] saved .*ckpt-50$", timeout=300)
-  os.kill(job.task_pids()["worker 1"][0], signal.SIGKILL)
-  code = job.finish(timeout=400)
+  job = Launched(["--num_workers=2", "--max_restarts=1", "--restart_backoff=0.5", "--", *MWMS,
+                  f"--model_dir={model_dir}", "--train_steps=200", "--checkpoint_every=50",
+                  "--steps_per_call=10", "--log_every=10"])
+  try:
+    job.wait_for(r"^\[worker 0\] saved .*ckpt-50$", timeout=300)
+    os.kill(job.task_pids()["worker 1"][0], signal.SIGKILL)
+    job.code = job.finish(timeout=400)
+  finally:
+    job.cleanup()
+  return job
+
+
+@pytest.fixture(scope="module", autouse=True)
+def restarted_started(request, tmp_path_factory):
+  """(model_dir, Future of killed_and_restarted), started with the file's first test when a
+  selected test reads it: its processes take the second core beside the other tests."""
+  if selected_tests_use(request, "restarted"):
+    model_dir = tmp_path_factory.mktemp("restarted")
+    return model_dir, in_background(killed_and_restarted, model_dir)
+  return None
+
+
+@pytest.fixture(scope="module")
+def restarted(restarted_started):
+  model_dir, future = restarted_started
+  return model_dir, future.result()
+
+
+def test_max_restarts_restarts_the_whole_job_which_resumes_from_its_checkpoint(restarted):
+  tmp_path, job = restarted
+  code = job.code
   assert code == 0, job.output[-3000:]
   out = job.output
   assert "worker 1 was killed by SIGKILL: stopped every task; restarting the job " \
