@@ -18,7 +18,7 @@ import pytest
 from absl import flags as absl_flags
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import TINY, make_config, run_module, run_modules, train_in_process
+from conftest import TINY, make_config, run_modules, train_in_process
 from tfpar import config as config_lib
 from tfpar.cluster import Cluster
 from tfpar.config import ConfigError
@@ -93,6 +93,7 @@ BAD = [
     (["--model_dir={root}/a_file"], None, "model_dir"),
     (["--model_dir={root}/a_file/run"], None, "model_dir"),
     (["--model_dir=/proc/1/tfpar-run"], None, "model_dir"),  # not writable, even for root
+    (["--model_dir=/proc/tfpar_run"], None, "model_dir"),  # access() says yes; mkdir fails
     (["--model_dir={root}/broken_run"], None, "model_dir"),  # config.json cut short
     # A resume must keep what fixes the data order, and the model.
     (["--model_dir={root}/run", "--global_batch_size=16"], None, "global_batch_size"),
@@ -147,23 +148,42 @@ OFFLINE = {"https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:
            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "none", "GCS_RETRY_CONFIG_MAX_RETRIES": "1"}
 
 
+def cap_memory():
+  """Caps the child's address space (RLIMIT_AS) below what a 200M-parameter model and its
+  AdamW slots need, so TensorFlow's CPU allocator refuses."""
+  resource.setrlimit(resource.RLIMIT_AS, (3 * 10 ** 9, 3 * 10 ** 9))
+
+
+OOM_MODEL_DIR = "/tmp/tfpar_oom_never_written"
+
+
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory):
   """The CLI cases below, each its own `python -m tfpar.train`, started side by side once.
 
+  One run for each way train.main ends on bad input: refused by from_flags or against
+  TF_CONFIG before TensorFlow starts (seed, tf_config, channels), by the run directory
+  once TensorFlow reads it (batch), by unreachable storage (gs, exit 1), by the runner
+  when it reads the data (coco) or builds the model (oom). Other cases of those paths
+  run in this process through the same calls (the in-process tests among these).
   {case: (CompletedProcess, its directory, what the test compares after: a snapshot or a path)}.
   """
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from PIL import Image  # pylint: disable=import-outside-toplevel
   d = {case: tmp_path_factory.mktemp(case) for case in (
-      "seed", "file", "tf_config", "batch", "tfrecord", "proc", "gs", "coco", "channels")}
+      "seed", "tf_config", "batch", "gs", "coco", "channels")}
   calls, kept = {}, {}
-  calls["seed"] = ("tfpar.train", TINY + [f"--model_dir={d['seed'] / 'run'}", "--seed=-1"])
+  # The two longest first: the short ones fill in beside them.
+  calls["oom"] = ("tfpar.train", ["--num_layers=4", "--d_model=2048", "--num_heads=16",
+                                  "--seq_len=32", "--global_batch_size=2", "--train_steps=2",
+                                  f"--model_dir={OOM_MODEL_DIR}"], {"preexec_fn": cap_memory})
 
-  path = d["file"] / "a_file"
-  path.write_text("keep me")
-  calls["file"] = ("tfpar.train", TINY + [f"--model_dir={path}"])
-  kept["file"] = path
+  data = d["coco"] / "instances.json"
+  data.write_text(json.dumps(COCO))
+  args, model_dir = DETECT + [f"--data={data}"], d["coco"] / "run"
+  kept["coco"] = (data, a_started_run(model_dir, args))
+  calls["coco"] = ("tfpar.train", args + [f"--model_dir={model_dir}"])
+
+  calls["seed"] = ("tfpar.train", TINY + [f"--model_dir={d['seed'] / 'run'}", "--seed=-1"])
 
   # A TF_CONFIG naming worker 1 of two used to train as a non-chief: no output, exit 0, no files.
   tf_config = json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
@@ -179,29 +199,10 @@ def cli(tmp_path_factory):
   kept["batch"] = snapshot(model_dir)
   calls["batch"] = ("tfpar.train", args + ["--train_steps=4", "--global_batch_size=16"])
 
-  # Found only when read (after TF starts): still one line and exit 2, and no run directory.
-  data = d["tfrecord"] / "notes.tfrecord"
-  with tf.io.TFRecordWriter(str(data)) as writer:
-    for i in range(20):  # serialized tf.train.Features, not tf.train.Example
-      feature = tf.train.Feature(float_list=tf.train.FloatList(value=[float(i)] * 50))
-      writer.write(tf.train.Features(feature={"x": feature}).SerializeToString())
-  kept["tfrecord"] = data
-  calls["tfrecord"] = ("tfpar.train", TINY + [f"--model_dir={d['tfrecord'] / 'run'}",
-                                              f"--data={data}", "--jit_compile=false"])
-
-  # Under /proc even root's access() says writable; the directory cannot be made there.
-  calls["proc"] = ("tfpar.train", TINY + ["--model_dir=/proc/tfpar_run"])
-
   # gs:// without network: the proxy points at a closed local port, so the case fails alike
   # with or without a network; the token variable skips the metadata server's retries.
   calls["gs"] = ("tfpar.train", TINY + ["--model_dir=gs://tfpar-no-such-bucket/run"],
                  {"env": OFFLINE})
-
-  data = d["coco"] / "instances.json"
-  data.write_text(json.dumps(COCO))
-  args, model_dir = DETECT + [f"--data={data}"], d["coco"] / "run"
-  kept["coco"] = (data, a_started_run(model_dir, args))
-  calls["coco"] = ("tfpar.train", args + [f"--model_dir={model_dir}"])
 
   for name in ("cat", "dog"):
     (d["channels"] / "images" / name).mkdir(parents=True)
@@ -220,9 +221,15 @@ def test_cli_seed_out_of_range(cli):
   assert not (tmp_path / "run").exists()
 
 
-def test_cli_model_dir_is_a_file(cli):
-  proc, _, path = cli["file"]
-  assert_one_line(proc, "--model_dir", "is a file")
+def test_model_dir_that_is_a_file_is_refused_and_the_file_kept(tmp_path):
+  """The check train.main makes once TensorFlow can read --model_dir (the CLI's exit 2 and one
+  line from that check: test_cli_resume_with_another_batch_leaves_the_run_untouched)."""
+  path = tmp_path / "a_file"
+  path.write_text("keep me")
+  with pytest.raises(ConfigError) as info:
+    config_lib.check_run(make_config(TINY + [f"--model_dir={path}"]))
+  assert "--model_dir" in str(info.value) and "is a file" in str(info.value)
+  assert "\n" not in str(info.value)
   assert path.read_text() == "keep me"
 
 
@@ -240,37 +247,40 @@ def test_cli_resume_with_another_batch_leaves_the_run_untouched(cli):
   assert snapshot(tmp_path / "run") == before
 
 
-def test_cli_tfrecord_of_other_records_is_one_line(cli):
-  """Found only when read (after TF starts): still one line and exit 2, and no run directory."""
-  proc, tmp_path, data = cli["tfrecord"]
-  assert_one_line(proc, str(data))
+def test_tfrecord_of_other_records_is_one_user_error(tmp_path):
+  """Found only when read (after TF starts): an error train.main turns into one line and exit 2
+  (runner.USER_ERRORS; the CLI's side: test_cli_bad_coco_file_is_one_line_and_the_run_is_untouched),
+  and no run directory."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tfpar import runner  # pylint: disable=import-outside-toplevel
+  data = tmp_path / "notes.tfrecord"
+  with tf.io.TFRecordWriter(str(data)) as writer:
+    for i in range(20):  # serialized tf.train.Features, not tf.train.Example
+      feature = tf.train.Feature(float_list=tf.train.FloatList(value=[float(i)] * 50))
+      writer.write(tf.train.Features(feature={"x": feature}).SerializeToString())
+  with pytest.raises(runner.USER_ERRORS) as info:
+    train_in_process(TINY + [f"--model_dir={tmp_path / 'run'}", f"--data={data}",
+                             "--jit_compile=false"])
+  assert str(data) in str(info.value) and "\n" not in str(info.value), str(info.value)
   assert not (tmp_path / "run").exists()
 
 
-def test_cli_out_of_memory_at_build_is_one_line_with_the_bytes_and_the_planner():
+def test_cli_out_of_memory_at_build_is_one_line_with_the_bytes_and_the_planner(cli):
   """A model too large for memory: bad input (a restart would fail alike), not a 57-line traceback.
 
-  The child's address space is capped (RLIMIT_AS) below what a 200M-parameter
-  model and its AdamW slots need, so TensorFlow's CPU allocator refuses.
+  The child's address space is capped (cap_memory) below what the model needs.
   """
-  def cap_memory():
-    resource.setrlimit(resource.RLIMIT_AS, (3 * 10 ** 9, 3 * 10 ** 9))
-
-  model_dir = "/tmp/tfpar_oom_never_written"
-  proc = run_module("tfpar.train", ["--num_layers=4", "--d_model=2048", "--num_heads=16",
-                                    "--seq_len=32", "--global_batch_size=2", "--train_steps=2",
-                                    f"--model_dir={model_dir}"],
-                    check=False, preexec_fn=cap_memory)
+  proc, _, _ = cli["oom"]
   assert_one_line(proc, "out of memory", "OOM when allocating", "GiB on the busiest device",
                   "python -m tfpar.plan")
-  assert not os.path.exists(model_dir)
+  assert not os.path.exists(OOM_MODEL_DIR)
 
 
-def test_cli_model_dir_that_cannot_be_created_is_refused_before_the_data(cli):
-  """Under /proc even root's access() says writable; the directory cannot be made there."""
-  proc, _, _ = cli["proc"]
-  assert_one_line(proc, "--model_dir=/proc/tfpar_run")
-  assert "data:" not in proc.stdout  # Refused before the data was read.
+def test_model_dir_that_cannot_be_created_is_refused_before_the_data():
+  """Under /proc even root's access() says writable; the directory cannot be made there.
+  The run-directory check refuses it, and train.main makes it before the runner reads data."""
+  with pytest.raises(ConfigError, match="--model_dir=/proc/tfpar_run cannot be created"):
+    config_lib.check_run(make_config(TINY + ["--model_dir=/proc/tfpar_run"]))
 
 
 def test_cli_unreachable_gs_model_dir_is_one_line_and_exit_1(cli):

@@ -5,11 +5,14 @@ conftest makes, on hand-made gradients: PowerSGD reproduces a rank-R sum
 exactly, error feedback loses nothing, fp16 scaling neither overflows nor
 flushes, and the counted bytes equal the docstring's formula. Then whole
 runs: 80 steps of the TINY model on 4 mirrored replicas per method against
-uncompressed, a PowerSGD run stopped midway and resumed, a hybrid data 2 x
-pipeline 2 run, and two multi_worker_mirrored processes whose weights must
-stay identical.
+uncompressed, a PowerSGD run resumed from its midway checkpoint, a hybrid
+data 2 x pipeline 2 run, and two multi_worker_mirrored processes whose weights
+must stay identical. The runs of real processes start with the file's first
+test, beside the in-process ones (process_runs).
 """
 
+import concurrent.futures
+import glob
 import json
 import os
 import subprocess
@@ -18,7 +21,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, TINY, read_metrics, run_module, start_module, train_in_process
+from conftest import REPO, TINY, read_metrics, run_module, selected_tests_use, train_in_process
 
 # --min_lr_ratio=1: a constant rate after warmup, so a run stopped halfway is the
 # first half of the longer run. --powersgd_min_size=0: TINY's matrices are small.
@@ -161,6 +164,28 @@ def test_fp16_neither_overflows_nor_flushes_to_zero(mirrored4):
 
 # --- whole runs -------------------------------------------------------------------------
 
+@pytest.fixture(scope="module", autouse=True)
+def process_runs(request, tmp_path_factory):
+  """{fixture name: Future} of the PROCESS_RUNS (end of file) a selected test uses, started
+  one after the other on a thread of their own with the file's first test: the child
+  processes take the second core while this process trains in-process runs on the first."""
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+  futures = {name: pool.submit(fn, tmp_path_factory.mktemp(name))
+             for name, fn in PROCESS_RUNS.items() if selected_tests_use(request, name)}
+  pool.shutdown(wait=False)
+  return futures
+
+
+@pytest.fixture(scope="module")
+def powersgd_resume(process_runs):
+  return process_runs["powersgd_resume"].result()
+
+
+@pytest.fixture(scope="module")
+def two_workers(process_runs):
+  return process_runs["two_workers"].result()
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   """run(method) -> model_dir of 80 steps on 4 mirrored replicas (each method runs once)."""
@@ -194,10 +219,31 @@ def test_compressed_training_ends_near_uncompressed(runs, method, tolerance):
   assert records[-1]["comm_bytes_uncompressed"] == read_metrics(runs("none"))[-1]["comm_bytes"]
 
 
-def test_powersgd_stopped_midway_and_resumed_matches_the_uninterrupted_run(tmp_path):
+RESUME_STEPS, RESUME_AT = 20, 10
+RESUME_ARGS = RUN + ["--log_every=1", "--steps_per_call=1", "--grad_compression=powersgd",
+                     f"--checkpoint_every={RESUME_AT}", f"--train_steps={RESUME_STEPS}"]
+
+
+def run_powersgd_and_resume_it_midway(root):
+  """A PowerSGD run of RESUME_STEPS, then, in a new process, the same run again from its
+  checkpoint at RESUME_AT (the newer one removed, as if the job had stopped there).
+
+  Returns (model_dir, the uninterrupted run's records, the resumed start's stdout).
+  """
+  env = {"TF_NUM_INTEROP_THREADS": "1"}
+  model_dir = root / "run"
+  run_module("tfpar.train", RESUME_ARGS + [f"--model_dir={model_dir}"], env=env)
+  straight = read_metrics(str(model_dir))
+  for path in glob.glob(str(model_dir / "checkpoints" / f"ckpt-{RESUME_STEPS}.*")):
+    os.remove(path)
+  out = run_module("tfpar.train", RESUME_ARGS + [f"--model_dir={model_dir}"], env=env).stdout
+  return model_dir, straight, out
+
+
+def test_powersgd_stopped_midway_and_resumed_matches_the_uninterrupted_run(powersgd_resume):
   """Real processes, one inter-op thread: the two runs are then bit-reproducible.
 
-  20 steps, stopped at 10: every step compresses (no PowerSGD warmup), so the
+  20 steps, resumed at 10: every step compresses (no PowerSGD warmup), so the
   residuals and Q restored at step 10 decide every step after it.
 
   With TensorFlow's default inter-op pool, two identical mirrored PowerSGD runs
@@ -205,27 +251,21 @@ def test_powersgd_stopped_midway_and_resumed_matches_the_uninterrupted_run(tmp_p
   scheduling race, docs/compression.md); a resume can only be held to the
   uninterrupted run where the uninterrupted run is held to itself.
   """
-  steps, half = 20, 10
-  args = RUN + ["--log_every=1", "--steps_per_call=1", "--grad_compression=powersgd",
-                f"--checkpoint_every={half}"]
-  env = {"TF_NUM_INTEROP_THREADS": "1"}
-  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  # The uninterrupted run and the first half at once (each mostly one thread).
-  first = [start_module("tfpar.train", args + [f"--train_steps={n}", f"--model_dir={d}"], env=env)
-           for n, d in ((steps, straight), (half, resumed))]
-  for proc in first:
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-4000:]
+  model_dir, straight, out = powersgd_resume
   from tfpar.training.checkpoint import read_checkpoint  # pylint: disable=import-outside-toplevel
-  saved = read_checkpoint(str(resumed / "checkpoints" / f"ckpt-{half}"))
+  saved = read_checkpoint(str(model_dir / "checkpoints" / f"ckpt-{RESUME_AT}"))
   errors = saved["compression/powersgd@error"]
   assert errors.shape[0] == 4  # The residuals of each replica, each its own.
   assert len(set(np.asarray(errors[r]).tobytes() for r in range(4))) == 4
-  out = run_module("tfpar.train", args + [f"--train_steps={steps}", f"--model_dir={resumed}"],
-                   env=env).stdout
-  assert f"at step {half}" in out, out[-2000:]
-  resumed, straight = read_metrics(str(resumed)), read_metrics(str(straight))
-  assert [r["step"] for r in resumed] == list(range(1, steps + 1))
+  assert f"at step {RESUME_AT}" in out, out[-2000:]
+  resumed = read_metrics(str(model_dir))
+  assert [r["step"] for r in resumed] == list(range(1, RESUME_STEPS + 1))
+  # The uninterrupted run's later steps were set aside; the resumed start trained them again.
+  with open(model_dir / "metrics.jsonl.superseded") as f:
+    superseded = [json.loads(line) for line in f if line.strip()]
+  assert [r["step"] for r in superseded if r["kind"] == "train"] == list(
+      range(RESUME_AT + 1, RESUME_STEPS + 1))
+  assert [r["step"] for r in straight] == list(range(1, RESUME_STEPS + 1))
   np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in straight],
                              rtol=1e-5)
   np.testing.assert_allclose([r["grad_norm"] for r in resumed],
@@ -250,8 +290,9 @@ def test_hybrid_data_2_x_pipeline_2_with_powersgd_trains(tmp_path):
 MW_STEPS = 6
 
 
-def test_two_workers_with_powersgd_train_and_keep_identical_weights(tmp_path):
-  """Each worker saves its own weights after training (see __main__ below): they must agree."""
+def run_two_workers(tmp_path):
+  """Two multi_worker_mirrored workers, each saving its own weights after training (see
+  __main__ below). Returns (tmp_path, their exit statuses, their outputs)."""
   from tfpar import launch  # pylint: disable=import-outside-toplevel
   tasks = [launch.Task("worker", i) for i in range(2)]
   configs = launch.tf_configs(tasks, launch.free_ports(2))
@@ -264,8 +305,19 @@ def test_two_workers_with_powersgd_train_and_keep_identical_weights(tmp_path):
                             env=dict(env, TF_CONFIG=configs[t]), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for t in tasks]
-  outputs = [p.communicate(timeout=300)[0] for p in procs]
-  assert [p.returncode for p in procs] == [0, 0], outputs
+  try:
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  return tmp_path, [p.returncode for p in procs], outputs
+
+
+def test_two_workers_with_powersgd_train_and_keep_identical_weights(two_workers):
+  """Each worker saves its own weights after training: they must agree."""
+  tmp_path, codes, outputs = two_workers
+  assert codes == [0, 0], outputs
   records = read_metrics(str(tmp_path))
   losses = np.array([r["loss"] for r in records])
   assert [r["step"] for r in records] == list(range(1, MW_STEPS + 1))
@@ -281,6 +333,11 @@ def test_two_workers_with_powersgd_train_and_keep_identical_weights(tmp_path):
   saved = read_checkpoint(str(tmp_path / "checkpoints" / f"ckpt-{MW_STEPS}"))
   errors = saved["compression/powersgd@error"]
   assert errors.shape[0] == 2 and not np.array_equal(errors[0], errors[1])
+
+
+# This file's runs of real processes: {fixture name: fn(directory) -> what its test reads}.
+PROCESS_RUNS = {"powersgd_resume": run_powersgd_and_resume_it_midway,
+                "two_workers": run_two_workers}
 
 
 def _worker_main(out_dir, argv):

@@ -153,6 +153,18 @@ def _one_line(proc):
   return lines[-1]
 
 
+def _user_error(args):
+  """The one line train.main would print (a runner.USER_ERRORS, exit 2), raised in this process.
+
+  train.main's own exit 2 and one line for these errors: test_bad_input's CLI runs.
+  """
+  from tfpar import runner  # pylint: disable=import-outside-toplevel
+  with pytest.raises(runner.USER_ERRORS) as info:
+    train_in_process(args)
+  assert "\n" not in str(info.value), str(info.value)
+  return str(info.value)
+
+
 def test_bad_input_ends_with_one_line_and_status_2(detect_runs, tmp_path):
   coco = {"images": [{"id": 1, "file_name": "a.png", "width": 16, "height": 16}],
           "annotations": [{"id": 1, "image_id": 1, "bbox": [10, 2, 8, 4], "category_id": 1}],
@@ -163,22 +175,25 @@ def test_bad_input_ends_with_one_line_and_status_2(detect_runs, tmp_path):
   (tmp_path / "empty" / "masks").mkdir()
   (tmp_path / "bad.png").write_bytes(b"not an image")
   common = ["--num_channels=3", "--train_steps=2"]
-  # Six independent processes, two at a time (conftest.run_modules).
+  # tfpar.predict's own command line: three processes, two at a time (conftest.run_modules).
   lines = [_one_line(proc) for proc in run_modules([
-      ("tfpar.train", [*DETECT, *common, f"--data={tmp_path / 'coco.json'}",
-                       f"--model_dir={tmp_path / 'run0'}"]),
-      ("tfpar.train", [*SEGMENT, *common, f"--data={tmp_path / 'empty'}",
-                       f"--model_dir={tmp_path / 'run1'}"]),
-      ("tfpar.train", ["--task=segment", "--num_classes=5", *VISION,
-                       f"--model_dir={tmp_path / 'run2'}", "--train_steps=2"]),
       ("tfpar.predict", [f"--model_dir={detect_runs[0]}", f"--image={tmp_path / 'bad.png'}"]),
       ("tfpar.predict", [f"--model_dir={detect_runs[0]}", f"--image={tmp_path / 'a.png'}",
                          "--overlay", "--output_dir=/proc/tfpar_predictions"]),
       ("tfpar.predict", [f"--model_dir={tmp_path / 'nothing'}", f"--image={tmp_path}"]),
   ])]
-  assert "outside its 16x16 image" in lines[0] and "fix the box" in lines[0]
-  assert "holds no images" in lines[1]
-  assert lines[2].endswith("use --num_classes=11")
-  assert "bad.png is not a readable image" in lines[3]
-  assert "--output_dir=/proc/tfpar_predictions cannot be created" in lines[4]
-  assert "has no config.json" in lines[5]
+  # Training's, found when the data is read: in this process.
+  lines += [_user_error([*DETECT, *common, f"--data={tmp_path / 'coco.json'}",
+                         f"--model_dir={tmp_path / 'run0'}"]),
+            _user_error([*SEGMENT, *common, f"--data={tmp_path / 'empty'}",
+                         f"--model_dir={tmp_path / 'run1'}"]),
+            _user_error(["--task=segment", "--num_classes=5", *VISION,
+                         f"--model_dir={tmp_path / 'run2'}", "--train_steps=2"])]
+  assert "bad.png is not a readable image" in lines[0]
+  assert "--output_dir=/proc/tfpar_predictions cannot be created" in lines[1]
+  assert "has no config.json" in lines[2]
+  assert "outside its 16x16 image" in lines[3] and "fix the box" in lines[3]
+  assert "holds no images" in lines[4]
+  assert lines[5].endswith("use --num_classes=11")
+  for run in ("run0", "run1", "run2"):
+    assert not (tmp_path / run).exists()

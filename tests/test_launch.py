@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from conftest import TINY, Watched, read_metrics, run_module
+from conftest import TINY, Watched, in_background, read_metrics, run_module, selected_tests_use
 from tfpar import launch as launch_lib
 from tfpar import status
 
@@ -148,36 +148,6 @@ def test_a_failing_task_ends_the_job_non_zero_and_leaves_no_process(launch, tmp_
          "with status 137" in job.output
   for task, [pid] in pids.items():
     assert not group_alive(pid), f"{task} (pid {pid}) outlived the job"
-  assert_every_line_prefixed(job)
-
-
-def test_max_restarts_restarts_the_whole_job_which_resumes_from_its_checkpoint(launch, tmp_path):
-  # --input_sharding=auto: the default corpus has >= 4 files per worker, so file-level.
-  job = launch("--num_workers=2", "--max_restarts=1", "--restart_backoff=0.5", "--", *MWMS,
-               f"--model_dir={tmp_path}",
-               "--train_steps=200", "--checkpoint_every=50", "--steps_per_call=10",
-               "--log_every=10")
-  job.wait_for(r"^\[worker 0\] saved .*ckpt-50$", timeout=300)
-  os.kill(job.task_pids()["worker 1"][0], signal.SIGKILL)
-  code = job.finish(timeout=400)
-  assert code == 0, job.output[-3000:]
-  out = job.output
-  assert "worker 1 was killed by SIGKILL: stopped every task; restarting the job " \
-         "(restart 1 of 1, in 0.5 s)" in out  # --restart_backoff
-  resumed = re.search(r"^\[worker 0\] resumed from .*ckpt-(\d+) at step (\d+)$", out, re.M)
-  assert resumed and resumed.group(1) == resumed.group(2) and int(resumed.group(1)) >= 50, out
-  assert "tfpar.launch: job succeeded (2 tasks)" in out
-  pids = job.task_pids()
-  assert all(len(attempts) == 2 for attempts in pids.values()), pids  # every task restarted
-  for attempts in pids.values():
-    assert not any(group_alive(pid) for pid in attempts)
-  # The resumed run logged every step after the checkpoint exactly once.
-  steps = [r["step"] for r in read_metrics(str(tmp_path))]
-  assert steps == list(range(10, 201, 10)), steps
-  share = re.search(r"^\[worker 0\] tfpar: .* data: (\d+) files of (\d+) \(this worker's share\), "
-                    r".* file-level input sharding$", out, re.M)
-  assert share and int(share.group(2)) // 2 == int(share.group(1)), out  # half the files each
-  assert not re.search(r"auto.?shard", out, re.I), "tf.distribute should not auto-shard our input"
   assert_every_line_prefixed(job)
 
 
@@ -383,3 +353,61 @@ def test_no_task_outlives_a_killed_launcher(launch, tmp_path):
     time.sleep(0.1)
   for task, [pid] in pids.items():
     assert not group_alive(pid), f"{task} (pid {pid}) outlived the launcher"
+
+
+# Last in the file: its job runs from the first test on, beside all the others.
+
+def killed_and_restarted(model_dir):
+  """A two-worker job under --max_restarts=1 whose worker 1 is SIGKILLed once a checkpoint is
+  saved; waits for the job to end (its exit status in job.code)."""
+  # --input_sharding=auto: the default corpus has >= 4 files per worker, so file-level.
+  job = Launched(["--num_workers=2", "--max_restarts=1", "--restart_backoff=0.5", "--", *MWMS,
+                  f"--model_dir={model_dir}", "--train_steps=200", "--checkpoint_every=50",
+                  "--steps_per_call=10", "--log_every=10"])
+  try:
+    job.wait_for(r"^\[worker 0\] saved .*ckpt-50$", timeout=300)
+    os.kill(job.task_pids()["worker 1"][0], signal.SIGKILL)
+    job.code = job.finish(timeout=400)
+  finally:
+    job.cleanup()
+  return job
+
+
+@pytest.fixture(scope="module", autouse=True)
+def restarted_started(request, tmp_path_factory):
+  """(model_dir, Future of killed_and_restarted), started with the file's first test when a
+  selected test reads it: its processes take the second core beside the other tests."""
+  if selected_tests_use(request, "restarted"):
+    model_dir = tmp_path_factory.mktemp("restarted")
+    return model_dir, in_background(killed_and_restarted, model_dir)
+  return None
+
+
+@pytest.fixture(scope="module")
+def restarted(restarted_started):
+  model_dir, future = restarted_started
+  return model_dir, future.result()
+
+
+def test_max_restarts_restarts_the_whole_job_which_resumes_from_its_checkpoint(restarted):
+  tmp_path, job = restarted
+  code = job.code
+  assert code == 0, job.output[-3000:]
+  out = job.output
+  assert "worker 1 was killed by SIGKILL: stopped every task; restarting the job " \
+         "(restart 1 of 1, in 0.5 s)" in out  # --restart_backoff
+  resumed = re.search(r"^\[worker 0\] resumed from .*ckpt-(\d+) at step (\d+)$", out, re.M)
+  assert resumed and resumed.group(1) == resumed.group(2) and int(resumed.group(1)) >= 50, out
+  assert "tfpar.launch: job succeeded (2 tasks)" in out
+  pids = job.task_pids()
+  assert all(len(attempts) == 2 for attempts in pids.values()), pids  # every task restarted
+  for attempts in pids.values():
+    assert not any(group_alive(pid) for pid in attempts)
+  # The resumed run logged every step after the checkpoint exactly once.
+  steps = [r["step"] for r in read_metrics(str(tmp_path))]
+  assert steps == list(range(10, 201, 10)), steps
+  share = re.search(r"^\[worker 0\] tfpar: .* data: (\d+) files of (\d+) \(this worker's share\), "
+                    r".* file-level input sharding$", out, re.M)
+  assert share and int(share.group(2)) // 2 == int(share.group(1)), out  # half the files each
+  assert not re.search(r"auto.?shard", out, re.I), "tf.distribute should not auto-shard our input"
+  assert_every_line_prefixed(job)

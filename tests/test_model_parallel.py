@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import conftest
-from conftest import TINY, read_metrics, run_module, train_in_process
+from conftest import (TINY, read_metrics, run_module_in_background, selected_tests_use,
+                      train_in_process)
 
 STEPS = 5
 BASE = TINY + [f"--train_steps={STEPS}", "--eval_every=0", "--eval_steps=1",
@@ -111,18 +112,34 @@ def test_selective_remat_matches_one_device(one_device, tmp_path, plan):
     assert json.load(f)["remat"] == "selective"
 
 
-def test_hybrid_across_two_worker_processes(one_device, tmp_path):
+@pytest.fixture(scope="module", autouse=True)
+def two_workers(request, tmp_path_factory):
+  """(model_dir, Future of its CompletedProcess): the two-worker hybrid, started with the
+  file's first test, when selected, so that its processes take the second core while
+  the in-process plans train on the first."""
+  if not selected_tests_use(request, "two_workers_run"):
+    return None
+  model_dir = str(tmp_path_factory.mktemp("two_workers"))
+  return model_dir, run_module_in_background("tfpar.launch", ["--num_workers=2", "--"] + BASE + [
+      "--strategy=multi_worker_mirrored", "--num_cpu_devices=2", "--pipeline_stages=2",
+      "--microbatches=2", "--input_sharding=data", "--optimizer_sharding=zero1",
+      f"--model_dir={model_dir}"], timeout=300)
+
+
+@pytest.fixture(scope="module")
+def two_workers_run(two_workers):
+  model_dir, future = two_workers
+  future.result()  # Raises, with its output, where the job exited non-zero.
+  return model_dir
+
+
+def test_hybrid_across_two_worker_processes(one_device, two_workers_run):
   """D=2 over two local workers (the all-reduce crosses processes), K=2 stages in each, under
   --optimizer_sharding=zero1 (each worker's shards of m and v; the new weights all-gathered
   across the processes, the slots gathered at the save: tests/test_zero_hybrid.py twins it
   in one process)."""
-  model_dir = str(tmp_path)
-  run_module("tfpar.launch", ["--num_workers=2", "--"] + BASE + [
-      "--strategy=multi_worker_mirrored", "--num_cpu_devices=2", "--pipeline_stages=2",
-      "--microbatches=2", "--input_sharding=data", "--optimizer_sharding=zero1",
-      f"--model_dir={model_dir}"], timeout=300)
-  assert_same_losses(model_dir, one_device)
-  with open(os.path.join(model_dir, "plan.json")) as f:
+  assert_same_losses(two_workers_run, one_device)
+  with open(os.path.join(two_workers_run, "plan.json")) as f:
     assert json.load(f)["optimizer_sharding"] == "zero1"
 
 

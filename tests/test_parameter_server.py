@@ -86,11 +86,23 @@ def restored_one_device_eval(model_dir):
   return engine.step, engine.evaluate(engine.eval_iterator(), cfg.train.eval_steps)
 
 
-def test_two_workers_one_ps_train_asynchronously(tmp_path):
-  model_dir = str(tmp_path / "ps")
-  steps = 60
-  proc = run_ps_job(model_dir, num_ps=1, train_steps=steps)
+def test_two_workers_over_two_ps_shards_train_asynchronously_and_resume(tmp_path):
+  """One job, asserted many ways: asynchronous training, sharded variables, a resume.
+
+  Two workers train 60 steps with every weight and slot cut over 2 ps; a second
+  job resumes from its checkpoint for 10 more. The unsharded single-ps path
+  (the one-device restore of its checkpoint included) is the killed-worker
+  test's job below.
+  """
+  model_dir = str(tmp_path / "ps_shards")
+  steps, more = 60, 10
+  flags = ["--ps_shards=2"]
+  proc = run_ps_job(model_dir, num_ps=2, train_steps=steps, extra=flags)
   assert "ParameterServerStrategy (async)" in proc.stdout
+  described = re.search(r"sharded variables (\d+), sharded slots (\d+)", proc.stdout)
+  assert described, proc.stdout[-2000:]
+  # Every weight of rank >= 1 and its two AdamW slots are cut over the 2 ps.
+  assert int(described.group(1)) > 0 and int(described.group(2)) == 2 * int(described.group(1))
 
   records = step_records(model_dir)
   assert len(records) == steps
@@ -115,39 +127,19 @@ def test_two_workers_one_ps_train_asynchronously(tmp_path):
   train = read_metrics(model_dir)
   assert train[-1]["workers"] == 2 and train[-1]["replicas"] == 2
 
-  # The checkpoint restores under one_device: identical weights, same eval loss.
-  step, loss = restored_one_device_eval(model_dir)
-  assert step == steps
-  assert math.isclose(loss, evals[-1]["loss"], rel_tol=1e-5), (loss, evals[-1])
-
-
-def test_ps_shards_partition_variables_over_two_ps_and_resume(tmp_path):
-  model_dir = str(tmp_path / "ps_shards")
-  flags = ["--ps_shards=2", "--learning_rate=3e-3"]
-  proc = run_ps_job(model_dir, num_ps=2, train_steps=20, extra=flags)
-  described = re.search(r"sharded variables (\d+), sharded slots (\d+)", proc.stdout)
-  assert described, proc.stdout[-2000:]
-  # Every weight of rank >= 1 and its two AdamW slots are cut over the 2 ps.
-  assert int(described.group(1)) > 0 and int(described.group(2)) == 2 * int(described.group(1))
-  first_job = step_records(model_dir)
-  # (Which workers ran the steps is the first test's business: in 20 steps on
-  # a loaded machine one worker may still be starting while the other runs all.)
-  assert max(r["write_version"] for r in first_job) == 20
-
   # Resuming assigns the full checkpoint tensors into the ShardedVariables.
-  proc = run_ps_job(model_dir, num_ps=2, train_steps=30, extra=flags)
-  assert "resumed from" in proc.stdout and "at step 20" in proc.stdout
-  resumed = step_records(model_dir)[len(first_job):]
-  assert len(resumed) == 10 and max(r["write_version"] for r in resumed) == 30
+  proc = run_ps_job(model_dir, num_ps=2, train_steps=steps + more, extra=flags)
+  assert "resumed from" in proc.stdout and f"at step {steps}" in proc.stdout
+  resumed = step_records(model_dir)[len(records):]
+  assert len(resumed) == more and max(r["write_version"] for r in resumed) == steps + more
   # The resumed steps go on from the trained weights (a mis-assigned shard
   # would throw the loss back up): lower than the first job's start.
-  start_loss = np.mean([r["loss"] for r in first_job[:3]])
-  assert np.mean([r["loss"] for r in resumed[:3]]) < start_loss - 0.5
+  assert np.mean([r["loss"] for r in resumed[:3]]) < first - 0.5
 
   # ShardedVariables read as full tensors: the canonical checkpoint restores
   # under one_device bit for bit, with the held-out loss the chief measured.
   step, loss = restored_one_device_eval(model_dir)
-  assert step == 30
+  assert step == steps + more
   assert math.isclose(loss, read_metrics(model_dir, "eval")[-1]["loss"], rel_tol=1e-5)
 
 
@@ -206,4 +198,10 @@ def test_the_job_survives_a_killed_worker_and_a_preempted_chief(tmp_path):
     assert re.search(rf"^\[{server}\] tfpar: {server}: chief .* unreachable; serving on", out, re.M)
   train = [r["step"] for r in read_metrics(model_dir)]
   assert train == sorted(set(train)) and train[-1] == steps, train  # each step logged once
-  assert read_metrics(model_dir, "eval")[-1]["step"] == steps
+  evals = read_metrics(model_dir, "eval")
+  assert evals[-1]["step"] == steps
+  # The unsharded checkpoint of one ps restores under one_device: identical weights, and
+  # the held-out loss the chief measured on the ps-resident weights.
+  step, loss = restored_one_device_eval(model_dir)
+  assert step == steps
+  assert math.isclose(loss, evals[-1]["loss"], rel_tol=1e-5), (loss, evals[-1])

@@ -12,8 +12,11 @@ Under multi_worker_mirrored the signal goes to worker 1, not the chief: both
 workers must save at the same step (they agree by an all-reduce after each
 chunk), or the chief's checkpoint and worker 1's state would disagree.
 The tiny model runs without XLA (the launcher and the loop are under test).
+The four jobs run two at a time from the file's first test on (a job is
+mostly one busy process), beside the in-process uninterrupted run.
 """
 
+import concurrent.futures
 import os
 import re
 import signal
@@ -38,9 +41,39 @@ CASES = {
 }
 
 
+def preempted_job(case, model_dir):
+  """Launches `case`, sends SIGTERM to one task once it trains, and waits for the job to end."""
+  num_workers, strategy_args = CASES[case]
+  job = Launched([f"--num_workers={num_workers}", "--", *ARGS, *strategy_args,
+                  f"--model_dir={model_dir}"])
+  job.model_dir = model_dir
+  try:
+    job.wait_for(r"^\[worker 0\] step +3/", timeout=300)
+    job.target = "worker 1" if num_workers == 2 else "worker 0"
+    os.kill(job.task_pids()[job.target][0], signal.SIGTERM)
+    job.code = job.finish(timeout=300)
+  finally:
+    job.cleanup()
+  return job
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-  """Per-step losses of the same run on one device, never interrupted."""
+def jobs(request, tmp_path_factory):
+  """{case: Future of its preempted_job}: the selected cases' jobs, two at a time on threads
+  of their own from the file's first test on (a job is mostly one busy process at a time)."""
+  selected = {item.callspec.params["case"] for item in request.session.items
+              if item.module is request.module and "jobs" in item.fixturenames}
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+  futures = {case: pool.submit(preempted_job, case, tmp_path_factory.mktemp(case))
+             for case in CASES if case in selected}
+  pool.shutdown(wait=False)
+  return futures
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(jobs, tmp_path_factory):  # pylint: disable=unused-argument
+  """Per-step losses of the same run on one device, never interrupted (trained here while
+  the jobs, started first, run)."""
   model_dir = tmp_path_factory.mktemp("uninterrupted")
   train_in_process(ARGS + ["--strategy=one_device", f"--model_dir={model_dir}"])
   return [r["loss"] for r in read_metrics(str(model_dir))]
@@ -48,17 +81,10 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_sigterm_saves_at_an_agreed_step_and_the_restart_resumes_exactly_there(
-    case, uninterrupted, tmp_path):
-  num_workers, strategy_args = CASES[case]
-  job = Launched([f"--num_workers={num_workers}", "--", *ARGS, *strategy_args,
-                  f"--model_dir={tmp_path}"])
-  try:
-    job.wait_for(r"^\[worker 0\] step +3/", timeout=300)
-    target = "worker 1" if num_workers == 2 else "worker 0"
-    os.kill(job.task_pids()[target][0], signal.SIGTERM)
-    code = job.finish(timeout=300)
-  finally:
-    job.cleanup()
+    case, jobs, uninterrupted):
+  num_workers, _ = CASES[case]
+  job = jobs[case].result()
+  target, code, tmp_path = job.target, job.code, job.model_dir
   out = job.output
   assert code == 0, out[-4000:]
   # The launcher names every task that saved and exited 75 (either may exit first).
