@@ -169,7 +169,7 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
       + f" + optimizer {bpp[2]}" + (f"/D={D}" if p["optimizer_sharding"] != "none" else "")
       + f" ({p['optimizer_sharding']}) -> "
       f"{(r['weights'][i] + r['gradients'][i] + r['optimizer'][i]) / GIB:.3f} GiB",
-      f"  activations per block and micro-batch = " + (_tfpar_activations(m, p, act)
+      "  activations per block and micro-batch = " + (_tfpar_activations(m, p, act)
       if system.activation_counts == "tfpar" else {"full": f"2sbh{'/T' if regather else ''} x {act}/2 = "
                  f"2*{s}*{b}*{h}{f'/{T}' if regather else ''}*{act / 2:g}",
          "selective": f"sbh(W + (34-W)/T) x {act}/2 = {s}*{b}*{h}*({w} + {34 - w}/{T})"
