@@ -90,20 +90,6 @@ def bf16_cli_runs(bf16_started):
   return {name: (dirs[name], proc) for name, proc in future.result().items()}
 
 
-@pytest.mark.parametrize("plan", BF16_CLI)
-def test_bfloat16_by_default_auto_clusters_the_fusible_ops_and_trains_as_float32(
-    plan, bf16_cli_runs, float32_run):
-  model_dir, proc = bf16_cli_runs[plan]
-  what = next(line for line in proc.stdout.splitlines() if "training a" in line)
-  assert "XLA auto-clustering of the fusible ops" in what and "asked for but off" not in what
-  assert "Compiled cluster using XLA" in proc.stderr  # XLA ran, though the step is not compiled.
-  values = losses(model_dir)
-  reference = losses(float32_run)  # One device's float32: every plan's twin in float32.
-  assert len(values) == 8 and values[-2:].mean() < values[:2].mean() - 0.1, values
-  np.testing.assert_allclose(values, reference, rtol=1e-3)
-  assert np.abs(values - reference).max() > 1e-5, values  # 16-bit compute really ran.
-
-
 @pytest.fixture(scope="module")
 def cli_run(started):
   """(model_dir, CompletedProcess) of the CLI run end to end."""
@@ -252,3 +238,18 @@ def test_help_lists_tfpar_flags_and_how_to_run():
   assert proc.stdout.startswith("Trains a transformer in parallel: python -m tfpar.train")
   for flag in ("--model_dir", "--strategy", "--pipeline_stages", "--data", "--train_steps"):
     assert f"  {flag}:" in proc.stdout, flag
+
+
+# Last in the file: its CLI runs (bf16_started) train beside every in-process test above.
+@pytest.mark.parametrize("plan", BF16_CLI)
+def test_bfloat16_by_default_auto_clusters_the_fusible_ops_and_trains_as_float32(
+    plan, bf16_cli_runs, float32_run):
+  model_dir, proc = bf16_cli_runs[plan]
+  what = next(line for line in proc.stdout.splitlines() if "training a" in line)
+  assert "XLA auto-clustering of the fusible ops" in what and "asked for but off" not in what
+  assert "Compiled cluster using XLA" in proc.stderr  # XLA ran, though the step is not compiled.
+  values = losses(model_dir)
+  reference = losses(float32_run)  # One device's float32: every plan's twin in float32.
+  assert len(values) == 8 and values[-2:].mean() < values[:2].mean() - 0.1, values
+  np.testing.assert_allclose(values, reference, rtol=1e-3)
+  assert np.abs(values - reference).max() > 1e-5, values  # 16-bit compute really ran.
