@@ -20,6 +20,7 @@ rank >= 1 hold one row per example and are concatenated along axis 0.
 """
 
 import collections
+import contextlib
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -105,3 +106,8 @@ def replica_ids(strategy, local: int) -> List[int]:
   ids = strategy.experimental_distribute_values_from_function(
       lambda ctx: tf.constant(ctx.replica_id_in_sync_group))
   return [int(x) for x in strategy.experimental_local_results(ids)]
+
+
+def on_device(device: Optional[str]):
+  """tf.device(device), or no change of placement for None (tf.device(None) would clear it)."""
+  return tf.device(device) if device else contextlib.nullcontext()

@@ -33,7 +33,6 @@ uncompressed and a compressed part, each its own trace (the choice is made
 when tracing, not by a tf.cond around collectives).
 """
 
-import contextlib
 from typing import Dict, List, Optional
 
 import tensorflow as tf
@@ -189,7 +188,7 @@ class InReplica:
     return collectives.all_max(per_copy[0], self._devices(indices))
 
   def at(self, i: int):
-    return tf.device(self.home[i]) if self.home else contextlib.nullcontext()
+    return collectives.on_device(self.home[i] if self.home else None)
 
 
 class InProgram(InReplica):

@@ -50,7 +50,6 @@ Wired into tfpar.engines.data_parallel and tfpar.engines.model_parallel by
 tests/test_zero_hybrid.py.
 """
 
-import contextlib
 import functools
 from typing import List, Sequence
 
@@ -461,22 +460,17 @@ def reduce_scatter(layouts: Sequence[FlatLayout], groups, mine: int, devices=Non
     chunks = []
     with tf.control_dependencies(after):
       for layout, grads, device in zip(layouts, groups, places):
-        with _on(device):
+        with collectives.on_device(device):
           chunks.append(layout.slice(grads, k))
     summed = collectives.all_reduce(tf.distribute.ReduceOp.SUM, chunks, devices)
     after = []
     for chunk, device in zip(summed, places):
-      with _on(device):
+      with collectives.on_device(device):
         after.append(tf.reduce_sum(tf.square(chunk)))
     squares += after
     if k == mine:
       kept = summed
   return kept, tf.sqrt(tf.add_n(squares))
-
-
-def _on(device):
-  """tf.device(device), or no change of placement for None (tf.device(None) would clear it)."""
-  return tf.device(device) if device else contextlib.nullcontext()
 
 
 def _per_replica(strategy, value_of):
