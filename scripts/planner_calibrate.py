@@ -119,8 +119,11 @@ def main(argv):
   configs = [plan + (g,) for _, plan in RUNS.values()]
   configs += [ACROSS[name][2][:5] + (g, ACROSS[name][2][5]) for name in ran]
   link_reference = len(RUNS) if ran and ran[0] == list(ACROSS)[0] else None
-  predicted, fit = calibrate.fit(cfg.model, rate, configs, measured, references=REFERENCES,
-                                 global_batch=g, link_reference=link_reference)
+  try:
+    predicted, fit = calibrate.fit(cfg.model, rate, configs, measured, references=REFERENCES,
+                                   global_batch=g, link_reference=link_reference)
+  except ValueError as e:
+    sys.exit(f"planner_calibrate: {e}")
   print(f"matmul rate {rate / 1e9:.1f} GFLOP/s (512^2 float32, no XLA); solved from the "
         f"{' and '.join(names[i] for i in REFERENCES)} runs: {fit.step_seconds * 1e3:.1f} ms per "
         f"step, {fit.op_seconds * 1e3:.3f} ms per block and pass on each device"

@@ -156,6 +156,12 @@ def test_calibration_recovers_the_host_constants_from_two_runs():
   slower = calibrate.predict(GPT_SMALL, 130e9, HOST_PLANS, calibrate.Fit(0.05, 4e-4),
                              global_batch=16) - times
   assert slower[1] == pytest.approx(16 * slower[0]) and slower[4] == pytest.approx(2 * slower[0])
+  # Times taken under load can make the many-pass reference faster than the one-pass one:
+  # a negative per-block cost is refused, not used to predict.
+  loaded = np.array(times)
+  loaded[1] = loaded[0] / 2
+  with pytest.raises(ValueError, match="negative per-block cost.*idle"):
+    calibrate.fit(GPT_SMALL, 130e9, HOST_PLANS, loaded, references=(0, 1), global_batch=16)
 
 
 # (D, K, T, M, remat, G, workers): data parallel over 2 workers, stages on 2 and on 4 workers.

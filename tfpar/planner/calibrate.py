@@ -125,6 +125,9 @@ def fit(m: ModelConfig, rate: float, configs, measured, *, references, global_ba
 
   Returns:
     (predicted step seconds of every run, Fit).
+
+  Raises:
+    ValueError: the references solve to a negative constant (times taken under load).
   """
   work, passes, link = _terms(m, rate, configs, global_batch)
   measured = np.asarray(measured, dtype=float)
@@ -132,6 +135,11 @@ def fit(m: ModelConfig, rate: float, configs, measured, *, references, global_ba
   a = np.stack([np.ones_like(passes), passes], axis=1)
   (step_seconds, op_seconds), *_ = np.linalg.lstsq(a[refs], measured[refs] - work[refs],
                                                    rcond=None)
+  if step_seconds < 0 or op_seconds < 0:  # Time cannot run backwards: the references disagree.
+    raise ValueError(
+        f"the reference runs give a negative {'step' if step_seconds < 0 else 'per-block'} cost "
+        f"({step_seconds * 1e3:.1f} ms per step, {op_seconds * 1e3:.3f} ms per block and pass): "
+        "their times do not fit the host model, as on a loaded machine; rerun on an idle one")
   bandwidth = float("inf")
   if link_reference is not None:
     i = link_reference
