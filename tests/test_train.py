@@ -61,7 +61,9 @@ def started(request, tmp_path_factory):
   if not selected_tests_use(request, "cli_run"):
     return None
   model_dir = str(tmp_path_factory.mktemp("cli") / "run")
-  return model_dir, run_module_in_background("tfpar.train", CLI_ARGS + [f"--model_dir={model_dir}"])
+  # The host's BFC allocator, whose counters tfpar reads for the allocator peak (plan.json).
+  return model_dir, run_module_in_background("tfpar.train", CLI_ARGS + [f"--model_dir={model_dir}"],
+                                             env={"TF_CPU_ALLOCATOR_USE_BFC": "true"})
 
 
 # mixed_bfloat16 as a user gets it from the CLI (no XLA for the step, XLA's auto-clustering of
@@ -223,6 +225,19 @@ def test_cli_end_to_end(cli_run):
     assert r["loss_per_byte"] == pytest.approx(r["loss"])  # Bytes: one byte per token.
   values = losses(model_dir)
   assert values[-3:].mean() < values[:3].mean() - 0.1, values  # visibly falling
+  # The allocator's peak over step 2 (the first call after tracing), beside the prediction:
+  # what was held before it includes the weights and slots; what the step added on top, its
+  # gradients and the activations the backward keeps, is the plan's count within 25%.
+  with open(os.path.join(model_dir, "plan.json")) as f:
+    plan = json.load(f)
+  peak = plan["allocator_peak"]
+  assert peak["steps"] == [2, 2] and list(peak["allocators"]) == ["CPU"]
+  cpu = peak["allocators"]["CPU"]
+  measured = plan["bytes_per_replica"]["measured"]
+  assert cpu["held_bytes"] >= measured["weights"] + measured["optimizer"]
+  assert cpu["added_bytes"] == cpu["peak_bytes"] - cpu["held_bytes"]
+  assert cpu["added_bytes"] == pytest.approx(cpu["predicted_added_bytes"], rel=0.25), cpu
+  assert "memory during step 2, allocator: CPU held" in proc.stdout
   assert evals[1]["loss"] < evals[0]["loss"]
   ckpts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(model_dir, "checkpoints",
                                                                      "ckpt-*.index")))

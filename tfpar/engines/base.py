@@ -25,7 +25,7 @@ the run's step. tfpar.engines.make chooses the engine for a config.
 Engines import no model, loss or reader: the task brings them.
 """
 
-from typing import Dict
+from typing import Dict, List
 
 import keras
 import numpy as np
@@ -66,7 +66,10 @@ class Engine:
     _replica_eval(inputs, targets) -> this replica's eval outputs;
     describe() -> what the run's first line says about the engine;
     bytes_report() -> a line on the bytes a replica holds, or "" (the default);
-    write_files(model_dir) -> what the engine writes beside config.json (the chief's).
+    write_files(model_dir) -> what the engine writes beside config.json (the chief's);
+    memory_devices() and predicted_memory() -> this process's compute devices and what
+        each is predicted to hold, for the allocator peak the loop measures
+        (tfpar.training.memory; the default: none, nothing measured).
 
   Args:
     cfg: the run's config.
@@ -152,6 +155,12 @@ class Engine:
 
   def write_files(self, model_dir: str) -> None:
     del model_dir
+
+  def memory_devices(self) -> List[str]:
+    return []
+
+  def predicted_memory(self) -> Dict[str, Dict[str, int]]:
+    return {}
 
   def _replica_eval(self, inputs, targets):
     raise NotImplementedError

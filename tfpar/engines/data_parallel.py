@@ -19,7 +19,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tfpar import storage
+from tfpar import schema, storage
 from tfpar.config import Config, check_batch
 from tfpar.engines.base import Engine, build_model
 from tfpar.parallel import plan as plan_lib
@@ -116,6 +116,26 @@ class DataParallelEngine(Engine):
     counts = plan_lib.count_params(self.cfg.model, family=self.task.family)
     params = counts.embedding + counts.head + self.cfg.model.num_layers * counts.block
     return zero.state_bytes(params, self.num_replicas, self.cfg.parallel.optimizer_sharding)
+
+  def memory_devices(self):
+    return list(self._local_devices)
+
+  def predicted_memory(self):
+    """Per local replica: the state above, its own gradient (and the summed one beside it when
+    replicas sum), and the activations its backward keeps at G/D sequences
+    (tfpar.parallel.plan's count for one device)."""
+    cfg, d = self.cfg, self.num_replicas
+    state = self.predicted_bytes()
+    b = cfg.train.global_batch_size // d
+    per_block, _ = plan_lib.activation_bytes_per_block(
+        cfg.model, b, 1, schema.REMAT.index(cfg.parallel.remat), cfg.train.precision, False,
+        counts="tfpar")
+    activations = int(cfg.model.num_layers * per_block + plan_lib.head_activation_bytes(
+        cfg.model, b, cfg.train.precision, "tfpar"))
+    gradients = state["weights"] + (state["summed_gradient"] if d > 1 else 0)
+    one = {"weights": state["weights"], "gradients": gradients, "optimizer": state["optimizer"],
+           "activations": activations}
+    return {device: one for device in self._local_devices}
 
   def write_files(self, model_dir: str) -> None:
     """plan.json: per replica, the predicted bytes beside the measured (`bytes_report`)."""

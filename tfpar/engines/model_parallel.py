@@ -265,6 +265,20 @@ class ModelParallelEngine(Engine):
   def measured_bytes(self) -> dict:
     return measured_bytes(self.copies, self.zero.slot_variables() if self.zero else ())
 
+  def memory_devices(self):
+    return [device for copy in self.copies for stage in copy.devices for device in stage]
+
+  def predicted_memory(self):
+    """Per device of this process: the plan's weights, optimizer state and activations, and
+    a gradient as large as its weights."""
+    held, activations = self.plan.bytes_per_device(), self.plan.activation_bytes()
+    out = {}
+    for device in self.memory_devices():
+      key = plan_lib.device_key(device)
+      out[device] = {"weights": held[key]["parameters"], "gradients": held[key]["parameters"],
+                     "optimizer": held[key]["optimizer"], "activations": activations.get(key, 0)}
+    return out
+
   def describe(self) -> dict:
     p = self.plan
     per_device = {dev: f"params {plan_lib.kib(b['parameters'])} + "

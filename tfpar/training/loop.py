@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from tfpar.config import Config
 from tfpar.console import count as _count
-from tfpar.training import preemption
+from tfpar.training import memory, preemption
 from tfpar.training.checkpoint import CanonicalCheckpointer, assign_canonical
 from tfpar.training.metrics import MetricsWriter
 
@@ -135,8 +135,13 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
   agreement = preemption.Agreement(getattr(engine, "strategy", None))
   preemption.arm()
   profiling = False
+  # The allocators' peak over the first call after the one that traced (tfpar.training.memory).
+  allocators = memory.allocators(engine.memory_devices()) if is_chief else {}
   while step < t.train_steps:
     n = min(t.steps_per_call, _next_boundary(step, cfg) - step)
+    measuring = allocators and not first_call
+    if measuring:
+      held = memory.reset(allocators)
     if is_chief and t.profile_steps and step + 1 == t.profile_steps[0]:
       tf.profiler.experimental.start(  # Its calls end at the last traced step; ops named.
           t.model_dir, options=tf.profiler.experimental.ProfilerOptions(host_tracer_level=3))
@@ -148,6 +153,10 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
     if profiled:
       tf.profiler.experimental.stop()
       profiling = False
+    if measuring:
+      metrics.say(memory.record(t.model_dir, (step + 1, step + n), allocators, held,
+                                memory.peaks(allocators), engine.predicted_memory()))
+      allocators = {}
     skipped = _check_numerics(cfg, step, losses, norms, metrics, checkpointer.directory)
     window_skipped += skipped
     skipped_total += skipped
