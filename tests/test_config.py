@@ -166,7 +166,7 @@ def test_defaults_are_derived():
     (["--precision=mixed_bfloat16", "--jit_compile"], True, "none"),
     (["--precision=mixed_bfloat16", "--strategy=tpu"], True, "none"),
     (["--precision=mixed_bfloat16", "--strategy=mirrored"], False, "fusible"),
-    # Across processes not by default (stages on other workers refuse it: tfpar.runner).
+    # Across processes not by default (stages on other workers refuse it: rules.check_worker_job).
     (["--precision=mixed_bfloat16", "--strategy=multi_worker_mirrored"], False, "none"),
     (["--precision=mixed_bfloat16", "--strategy=parameter_server"], False, "none"),
     (["--precision=mixed_float16"], True, "none"),
@@ -183,6 +183,23 @@ def test_auto_clustering_with_a_step_compiled_whole_is_refused():
   with pytest.raises(ConfigError, match="--xla_auto_clustering=fusible is for a step not "
                      "compiled whole.*pass --nojit_compile"):
     make_config([MODEL_DIR, "--jit_compile", "--xla_auto_clustering=fusible"])
+
+
+def test_every_task_of_a_model_parallel_job_checks_its_layout_before_servers_start():
+  """rules.check_worker_job: what tfpar.runner asks on every task before any server starts."""
+  from tfpar import rules  # pylint: disable=import-outside-toplevel
+  across = [MODEL_DIR, "--strategy=multi_worker_mirrored", "--pipeline_stages=2",
+            "--precision=mixed_bfloat16", "--num_cpu_devices=1"]
+  cfg = make_config(across + ["--xla_auto_clustering=fusible"])
+  with pytest.raises(rules.ConfigError, match="--xla_auto_clustering=fusible does not work with "
+                     "pipeline stages on different workers.*use --xla_auto_clustering=none"):
+    rules.check_worker_job(cfg, num_workers=2, devices_per_worker=1)
+  assert rules.check_worker_job(make_config(across), 2, 1) is True  # Off by default there.
+  assert rules.check_worker_job(cfg, 2, 2) is False  # A replica per worker: allowed.
+  with pytest.raises(rules.ConfigError, match="do not split into replicas"):
+    rules.check_worker_job(make_config(across), 3, 1)  # worker_layout's rules, as early.
+  assert rules.check_worker_job(make_config([MODEL_DIR, "--strategy=multi_worker_mirrored"]),
+                                3, 1) is False  # Not model parallel: nothing to lay out.
 
 
 def test_auto_clustering_sets_tf_xla_flags_before_the_users_own(monkeypatch):

@@ -355,6 +355,25 @@ def stages_across_workers(cfg: Config, devices_per_worker: int) -> bool:
           p.pipeline_stages * p.tensor_parallel > devices_per_worker)
 
 
+def check_worker_job(cfg: Config, num_workers: int, devices_per_worker: int) -> bool:
+  """A model-parallel job over workers, on every process before its servers start.
+
+  `worker_layout`'s rules, and what stages on different workers refuse; every
+  task of the job reaches the same answer, so all exit 2 together instead of
+  servers waiting for a chief that refused. Returns whether a replica spans
+  workers (`stages_across_workers`).
+  """
+  if not (cfg.dist.strategy == "multi_worker_mirrored" and cfg.parallel.model_parallel):
+    return False
+  worker_layout(cfg.parallel, num_workers, devices_per_worker, cfg.compression.method)
+  across = stages_across_workers(cfg, devices_per_worker)
+  if across and cfg.train.xla_auto_clustering != "none":
+    raise ConfigError(f"--xla_auto_clustering={cfg.train.xla_auto_clustering} does not work "
+                      "with pipeline stages on different workers (TensorFlow then puts the "
+                      "chief's input iterator on two CPUs at once): use --xla_auto_clustering=none")
+  return across
+
+
 def worker_layout(p: ParallelConfig, num_workers: int, devices_per_worker: int,
                   compression: str = "none") -> tuple:
   """(D, workers per replica W) of a model-parallel plan over N workers of G devices each.

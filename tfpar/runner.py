@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from tfpar import console
 from tfpar import engines
+from tfpar import rules
 from tfpar import rundir
 from tfpar import storage
 from tfpar import strategies
@@ -114,11 +115,8 @@ def _run(cfg: Config, cluster: Cluster) -> dict:
     from tfpar.parallel import parameter_server  # pylint: disable=import-outside-toplevel
     parameter_server.serve(cluster)
     return {}
-  across = strategies.stages_across_workers(cfg)
-  if across and cfg.train.xla_auto_clustering != "none":
-    raise ConfigError(f"--xla_auto_clustering={cfg.train.xla_auto_clustering} does not work "
-                      "with pipeline stages on different workers (TensorFlow then puts the "
-                      "chief's input iterator on two CPUs at once): use --xla_auto_clustering=none")
+  # Every task of a model-parallel job checks its layout here, before any server starts.
+  across = rules.check_worker_job(cfg, cluster.num_workers, strategies.devices_per_worker(cfg))
   if across and not cluster.is_chief:  # The chief places this worker's stages (parallel/remote).
     remote.serve(cluster, cfg.train.model_dir)
     return {}

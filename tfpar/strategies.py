@@ -43,15 +43,15 @@ def compute_devices(num_cpu_devices: int = 0):
   return cpus[:num_cpu_devices] if num_cpu_devices else cpus
 
 
-def stages_across_workers(cfg, environ=os.environ) -> bool:
-  """tfpar.rules.stages_across_workers on this worker's devices.
+def devices_per_worker(cfg, environ=os.environ) -> int:
+  """This worker's devices: the GPUs, else --num_cpu_devices.
 
   Counted without starting TensorFlow's runtime (a MultiWorkerMirroredStrategy
-  must configure its collectives first): the GPUs, else --num_cpu_devices.
-  A pod rendered by tfpar.k8s says how many GPUs it was given (GPUS_ENV): the
-  render chose the job's policies on that count, and each worker decides alone
-  whether it serves, so a pod that sees another count stops here (a GPU node
-  that shows every GPU to a pod that asked for none, a missing device plugin).
+  must configure its collectives first). A pod rendered by tfpar.k8s says how
+  many GPUs it was given (GPUS_ENV): the render chose the job's policies on
+  that count, and each worker decides alone whether it serves, so a pod that
+  sees another count stops here (a GPU node that shows every GPU to a pod that
+  asked for none, a missing device plugin).
   """
   gpus = len(tf.config.list_physical_devices("GPU"))
   given = environ.get(GPUS_ENV)
@@ -59,7 +59,12 @@ def stages_across_workers(cfg, environ=os.environ) -> bool:
     raise ConfigError(f"this pod sees {gpus} GPU(s) but was rendered with {GPUS_ENV}={given} "
                       "(tfpar.k8s render --gpus_per_worker): render the job again with "
                       f"--gpus_per_worker={gpus}, or give the pod the GPUs it asked for")
-  return rules.stages_across_workers(cfg, gpus or max(1, cfg.dist.num_cpu_devices))
+  return gpus or max(1, cfg.dist.num_cpu_devices)
+
+
+def stages_across_workers(cfg, environ=os.environ) -> bool:
+  """tfpar.rules.stages_across_workers on this worker's devices (`devices_per_worker`)."""
+  return rules.stages_across_workers(cfg, devices_per_worker(cfg, environ))
 
 
 def make_strategy(dist: DistConfig, cluster: Cluster) -> tf.distribute.Strategy:
