@@ -24,9 +24,10 @@ and measures, in this order:
   * all stages: the allocator's peak during one untraced step above its
     level before it (`tf.config.experimental.get_memory_info`).
   * the plan's prediction beside it (tfpar.parallel.plan.activation_bytes:
-    micro-batches in flight under the schedule x Korthikanti et al.'s bytes
-    per block, 16-bit formula doubled for float32, plus the logits): an
-    estimate of the activations alone, the same for every order of ops.
+    micro-batches in flight under the schedule x tfpar's bytes per block,
+    plus the head's: tfpar.parallel.plan.tfpar_kept_per_position, measured
+    by scripts/activation_memory.py): an estimate of the activations alone,
+    the same for every order of ops.
   * tokens/s: --steps timed training steps (optimizer included) after
     --warmup untimed ones, without the profiler (--steps=0: not measured).
 

@@ -35,8 +35,9 @@ backward (`activation_bytes_per_block` with counts="tfpar", also the
 planner's for --system=tfpar; Korthikanti et al. 2022's count is Megatron-LM's;
 sequence parallelism splits part of it over the T shards) and what the head
 keeps on the last stage (`head_activation_bytes`). scripts/pipeline_memory.py
-measures it across stages; tests/test_sequence_parallel.py counts it per
-device on the traced step.
+measures the stages' peaks; scripts/activation_memory.py measures, from the
+allocator, what each device holds when the backward starts (held to this
+prediction by tests/test_sequence_parallel.py).
 """
 
 import dataclasses
