@@ -24,9 +24,10 @@ and measures, in this order:
   * all stages: the allocator's peak during one untraced step above its
     level before it (`tf.config.experimental.get_memory_info`).
   * the plan's prediction beside it (tfpar.parallel.plan.activation_bytes:
-    micro-batches in flight under the schedule x Korthikanti et al.'s bytes
-    per block, 16-bit formula doubled for float32, plus the logits): an
-    estimate of the activations alone, the same for every order of ops.
+    micro-batches in flight under the schedule x tfpar's bytes per block,
+    plus the head's: tfpar.parallel.plan.tfpar_kept_per_position, measured
+    by scripts/activation_memory.py): an estimate of the activations alone,
+    the same for every order of ops.
   * tokens/s: --steps timed training steps (optimizer included) after
     --warmup untimed ones, without the profiler (--steps=0: not measured).
 
@@ -37,11 +38,9 @@ only the ratio of two medians means anything.
 """
 
 import collections
-import glob
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -82,33 +81,13 @@ def train_flags(schedule: str, model_dir: str):
               [f"--virtual_stages={f.virtual_stages}"] if schedule == "interleaved" else [])
 
 
-def op_devices(graph):
-  """{op name: device} of a graph's ops; an op placed by colocation takes its group's device."""
-  out = {}
-  for op in graph.get_operations():
-    device = op.device
-    if not device:
-      groups = [g.decode()[len("loc:@"):] for g in op.colocation_groups()]
-      device = graph.get_operation_by_name(groups[0]).device if groups else ""
-    out[op.name] = device
-  return out
-
-
-def stage_of(op_name: str, devices, stage_by_device):
-  """The stage of the op that made an allocation (a Grappler rewrite: of the op it came from)."""
-  name = op_name
-  while name not in devices and ("/" in name or "_" in name):
-    # 'ArithmeticOptimizer/FoldTransposeIntoMatMul_MatMul_2' came from 'MatMul_2'.
-    name = name.split("/", 1)[1] if "/" in name else name.split("_", 1)[1]
-  return stage_by_device.get(devices.get(name, ""), "other")
-
-
 def peaks_per_stage(events, devices, stage_by_device):
   """{stage: the most bytes allocated during the trace and alive at once}."""
   live, peak, owner = collections.Counter(), collections.Counter(), {}
   for _, name, stats in sorted(events, key=lambda e: e[0]):
     if name == "MemoryAllocation":
-      stage = stage_of(stats.get("tf_op", ""), devices, stage_by_device)
+      stage = stage_by_device.get(devices.get(xplane.op_of(stats.get("tf_op", ""), devices)),
+                                  "other")
       owner[stats["addr"]] = (stage, stats["allocation_bytes"])
       live[stage] += stats["allocation_bytes"]
       peak[stage] = max(peak[stage], live[stage])
@@ -138,7 +117,7 @@ def measure(schedule: str) -> dict:
   step = tf.function(engine.copies[0].pipeline.loss_and_grads)
   batch = next(engine.train_iterator(0))
   devices = {name: plan_lib.device_key(d) if d else "" for name, d in
-             op_devices(step.get_concrete_function(*batch).graph).items()}
+             xplane.op_devices(step.get_concrete_function(*batch).graph).items()}
   step(*batch)  # Warm: the first call allocates what later ones reuse.
   before = tf.config.experimental.get_memory_info("CPU:0")["current"]
   tf.config.experimental.reset_memory_stats("CPU:0")
@@ -167,17 +146,6 @@ def measure(schedule: str) -> dict:
           "tokens_per_sec": tokens_per_sec}
 
 
-def child(schedule: str) -> dict:
-  env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2",
-             PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  args = [a for a in sys.argv[1:] if not a.startswith("--only")] + [f"--only={schedule}"]
-  proc = subprocess.run([sys.executable, os.path.abspath(__file__)] + args, env=env,
-                        capture_output=True, text=True, check=False)
-  if proc.returncode:
-    raise SystemExit(f"{schedule} failed:\n{proc.stderr[-3000:]}")
-  return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main(_):
   if FLAGS.only:
     print(json.dumps(measure(FLAGS.only)), flush=True)
@@ -185,7 +153,8 @@ def main(_):
   runs = []
   for r in range(FLAGS.rounds):
     for schedule in FLAGS.schedules[::1 if r % 2 == 0 else -1]:
-      runs.append(child(schedule))
+      runs.append(xplane.run_child(__file__, [a for a in sys.argv[1:] if not a.startswith("--only")]
+                                   + [f"--only={schedule}"]))
   med = lambda values: statistics.median(values)
   rows = {}
   for schedule in FLAGS.schedules:

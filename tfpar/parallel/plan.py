@@ -35,8 +35,9 @@ backward (`activation_bytes_per_block` with counts="tfpar", also the
 planner's for --system=tfpar; Korthikanti et al. 2022's count is Megatron-LM's;
 sequence parallelism splits part of it over the T shards) and what the head
 keeps on the last stage (`head_activation_bytes`). scripts/pipeline_memory.py
-measures it across stages; tests/test_sequence_parallel.py counts it per
-device on the traced step.
+measures the stages' peaks; scripts/activation_memory.py measures, from the
+allocator, what each device holds when the backward starts (held to this
+prediction by tests/test_sequence_parallel.py).
 """
 
 import dataclasses
@@ -148,8 +149,9 @@ def activation_bytes_per_block(m: ModelConfig, b, t, remat, precision: str,
   recompute drops. Full recompute keeps only the block's input, 2 s b h
   (2 s b h / T where the stream stays split: Megatron's sequence parallelism).
 
-  `counts` "tfpar": what tfpar's own backward reads (`tfpar_kept_per_position`,
-  counted on the traced step by tests/test_sequence_parallel.py); its full
+  `counts` "tfpar": what tfpar's own step keeps (`tfpar_kept_per_position`, and
+  the attention core's probabilities, a s^2 b / T, which selective recompute
+  drops), measured from the allocator by scripts/activation_memory.py; its full
   recompute keeps the block's input whole, s b h values (tfpar joins the stream).
   """
   s, h, a = m.seq_len, m.d_model, m.num_heads
@@ -158,7 +160,7 @@ def activation_bytes_per_block(m: ModelConfig, b, t, remat, precision: str,
   if counts == "tfpar":
     act = ACTIVATION_BYTES[precision]
     linear = s * b * tfpar_kept_per_position(m, t, split) * act
-    full = linear + 2 * a * s * s * b / t * act
+    full = linear + a * s * s * b / t * act
     block_input = s * b * h * act
   else:
     scale = ACTIVATION_BYTES[precision] / 2
@@ -172,44 +174,46 @@ def activation_bytes_per_block(m: ModelConfig, b, t, remat, precision: str,
 
 def tfpar_kept_per_position(m: ModelConfig, t, sequence_parallel=False):
   """Values per sequence position that one tfpar block keeps for its backward on its busiest
-  device, but the attention core's 2 a s / T (its scores and probabilities).
+  device, but the attention core's a s / T (its probabilities).
 
-  Counted on the traced step's graph without XLA (each buffer once: a reshape
-  shares its input's), in the model's compute dtype:
+  Measured from TensorFlow's allocator on the ops Grappler leaves
+  (scripts/activation_memory.py: the bytes the step allocated and still holds
+  when the backward starts, without XLA, float32), in the model's compute dtype:
     norms      each of the two keeps its input, its normalised product and its
                output (the column-parallel matmuls' input), and c statistics
-               per position (LayerNorm: mean, 1/sigma, -mean/sigma, c = 3;
-               RMSNorm: 1/rms, c = 1): 2 (3h + c). Under sequence parallelism
-               inputs, products and statistics are on 1/T of the sequence and
-               the outputs are gathered whole: 2h + 2 (2h + c) / T.
-    attention  Q, K, V and the heads' output, 4h/T (Llama's rotary also keeps
-               the halves of Q and K: (h + kv hd)/T).
-    MLP        GPT: the pre-activation, the tanh GELU's five intermediates and
-               its output, 7f/T; Llama's SwiGLU: gate, up, SiLU's output and
-               the two its custom gradient keeps, and the product, 5f/T.
-  Megatron-LM keeps less (the paper's count above): fused LayerNorm and bias +
-  GELU kernels keep only their inputs. Not counted: dropout masks (the
-  measured runs use --dropout=0, as pretraining does).
+               per position (LayerNorm c = 3: the mean, the variance and one
+               product of them; RMSNorm c = 1: the mean square): 2 (3h + c). Under sequence
+               parallelism inputs, products and statistics are on 1/T of the
+               sequence and the outputs are gathered whole: 2h + 2 (2h + c) / T.
+    attention  Q, K, V and the heads' output, 4h/T.
+    MLP        GPT: the pre-activation, the tanh GELU's three intermediates its
+               gradient reads and its output, 5f/T; Llama's SwiGLU: gate, up,
+               SiLU's output and the product, 4f/T.
+  The traced graph's gradient ops read more (the attention scores, GELU's two
+  other intermediates and rotary's halves of Q and K): only the gradients of
+  constants read those, Grappler prunes them, and the executor then writes the
+  next op's output over them (the softmax over its scores). Megatron-LM keeps
+  less (the paper's count above): fused LayerNorm and bias + GELU kernels keep
+  only their inputs. Not counted: dropout masks (the measured runs use
+  --dropout=0, as pretraining does).
   """
   h, f = m.d_model, m.d_ff
   split = np.asarray(sequence_parallel, dtype=bool)
   llama = m.architecture == "llama"
   stats = 1 if llama else 3
   norms = np.where(split, 2 * h + 2 * (2 * h + stats) / t, 2 * (3 * h + stats))
-  attention = 4 * h / t
-  if llama:
-    attention = attention + (h + m.kv_heads * (h // m.num_heads)) / t
-  mlp = (5 if llama else 7) * f / t
-  return norms + attention + mlp
+  return norms + 4 * h / t + (4 if llama else 5) * f / t
 
 
 def head_activation_bytes(m: ModelConfig, b, precision: str, counts: str = "paper", tv=1):
   """Bytes the logits stage keeps for one micro-batch's backward of the output head.
 
   "paper": float32 logits and their gradient, 8 b s V / T_vocab (our estimate).
-  "tfpar" (counted as tfpar_kept_per_position is): the loss's float32 gradient of
-  the logits, 4 b s V; the final norm's input, product and output, whole, with its
-  statistics; and GPT's tied output projection, the embedding transposed, h V.
+  "tfpar" (measured as tfpar_kept_per_position is): the loss's float32 gradient of
+  the logits, 4 b s V (written over the logits); the final norm's input, product
+  and output, whole, with its statistics. (The traced graph also keeps GPT's tied
+  output projection, the embedding transposed, for the backward; Grappler folds
+  the transpose into the matmuls, so no copy is made.)
   """
   s, h, v = m.seq_len, m.d_model, m.vocab_size
   if counts != "tfpar":
@@ -217,7 +221,7 @@ def head_activation_bytes(m: ModelConfig, b, precision: str, counts: str = "pape
   act = ACTIVATION_BYTES[precision]
   llama = m.architecture == "llama"
   norm = s * b * (3 * h + (1 if llama else 3)) * act
-  return 4 * b * s * v + norm + (0 if llama else h * v * act)
+  return 4 * b * s * v + norm
 
 
 @dataclasses.dataclass(frozen=True)

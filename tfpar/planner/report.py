@@ -130,10 +130,10 @@ def _tfpar_activations(m, p, act) -> str:
   """The tfpar count of one block's activations (tfpar.parallel.plan) with the plan's numbers."""
   s, b, h, a, T = m.seq_len, p["microbatch_size"], m.d_model, m.num_heads, p["tensor_parallel"]
   n = float(plan_lib.tfpar_kept_per_position(m, T, p["sequence_parallel"]))
-  core = {"none": f" + 2*{a}*{s}/{T}", "selective": "", "full": None}[p["remat"]]
+  core = {"none": f" + {a}*{s}/{T}", "selective": "", "full": None}[p["remat"]]
   if core is None:
     return f"sbh x act = {s}*{b}*{h}*{act} (full recompute: the block's input)"
-  return (f"sb(N{' + 2as/T' if core else ''}) x act = {s}*{b}*({n:g}{core})*{act} (N = values "
+  return (f"sb(N{' + as/T' if core else ''}) x act = {s}*{b}*({n:g}{core})*{act} (N = values "
           f"kept per position, {'sequence parallel' if p['sequence_parallel'] else 'not split'})")
 
 
