@@ -16,7 +16,6 @@ import pytest
 
 from conftest import TINY, assert_same_state, assert_twin, build_engine, make_config, train_twin
 from tfpar import rules
-from tfpar.config import ConfigError
 from tfpar.parallel import plan as plan_lib
 from tfpar.planner import clusters, cost
 from tfpar.training.checkpoint import (CanonicalCheckpointer, assign_canonical, read_canonical,
@@ -139,11 +138,10 @@ def test_plan_json_measures_half_the_optimizer_bytes_per_device_under_zero1(runs
       assert abs(predicted[part][i] / measured[device][kind] - 1) < 0.1, (i, part, measured)
 
 
-def test_stages_on_different_workers_refuse_it_in_one_line(tmp_path):
-  """A replica over whole workers runs in one program that sums on one device: not wired."""
+def test_stages_on_different_workers_take_it(tmp_path):
+  """A replica over whole workers (every copy in the chief's one program) shards too
+  (trained in tests/test_cross_worker.py's four-worker run)."""
   cfg = make_config(TINY + ["--strategy=multi_worker_mirrored", "--pipeline_stages=2",
-                            "--optimizer_sharding=zero1", f"--model_dir={tmp_path}"])
-  assert rules.worker_layout(cfg.parallel, 2, 2) == (2, 1)  # A replica per worker: allowed.
-  with pytest.raises(ConfigError, match="--optimizer_sharding=zero1 .*--num_cpu_devices=2") as e:
-    rules.worker_layout(cfg.parallel, 4, 1)
-  assert "\n" not in str(e.value)
+                            "--optimizer_sharding=zero2", f"--model_dir={tmp_path}"])
+  assert rules.worker_layout(cfg.parallel, 2, 2) == (2, 1)  # A replica per worker.
+  assert rules.worker_layout(cfg.parallel, 4, 1) == (2, 2)  # Stages on different workers.
