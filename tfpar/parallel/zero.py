@@ -43,7 +43,11 @@ writes each shard's part, so any sharding restores any other's checkpoint.
 
 Model-parallel plans (`PlanZero`): each device position (k, t) of a plan row
 is a ZeroUpdate of its own over the weights it holds, sharded over the D peers
-(d, k, t); the global norm stays that of the whole gradient.
+(d, k, t); the global norm stays that of the whole gradient. With pipeline
+stages on different workers every copy runs in one program without replica
+context, and the same code sums, scatters and gathers by placement instead of
+collectives (`PlanZero.apply`, `reduce_scatter`); all D shards are then local,
+so a save concatenates them.
 
 Wired into tfpar.engines.data_parallel and tfpar.engines.model_parallel by
 --optimizer_sharding (docs/design.md, "Optimizer sharding"); tests/test_zero.py,
