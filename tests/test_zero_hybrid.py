@@ -1,7 +1,9 @@
 """--optimizer_sharding on the data-parallel dimension of hybrid plans (zero.PlanZero).
 
 D=2 copies x K=2 pipeline stages (zero1, zero2) and D=2 x T=2 tensor shards (zero1) on 4
-logical CPUs, without XLA, 5 steps of the TINY model at seq 16, --clip_norm=0.05 (clips
+logical CPUs, 5 steps of the TINY model at seq 16 (zero2 under --jit_compile: each stage's
+forward and backward and each (stage, copy)'s shard update one XLA program; the others and
+one device without XLA), --clip_norm=0.05 (clips
 every step) and --on_nonfinite=skip: each must take one device's steps (loss, gradient norm,
 the first gradient through AdamW's m, the final weights and the gathered m and v, at 1e-5).
 Then checkpoints cross between the plans both ways, and plan.json's measured optimizer bytes
@@ -28,7 +30,8 @@ HYBRID = ["--strategy=mirrored", "--num_cpu_devices=4", "--data_parallel=2",
           "--pipeline_stages=2", "--microbatches=1"]
 PLANS = {"one": ["--strategy=one_device"],
          "zero1 2x2": HYBRID + ["--optimizer_sharding=zero1"],
-         "zero2 2x2": HYBRID + ["--optimizer_sharding=zero2"],
+         # Each stage's forward and backward, and each (stage, copy)'s update, under XLA.
+         "zero2 2x2": HYBRID + ["--optimizer_sharding=zero2", "--jit_compile=true"],
          "zero1 D2xT2": ["--strategy=mirrored", "--num_cpu_devices=4", "--data_parallel=2",
                          "--tensor_parallel=2", "--optimizer_sharding=zero1"]}
 
@@ -54,6 +57,9 @@ def test_zero_on_a_2x2_hybrid_is_one_devices_twin(runs, plan):
   assert engine.zero.mode == plan.split()[0] and engine.num_replicas == 2
   assert not any(c.optimizer.built for c in engine.copies)  # No Keras slots: the shards hold them.
   assert len(engine.zero.updates) == 2  # One ZeroUpdate per device position (stage or shard).
+  programs = [f for u in engine.zero.updates for f in u._updates]  # One per (position, copy).
+  assert [getattr(f, "experimental_get_tracing_count", lambda: 0)() > 0 for f in programs] == \
+      [engine.cfg.train.jit_compile] * 4
   assert_twin(run, one)
   assert int(run["final"]["optimizer/iterations"]) == STEPS
 

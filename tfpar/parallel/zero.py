@@ -106,8 +106,9 @@ class FlatLayout:
 
   def slice(self, tensors: Sequence[tf.Tensor], shard: int) -> tf.Tensor:
     """`shard` of the tensors' padded flat vector, built from the parts in it only (S floats)."""
-    parts = [tf.reshape(tf.cast(tf.convert_to_tensor(tensors[i]), tf.float32), [-1])[a:b]
-             for i, a, b in self.pieces(shard)]
+    # Reshaped to the known size: a gradient from a compiled function may come unshaped.
+    parts = [tf.reshape(tf.cast(tf.convert_to_tensor(tensors[i]), tf.float32),
+                        [self.sizes[i]])[a:b] for i, a, b in self.pieces(shard)]
     pad = self.shard_size - sum(b - a for _, a, b in self.pieces(shard))
     return tf.concat(parts + [tf.zeros([pad])], axis=0)
 
