@@ -3,9 +3,9 @@
 D=2 copies x K=2 pipeline stages (zero1, zero2) and D=2 x T=2 tensor shards (zero1) on 4
 logical CPUs, 5 steps of the TINY model at seq 16 (zero2 under --jit_compile: each stage's
 forward and backward and each (stage, copy)'s shard update one XLA program; the others and
-one device without XLA), --clip_norm=0.05 (clips
-every step) and --on_nonfinite=skip: each must take one device's steps (loss, gradient norm,
-the first gradient through AdamW's m, the final weights and the gathered m and v, at 1e-5).
+one device without XLA), --clip_norm=0.05 (clips every step) and --on_nonfinite=skip: each
+must take one device's steps (loss, gradient norm, the first gradient through AdamW's m, the
+final weights and the gathered m and v, at 1e-5).
 Then checkpoints cross between the plans both ways, and plan.json's measured optimizer bytes
 per device are half the unsharded ones. (Two worker processes under zero1:
 tests/test_model_parallel.py::test_hybrid_across_two_worker_processes.)
