@@ -10,6 +10,9 @@ the summed gradient's norm, weights and the gathered m and v after every step
 (m after step 1 is (1 - beta_1) x the clipped summed gradient, so the
 gradients are compared through it); zero1 and the unsharded update there also
 compiled as one XLA program per replica (--jit_compile's), zero2 op by op.
+And PlanZero (a hybrid plan's ZeRO) alone on D=2 copies of a 2-device row against the
+same one-device run, with both copies in one program (stages on different workers) and
+in replica context, compiled per (position, copy) or not.
 """
 
 import json
