@@ -6,15 +6,21 @@ test (conftest.EARLY) and shared by every test here:
   two     2 workers x 1 stage each (D=1, K=2), 1F1B over M=4 micro-batches,
           XLA on, 4 steps;
   four    4 workers as D=2 x K=2, interleaved 1F1B over v=2 chunks per stage
-          (4 blocks), XLA off, resumed at step 2 from a checkpoint one device
+          (4 blocks), XLA off, --optimizer_sharding=zero2 (each copy's shard
+          of m and v on its own devices, every copy in the chief's one
+          program), resumed at step 2 from an unsharded checkpoint one device
           wrote (the reference `one_nojit` itself);
   bf16    4 workers as D=2 x K=2, 1F1B, --precision=mixed_bfloat16 (XLA off:
           its default) and --grad_compression=powersgd, 4 steps.
 
 Each of the first three is held to one device's loss per step at relative
-1e-5 and its gradient norm at 1e-4; the 2-worker run's final weights and
-AdamW slots to one device's; its step-2 checkpoint restores on one device
-and trains on to the same losses. `bf16` is held to the same plan inside one
+1e-5 and its gradient norm at 1e-4; the 2-worker run's and the 4-worker
+zero2 run's final weights and AdamW slots (zero2's gathered from its shards)
+to one device's; the 2-worker run's step-2 checkpoint restores on one device
+and trains on to the same losses. (The unsharded float32 sum of D=2 copies
+in one program: `bf16`'s uncompressed small tensors, and
+test_a_codec_sums_copies_in_one_program_as_replicas_do; the unsharded
+update across workers: `two` and `faults`.) `bf16` is held to the same plan inside one
 worker (`bf16_in_worker`: 4 logical CPUs, the codec in replica context) at
 the same tolerances, its whole final state too (each copy's PowerSGD
 residual and Q included). The cast codecs (fp16, bf16) are held to replica
@@ -56,7 +62,8 @@ NO_XLA = ["--jit_compile=false"]
 # Each run's schedule (plan.json names it); interleaving cuts 4 blocks into K x v = 4 chunks.
 TWO = CROSS + ["--microbatches=4", "--pipeline_schedule=1f1b"]
 FOUR_MODEL = ["--num_layers=4"] + NO_XLA
-FOUR = ["--microbatches=2", "--pipeline_schedule=interleaved", "--virtual_stages=2"] + FOUR_MODEL
+FOUR = ["--microbatches=2", "--pipeline_schedule=interleaved", "--virtual_stages=2",
+        "--optimizer_sharding=zero2"] + FOUR_MODEL
 # bf16 precision (XLA off: its default) and PowerSGD (rank 2, every matrix, error feedback
 # carried), D=2 x K=2 across 4 workers and in one.
 # Both sides without XLA's auto-clustering (mirrored's bf16 default; refused across workers).
@@ -188,9 +195,17 @@ def test_two_workers_final_weights_and_slots_are_one_devices(cross_worker_runs, 
 
 
 def test_four_workers_d2_k2_resume_one_devices_checkpoint_and_match_it(cross_worker_runs):
+  """Under zero2: one device's unsharded checkpoint cut into the copies' shards, one device's
+  steps, and a final checkpoint (the shards gathered, canonical) equal to one device's."""
+  from tfpar.training.checkpoint import read_checkpoint  # pylint: disable=import-outside-toplevel
   dirs, outs = cross_worker_runs
   assert f"resumed from {dirs['four']}/checkpoints/ckpt-2 at step 2" in outs["four"]
+  assert "optimizer zero2" in outs["four"]
   assert_same_steps(dirs["four"], dirs["one_nojit"], range(3, STEPS + 1))
+  got, want = (read_checkpoint(os.path.join(dirs[name], "checkpoints", f"ckpt-{STEPS}"))
+               for name in ("four", "one_nojit"))
+  assert sorted(got) == sorted(want)
+  assert_same_state(got, want, "4 workers under zero2 vs one device at the last step")
 
 
 def test_bf16_and_powersgd_across_workers_are_as_in_one_worker_and_train(cross_worker_runs):

@@ -10,6 +10,9 @@ the summed gradient's norm, weights and the gathered m and v after every step
 (m after step 1 is (1 - beta_1) x the clipped summed gradient, so the
 gradients are compared through it); zero1 and the unsharded update there also
 compiled as one XLA program per replica (--jit_compile's), zero2 op by op.
+And PlanZero (a hybrid plan's ZeRO) alone on D=2 copies of a 2-device row against the
+same one-device run, with both copies in one program (stages on different workers) and
+in replica context, compiled per (position, copy) or not.
 """
 
 import json
@@ -240,6 +243,97 @@ def test_zero1_takes_a_codecs_sum_as_the_unsharded_update_does(serial_run):
   codec = CompressionConfig(method="powersgd", rank=1, min_size=0)
   assert_same_steps(mirrored_run(optim, "zero1", codec, replicas=2),
                     mirrored_run(optim, "none", codec, replicas=2))
+
+
+def plan_run(optim, mode, jit_compile, in_program):
+  """[[(loss, norm, weights, [m, v])] after each step] of each copy of the toy under PlanZero.
+
+  D=2 copies, each a 2-device row (copy d's layer k on /cpu:2d+k, its step counter on
+  /cpu:2d), a device position per layer. `in_program`: both copies in one program without
+  replica context (as with pipeline stages on different workers); else one replica
+  function per copy under MirroredStrategy over the anchors (/cpu:0, /cpu:2), as the
+  hybrid engine on one host. Each copy's own weights and the gathered slots per step.
+  """
+  reference = _model()
+  rows, optimizers = [], []
+  for d in range(2):
+    rows.append([])
+    for k, layer in enumerate(reference.layers):
+      with tf.device(f"/cpu:{2 * d + k}"):
+        rows[-1].append(keras.layers.Dense.from_config(layer.get_config()))
+        rows[-1][-1].build((None, layer.kernel.shape[0]))
+        rows[-1][-1].set_weights(layer.get_weights())
+    with tf.device(f"/cpu:{2 * d}"):
+      optimizers.append(make_optimizer(optim, train_steps=STEPS))
+  copies = [[v for layer in row for v in layer.trainable_variables] for row in rows]
+  exchange = make_exchange(CompressionConfig(), copies[0], num_replicas=2,
+                           state_devices=[[zero.variable_device(v) for v in c] for c in copies],
+                           pack_by_device=True)
+  plan = zero.PlanZero(optimizers, copies, mode=mode, shard_ids=[0, 1], num_replicas=2,
+                       jit_compile=jit_compile)
+
+  def grads_of(d, x, y):
+    def forward(x):
+      for k, layer in enumerate(rows[d]):
+        with tf.device(f"/cpu:{2 * d + k}"):
+          x = layer(x)
+      return x
+    with tf.GradientTape() as tape:
+      loss = _loss(forward, x, y)
+    return loss, tape.gradient(loss, copies[d])
+
+  strategy = None if in_program else tf.distribute.MirroredStrategy(
+      ["/cpu:0", "/cpu:2"], cross_device_ops=tf.distribute.ReductionToOneDevice())
+
+  @tf.function
+  def step(x, y):
+    if in_program:
+      out = [grads_of(d, x[4 * d:4 * d + 4], y[4 * d:4 * d + 4]) for d in range(2)]
+      norm = plan.apply([g for _, g in out], range(2), exchange=exchange, skip_nonfinite=True)
+      return tf.add_n([loss for loss, _ in out]), norm
+
+    def fn(x, y):
+      device = tf.nest.flatten(tf.distribute.get_replica_context().devices)[0]
+      d = [tf.DeviceSpec.from_string(a).to_string() for a in strategy.extended.worker_devices
+           ].index(tf.DeviceSpec.from_string(device).to_string())
+      loss, grads = grads_of(d, x, y)
+      return loss, plan.apply([grads], [d], exchange=exchange, skip_nonfinite=True)
+    loss, norm = strategy.run(fn, args=(x, y))
+    return strategy.reduce("SUM", loss, axis=None), strategy.experimental_local_results(norm)[0]
+
+  out = [[], []]
+  for x, y in _batches():
+    if not in_program:
+      x, y = strategy.experimental_distribute_values_from_function(
+          lambda ctx: (x[4 * ctx.replica_id_in_sync_group:][:4],
+                       y[4 * ctx.replica_id_in_sync_group:][:4]))
+    loss, norm = step(x, y)
+    for d, variables in enumerate(copies):
+      slots = [[plan.checkpoint_slots(v)[i].value.numpy() for v in variables] for i in (0, 1)]
+      out[d].append((float(loss), float(norm), [v.numpy() for v in variables], slots))
+  assert [int(o.iterations.numpy()) for o in optimizers] == [STEPS, STEPS]
+  for update, group in zip(plan.updates, plan.groups):  # Copy d's shard beside its weights.
+    for d, shard in enumerate(update.shards):
+      assert shard.shard == d and shard.m.device == zero.variable_device(copies[d][group[0]])
+  if jit_compile:  # One program per (position, copy), traced once.
+    assert [f.experimental_get_tracing_count() for u in plan.updates for f in u._updates] == \
+        [1] * 4
+  return out
+
+
+@pytest.mark.parametrize("mode, jit_compile, in_program", [
+    ("zero1", False, True), ("zero2", True, True), ("zero1", True, False)])
+def test_plan_zero_over_two_copies_of_a_2_device_row_is_the_serial_twin(
+    serial_run, mode, jit_compile, in_program):
+  """PlanZero (zero.PlanZero) on D=2 copies x 2 device positions: every copy's loss, norm,
+  weights and the gathered m and v after each step equal one device's AdamW (clipping on some
+  steps, one non-finite step skipped), with both copies in one program (no replica context:
+  pipeline stages on different workers; zero1 through the exchange's reduce_copies, zero2's
+  sums on each shard's own devices) and with a replica function per copy; the shard updates
+  compiled as one XLA program per position and copy, or op by op."""
+  optim, serial = serial_run
+  for copy in plan_run(optim, mode, jit_compile, in_program):
+    assert_same_steps(copy, serial)
 
 
 # --- the data-parallel engine under --optimizer_sharding ------------------------------------

@@ -1,9 +1,11 @@
 """--optimizer_sharding on the data-parallel dimension of hybrid plans (zero.PlanZero).
 
 D=2 copies x K=2 pipeline stages (zero1, zero2) and D=2 x T=2 tensor shards (zero1) on 4
-logical CPUs, without XLA, 5 steps of the TINY model at seq 16, --clip_norm=0.05 (clips
-every step) and --on_nonfinite=skip: each must take one device's steps (loss, gradient norm,
-the first gradient through AdamW's m, the final weights and the gathered m and v, at 1e-5).
+logical CPUs, 5 steps of the TINY model at seq 16 (zero2 under --jit_compile: each stage's
+forward and backward and each (stage, copy)'s shard update one XLA program; the others and
+one device without XLA), --clip_norm=0.05 (clips every step) and --on_nonfinite=skip: each
+must take one device's steps (loss, gradient norm, the first gradient through AdamW's m, the
+final weights and the gathered m and v, at 1e-5).
 Then checkpoints cross between the plans both ways, and plan.json's measured optimizer bytes
 per device are half the unsharded ones. (Two worker processes under zero1:
 tests/test_model_parallel.py::test_hybrid_across_two_worker_processes.)
@@ -16,7 +18,6 @@ import pytest
 
 from conftest import TINY, assert_same_state, assert_twin, build_engine, make_config, train_twin
 from tfpar import rules
-from tfpar.config import ConfigError
 from tfpar.parallel import plan as plan_lib
 from tfpar.planner import clusters, cost
 from tfpar.training.checkpoint import (CanonicalCheckpointer, assign_canonical, read_canonical,
@@ -29,7 +30,8 @@ HYBRID = ["--strategy=mirrored", "--num_cpu_devices=4", "--data_parallel=2",
           "--pipeline_stages=2", "--microbatches=1"]
 PLANS = {"one": ["--strategy=one_device"],
          "zero1 2x2": HYBRID + ["--optimizer_sharding=zero1"],
-         "zero2 2x2": HYBRID + ["--optimizer_sharding=zero2"],
+         # Each stage's forward and backward, and each (stage, copy)'s update, under XLA.
+         "zero2 2x2": HYBRID + ["--optimizer_sharding=zero2", "--jit_compile=true"],
          "zero1 D2xT2": ["--strategy=mirrored", "--num_cpu_devices=4", "--data_parallel=2",
                          "--tensor_parallel=2", "--optimizer_sharding=zero1"]}
 
@@ -55,6 +57,9 @@ def test_zero_on_a_2x2_hybrid_is_one_devices_twin(runs, plan):
   assert engine.zero.mode == plan.split()[0] and engine.num_replicas == 2
   assert not any(c.optimizer.built for c in engine.copies)  # No Keras slots: the shards hold them.
   assert len(engine.zero.updates) == 2  # One ZeroUpdate per device position (stage or shard).
+  programs = [f for u in engine.zero.updates for f in u._updates]  # One per (position, copy).
+  assert [getattr(f, "experimental_get_tracing_count", lambda: 0)() > 0 for f in programs] == \
+      [engine.cfg.train.jit_compile] * 4
   assert_twin(run, one)
   assert int(run["final"]["optimizer/iterations"]) == STEPS
 
@@ -139,11 +144,10 @@ def test_plan_json_measures_half_the_optimizer_bytes_per_device_under_zero1(runs
       assert abs(predicted[part][i] / measured[device][kind] - 1) < 0.1, (i, part, measured)
 
 
-def test_stages_on_different_workers_refuse_it_in_one_line(tmp_path):
-  """A replica over whole workers runs in one program that sums on one device: not wired."""
+def test_stages_on_different_workers_take_it(tmp_path):
+  """A replica over whole workers (every copy in the chief's one program) shards too
+  (trained in tests/test_cross_worker.py's four-worker run)."""
   cfg = make_config(TINY + ["--strategy=multi_worker_mirrored", "--pipeline_stages=2",
-                            "--optimizer_sharding=zero1", f"--model_dir={tmp_path}"])
-  assert rules.worker_layout(cfg.parallel, 2, 2) == (2, 1)  # A replica per worker: allowed.
-  with pytest.raises(ConfigError, match="--optimizer_sharding=zero1 .*--num_cpu_devices=2") as e:
-    rules.worker_layout(cfg.parallel, 4, 1)
-  assert "\n" not in str(e.value)
+                            "--optimizer_sharding=zero2", f"--model_dir={tmp_path}"])
+  assert rules.worker_layout(cfg.parallel, 2, 2) == (2, 1)  # A replica per worker.
+  assert rules.worker_layout(cfg.parallel, 4, 1) == (2, 2)  # Stages on different workers.

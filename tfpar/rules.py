@@ -407,11 +407,6 @@ def worker_layout(p: ParallelConfig, num_workers: int, devices_per_worker: int,
                         f"{count(g, 'device')}, and {count(n, 'worker')} do not split into "
                         f"replicas: use a multiple of {w} workers")
     d = n // w
-    if p.optimizer_sharding != "none":
-      raise ConfigError(f"--optimizer_sharding={p.optimizer_sharding} does not combine with "
-                        "pipeline stages on different workers yet (their replicas run in one "
-                        "program that sums on one device): use --optimizer_sharding=none, or "
-                        f"--num_cpu_devices={k * t} (a whole replica per worker)")
     if compression != "none" and d == 1:
       raise ConfigError(f"--grad_compression={compression} needs data-parallel replicas, and "
                         f"{count(n, 'worker')} of {count(g, 'device')} hold one replica of "

@@ -41,6 +41,12 @@ instead (tfpar.parallel.zero.PlanZero): per device position (k, t), copy d
 keeps AdamW's m and v for shard d of the weights there, sums (zero1) or
 reduce-scatters (zero2) the gradient, updates its shards and all-gathers
 every copy's; each replica function writes only its own copy's variables.
+With stages across workers (no replica context) the one program does the
+same for all D copies at once (`_run_here`): zero1 sums through
+`reduce_copies` and cuts each copy's shard where the sum lies, zero2 sums
+shard d of every copy's gradient on copy d's devices, and each copy's devices
+concatenate the D new shards. Under --jit_compile each (position, copy)
+shard update is one XLA program on its device.
 
 The input, the step loop and the optimizer build are the engine core's
 (tfpar.engines.base), so tfpar.training.loop drives it unchanged. `layouts` holds one
@@ -50,7 +56,8 @@ across workers), so a checkpoint restores into every copy.
 XLA: a compiled cluster lives on one device and the step spans K x T, so
 under --jit_compile each stage's (or tensor shard's) forward and backward is
 compiled on its own device (tfpar.parallel.pipeline, tfpar.parallel.tensor);
-the send/recv, the all-reduce and the update run between those programs.
+the send/recv and the all-reduce run between those programs; the update is
+compiled per device too under --optimizer_sharding (PlanZero), op by op without.
 """
 
 import collections
@@ -169,7 +176,8 @@ class ModelParallelEngine(Engine):
     self.zero = None if sharding == "none" else zero.PlanZero(
         [c.optimizer for c in self.copies], [c.model.trainable_variables for c in self.copies],
         mode=sharding, shard_ids=collectives.replica_ids(self.strategy, len(self.copies)),
-        num_replicas=self.num_replicas, strategy=self.strategy)
+        num_replicas=self.num_replicas, strategy=self.strategy,
+        jit_compile=cfg.train.jit_compile)  # Each shard's update one XLA program on its device.
     slots = self.zero.checkpoint_slots if self.zero else None
     self.layouts = [model_layout(c.model, c.optimizer, slots) for c in self.copies]
     # The compression state of every copy rides in the first layout (read at save).
@@ -203,9 +211,13 @@ class ModelParallelEngine(Engine):
     index = self._copy_index()
     loss, grads = self.copies[index].pipeline.loss_and_grads(inputs, targets)
     if self.zero:
-      return loss, self.zero.apply(grads, index, exchange=self.exchange, compressed=compressed,
-                                   skip_nonfinite=self.cfg.train.on_nonfinite == "skip")
+      return loss, self._zero_update([grads], [index], compressed)
     return loss, reduce_gradients(self.exchange, grads, replica=index, compressed=compressed)
+
+  def _zero_update(self, grads, copies, compressed):
+    """The norm, once PlanZero has updated local copies `copies` from their `grads`."""
+    return self.zero.apply(grads, copies, exchange=self.exchange, compressed=compressed,
+                           skip_nonfinite=self.cfg.train.on_nonfinite == "skip")
 
   def _replica_eval(self, inputs, targets):
     return self._copy().pipeline.eval_outputs(inputs, targets)
@@ -230,14 +242,17 @@ class ModelParallelEngine(Engine):
     gradient exchange sums the copies' gradients (or compresses them, each
     copy's codec work beside its own gradients) onto copy 0's device of each
     variable, where every copy reads them: a reduction to one device, like
-    MirroredStrategy's on one host.
+    MirroredStrategy's on one host. Under ZeRO, PlanZero updates every copy
+    instead (the sums scattered over the copies' devices) and gives the norm.
     """
     xs, ys = split_batch(inputs, len(self.copies)), split_batch(targets, len(self.copies))
     outs = [copy.pipeline.loss_and_grads(x, y) for copy, x, y in zip(self.copies, xs, ys)]
-    summed = self.exchange.reduce_copies([list(grads) for _, grads in outs], compressed)
     with tf.device(self.copies[0].devices[-1][0]):
       loss = tf.add_n([loss for loss, _ in outs])
-    return [(loss, summed)] * len(self.copies), loss
+    grads = [list(grads) for _, grads in outs]
+    reduced = (self._zero_update(grads, range(len(grads)), compressed) if self.zero
+               else self.exchange.reduce_copies(grads, compressed))
+    return [(loss, reduced)] * len(self.copies), loss
 
   def _replica_step(self, inputs, targets, compressed):
     if self.strategy is None and len(self.copies) > 1:  # Every replica in this program.

@@ -43,7 +43,11 @@ writes each shard's part, so any sharding restores any other's checkpoint.
 
 Model-parallel plans (`PlanZero`): each device position (k, t) of a plan row
 is a ZeroUpdate of its own over the weights it holds, sharded over the D peers
-(d, k, t); the global norm stays that of the whole gradient.
+(d, k, t); the global norm stays that of the whole gradient. With pipeline
+stages on different workers every copy runs in one program without replica
+context, and the same code sums, scatters and gathers by placement instead of
+collectives (`PlanZero.apply`, `reduce_scatter`); all D shards are then local,
+so a save concatenates them.
 
 Wired into tfpar.engines.data_parallel and tfpar.engines.model_parallel by
 --optimizer_sharding (docs/design.md, "Optimizer sharding"); tests/test_zero.py,
@@ -57,6 +61,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar.parallel import collectives
+from tfpar.parallel import exchange as exchange_lib
 from tfpar.parallel.traffic import Traffic
 
 
@@ -101,8 +106,9 @@ class FlatLayout:
 
   def slice(self, tensors: Sequence[tf.Tensor], shard: int) -> tf.Tensor:
     """`shard` of the tensors' padded flat vector, built from the parts in it only (S floats)."""
-    parts = [tf.reshape(tf.cast(tf.convert_to_tensor(tensors[i]), tf.float32), [-1])[a:b]
-             for i, a, b in self.pieces(shard)]
+    # Reshaped to the known size: a gradient from a compiled function may come unshaped.
+    parts = [tf.reshape(tf.cast(tf.convert_to_tensor(tensors[i]), tf.float32),
+                        [self.sizes[i]])[a:b] for i, a, b in self.pieces(shard)]
     pad = self.shard_size - sum(b - a for _, a, b in self.pieces(shard))
     return tf.concat(parts + [tf.zeros([pad])], axis=0)
 
@@ -235,11 +241,14 @@ class ZeroUpdate:
       save when other processes hold some shards).
     jit_compile: each replica's update of its shard (slicing its weights,
       clipping, AdamW) as one XLA program, one per replica.
+    copies: the variables each local replica's update slices its weights from
+      (default `variables` for every replica: mirrored ones, which each replica
+      reads as its own); `variables` stay the layout's and the checkpoint's.
   """
 
   def __init__(self, optimizer, variables, *, mode: str = "zero1", shard_ids: Sequence[int],
                devices: Sequence[str], num_replicas: int, strategy=None,
-               jit_compile: bool = False):
+               jit_compile: bool = False, copies=None):
     if mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     self.mode = mode
@@ -251,9 +260,11 @@ class ZeroUpdate:
     for shard, device in zip(shard_ids, devices):
       with tf.device(device):
         self.shards.append(ShardedAdamW.like(optimizer, self.layout, shard, self.variables))
-    # One function per replica: each captures its replica's shard and copies of the weights.
-    self._updates = [tf.function(lambda *a, s=s: self._update(s, *a), jit_compile=True)
-                     if jit_compile else functools.partial(self._update, s) for s in self.shards]
+    # One function per replica: each captures its replica's shard and copy of the weights.
+    self._updates = [functools.partial(self._update, s, c)
+                     for s, c in zip(self.shards, copies or [self.variables] * len(self.shards))]
+    if jit_compile:
+      self._updates = [tf.function(f, jit_compile=True) for f in self._updates]
     self._gathered = None  # ((step, version), {"m": [...], "v": [...]}): the last gather.
     # [D, S]: every replica's [1, S], in replica order over all processes (traced once).
     self._gather = tf.function(lambda v: strategy.gather(v, axis=0))
@@ -285,23 +296,29 @@ class ZeroUpdate:
       norm = tf.linalg.global_norm(summed)  # As tfpar.training.step.apply_gradients.
       mine = self.layout.slice(summed, shard.shard)
     else:
-      kept, norm = reduce_scatter([self.layout], [grads], shard.shard)
-      mine = kept[0]
+      kept, norm = reduce_scatter([self.layout], [[grads]], [shard.shard])
+      mine = kept[0][0]
       if exchange is not None:  # What the loop logs as comm_bytes: the same bytes as one SUM.
-        exchange.traffic[compressed] = Traffic(4 * self.layout.padded_size,
-                                               4 * self.layout.padded_size)
-    with tf.name_scope("adamw"):  # Where scripts/dp_profile.py finds the update.
-      new = self._updates[replica](mine, norm, skip_nonfinite)
+        count_scatter(exchange, [self.layout], compressed)
+    new = self.update_shard(replica, mine, norm, self.optimizer.iterations, skip_nonfinite)
     ctx = tf.distribute.get_replica_context()
     gathered = tf.reshape(ctx.all_gather(new[None], axis=0), [-1])
     ctx.merge_call(self._assign, args=(self.layout.unflatten(gathered),))
     return norm
 
-  def _update(self, shard: ShardedAdamW, mine, norm, skip_nonfinite: bool) -> tf.Tensor:
+  def update_shard(self, replica: int, mine, norm, iterations,
+                   skip_nonfinite: bool = False) -> tf.Tensor:
+    """Local replica `replica`'s new weight shard from its shard of the summed gradient
+    (`mine`), the global norm and the step count (one XLA program under jit_compile)."""
+    with tf.name_scope("adamw"):  # Where scripts/dp_profile.py finds the update.
+      return self._updates[replica](mine, norm, tf.convert_to_tensor(iterations), skip_nonfinite)
+
+  def _update(self, shard: ShardedAdamW, variables, mine, norm, iterations,
+              skip_nonfinite: bool) -> tf.Tensor:
     """`shard`'s new weights from its part of the summed gradient (`mine`) and the global norm."""
-    weights = self.layout.slice(self.variables, shard.shard)
+    weights = self.layout.slice(variables, shard.shard)
     finite = tf.math.is_finite(norm) if skip_nonfinite else True
-    return shard.update(weights, mine, norm, self.optimizer.iterations, apply=finite)
+    return shard.update(weights, mine, norm, iterations, apply=finite)
 
   def _assign(self, distribution, values):
     """Cross-replica: every replica's copy of each variable takes the gathered value."""
@@ -360,33 +377,45 @@ class PlanZero:
   A plan row holds the weights of one model copy over its K x T devices; device
   (d, k, t) and its D-1 peers (d', k, t) hold the same weights. Each device position is a
   ZeroUpdate of its own (its FlatLayout over the weights that position holds, cut into D
-  shards; copy d keeps shard d of m and v on device (d, k, t)). Per step, in copy d's
-  replica function (`apply`): the gradient summed over the D copies (zero1: through the
-  run's gradient exchange, packed per device; zero2: chunk by chunk, `reduce_scatter`, every
-  position's chunk in one round), its norm over ALL positions (the number one device
-  computes, which clips and skips), each position's shard updated on its device, and one
-  all_gather of every position's new shard into the copy's weights. The weights stay
+  shards; copy d keeps shard d of m and v on device (d, k, t)). Per step (`apply`): the
+  gradient summed over the D copies (zero1: through the run's gradient exchange; zero2:
+  chunk by chunk, `reduce_scatter`, every position's chunk in one round), its norm over ALL
+  positions (the number one device computes, which clips and skips), each position's
+  shard updated on its device (one XLA program per position and copy under jit_compile),
+  and every copy's new shards brought back into each copy's weights. The weights stay
   replicated: only m and v are split.
+
+  Two ways to run it, one code path: in copy d's replica function (the D copies are the
+  replicas in sync: MirroredStrategy over the anchors, or one copy per worker), the sums
+  are collectives (packed per device) and an all_gather brings the shards back; with
+  every copy in one program and no replica context (pipeline stages on different
+  workers: the chief's program holds all D copies), zero1 sums through the exchange's
+  `reduce_copies` onto copy 0's devices and each copy's shard is cut there, zero2 sums
+  chunk d of every copy's gradient on copy d's device only, and each copy's devices
+  concatenate the D new shards ("all-gather" by placement).
 
   Args:
     optimizers: each local copy's Keras AdamW (built without slots; its step counter,
       schedule, decay set and clipping are used).
     copies: each local copy's trainable variables (the same order and shapes in every copy).
-    mode, num_replicas, strategy: as for ZeroUpdate (strategy: the data-parallel one).
+    mode, num_replicas, strategy, jit_compile: as for ZeroUpdate (strategy: the
+      data-parallel one, None with every copy in one program).
     shard_ids: the global replica id of each local copy.
   """
 
   def __init__(self, optimizers, copies, *, mode: str, shard_ids: Sequence[int],
-               num_replicas: int, strategy=None):
+               num_replicas: int, strategy=None, jit_compile: bool = False):
     self.mode = mode
     self.optimizers = list(optimizers)
     self.copies = [list(c) for c in copies]
     self.num_replicas = num_replicas
     self.groups = list(collectives.by_device([variable_device(v) for v in self.copies[0]]).values())
+    # Each position's update slices each copy's own weights there (on the copy's device).
     self.updates = [
         ZeroUpdate(self.optimizers[0], [self.copies[0][i] for i in group], mode=mode,
                    shard_ids=shard_ids, devices=[variable_device(c[group[0]]) for c in self.copies],
-                   num_replicas=num_replicas, strategy=strategy)
+                   num_replicas=num_replicas, strategy=strategy, jit_compile=jit_compile,
+                   copies=[[c[i] for i in group] for c in self.copies])
         for group in self.groups]
     self._slot_of = {id(c[i]): (update, j) for c in self.copies
                      for update, group in zip(self.updates, self.groups)
@@ -396,42 +425,68 @@ class PlanZero:
     """Every m and v shard this process holds (each on its device)."""
     return [x for u in self.updates for s in u.shards for x in (s.m, s.v)]
 
-  def apply(self, grads: List[tf.Tensor], copy: int, *, exchange, compressed: bool = True,
-            skip_nonfinite: bool = False) -> tf.Tensor:
-    """Local copy `copy`'s step after its backward pass (replica context); returns the norm."""
-    grads = [tf.convert_to_tensor(g) for g in grads]
-    variables = self.copies[copy]
-    devices = [variable_device(variables[group[0]]) for group in self.groups]
+  def apply(self, grads: List[List[tf.Tensor]], copies: Sequence[int], *, exchange,
+            compressed: bool = True, skip_nonfinite: bool = False) -> tf.Tensor:
+    """The step of local copies `copies` after their backward passes; returns the norm.
+
+    `grads[j]` are copy `copies[j]`'s gradients: one copy in its replica function, or
+    every local copy (range(D)) in one program without replica context.
+    """
+    grads = [[tf.convert_to_tensor(g) for g in copy] for copy in grads]
+    steps = [tf.convert_to_tensor(self.optimizers[c].iterations) for c in copies]  # Where kept.
+    devices = [[variable_device(self.copies[c][group[0]]) for group in self.groups]
+               for c in copies]
     layouts = [u.layout for u in self.updates]
-    shard = self.updates[0].shards[copy].shard
+    shards = [self.updates[0].shards[c].shard for c in copies]
     if self.mode == "zero1":
-      summed = exchange.reduce(grads, replica=copy, compressed=compressed)
+      summed = (exchange.reduce(grads[0], replica=copies[0], compressed=compressed)
+                if len(copies) == 1 else exchange.reduce_copies(grads, compressed))
       norm = tf.linalg.global_norm(summed)  # As tfpar.training.step.apply_gradients.
       mine = []
-      for layout, group, device in zip(layouts, self.groups, devices):
-        with tf.device(device):
-          mine.append(layout.slice([summed[i] for i in group], shard))
+      for shard in shards:  # Cut where the sum is: the copy's devices, or copy 0's in one program.
+        mine.append([])
+        for layout, group, device in zip(layouts, self.groups, devices[0]):
+          with tf.device(device):
+            mine[-1].append(layout.slice([summed[i] for i in group], shard))
     else:
-      mine, norm = reduce_scatter(layouts, [[grads[i] for i in group] for group in self.groups],
-                                  shard, devices)
-      padded = 4 * sum(layout.padded_size for layout in layouts)
-      exchange.traffic[compressed] = Traffic(padded, padded)  # As one SUM of the gradient.
-    finite = tf.math.is_finite(norm) if skip_nonfinite else True
-    iterations = self.optimizers[copy].iterations
+      mine, norm = reduce_scatter(
+          layouts, [[[copy[i] for i in group] for group in self.groups] for copy in grads],
+          shards, devices)
+      count_scatter(exchange, layouts, compressed)
     new = []
-    for update, group, device, summed_shard in zip(self.updates, self.groups, devices, mine):
-      with tf.device(device):
-        weights = update.layout.slice([variables[i] for i in group], shard)
-        new.append(update.shards[copy].update(weights, summed_shard, norm, iterations,
-                                              apply=finite)[None])
-    if self.num_replicas > 1:  # [1, S] per position -> [D, S]: every copy's shard, in order.
-      new = tf.distribute.get_replica_context().all_gather(new, axis=0)
-    for update, group, device, flat in zip(self.updates, self.groups, devices, new):
-      with tf.device(device):
-        for i, value in zip(group, update.layout.unflatten(tf.reshape(flat, [-1]))):
-          variables[i].assign(value)
-    iterations.assign_add(1)
+    for c, step, devs, summed_shards in zip(copies, steps, devices, mine):
+      new.append([])
+      for update, device, summed_shard in zip(self.updates, devs, summed_shards):
+        with tf.device(device):
+          new[-1].append(update.update_shard(c, summed_shard, norm, step, skip_nonfinite))
+    for c, devs, flats in zip(copies, devices, self._gather(new, devices, shards)):
+      for update, group, device, flat in zip(self.updates, self.groups, devs, flats):
+        with tf.device(device):
+          for i, value in zip(group, update.layout.unflatten(flat)):
+            self.copies[c][i].assign(value)
+      self.optimizers[c].iterations.assign_add(1)
     return norm
+
+  def _gather(self, new, devices, shards):
+    """Every shard of each position, in shard order, for each copy: [[flat per position]].
+
+    `new[j]` holds copy j's new shard per position. One copy: an all_gather over the
+    replicas (a list, one [1, S] tensor per position). Every copy here: each copy's
+    device of a position concatenates the D shards.
+    """
+    if len(new) == 1:
+      if self.num_replicas == 1:
+        return new
+      gathered = tf.distribute.get_replica_context().all_gather([x[None] for x in new[0]], axis=0)
+      return [[tf.reshape(x, [-1]) for x in gathered]]
+    order = np.argsort(shards)
+    out = []
+    for devs in devices:
+      out.append([])
+      for g, device in enumerate(devs):
+        with tf.device(device):
+          out[-1].append(tf.concat([new[j][g] for j in order], axis=0))
+    return out
 
   def checkpoint_slots(self, variable):
     """(m, v) of any local copy's `variable`, at full shape (tfpar.training.checkpoint)."""
@@ -444,33 +499,51 @@ def variable_device(variable) -> str:
   return (variable if isinstance(variable, tf.Variable) else variable.value).device
 
 
-def reduce_scatter(layouts: Sequence[FlatLayout], groups, mine: int, devices=None):
-  """([shard `mine` of each group's summed flat gradient], the norm of the whole sum): zero2's sum.
+def reduce_scatter(layouts: Sequence[FlatLayout], copies, mine: Sequence[int], devices=None):
+  """([[shard s of each group's summed flat gradient] for s in `mine`], the norm of the whole
+  sum): zero2's sum.
 
-  `groups[g]` are this replica's gradients in `layouts[g]`'s order: one group for the
-  data-parallel engine; one per device (on `devices[g]`) for a model-parallel plan. The D
-  shard-sized chunks are summed in shard order, chunk k of every group in one round (one
-  collective per device), each round waiting for the previous round's sums of squares: a
-  replica keeps the chunks of its own shard and drops each other one once its squares are
-  counted, so at most two shards of the summed gradient are alive instead of all of it.
+  `copies[c][g]` are copy c's gradients in `layouts[g]`'s order, on `devices[c][g]`: one
+  group for the data-parallel engine; one per device for a model-parallel plan. One copy
+  (replica context): the copies are the replicas in sync and each chunk's sum is a
+  collective, one per device; `mine` is [its shard]. Every copy in one program (no replica
+  context): chunk k of every copy is summed on copy k's devices; `mine` is every shard.
+  The D shard-sized chunks are summed in shard order, chunk k of every group in one round,
+  each round waiting for the previous round's sums of squares: a replica keeps the chunks
+  of its own shard and drops each other one once its squares are counted, so at most two
+  shards of the summed gradient are alive instead of all of it (in one program, no device
+  holds more than its own shard of the sum).
   """
-  places = devices or [None] * len(layouts)
-  squares, kept, after = [], None, []
+  in_program = len(copies) > 1
+  places = devices or [[None] * len(layouts)]
+  squares, kept, after = [], {}, []
   for k in range(layouts[0].num_shards):
+    home = places[k] if in_program else places[0]
     chunks = []
     with tf.control_dependencies(after):
-      for layout, grads, device in zip(layouts, groups, places):
-        with collectives.on_device(device):
-          chunks.append(layout.slice(grads, k))
-    summed = collectives.all_reduce(tf.distribute.ReduceOp.SUM, chunks, devices)
+      for groups, devs in zip(copies, places):
+        chunks.append([])
+        for layout, grads, device in zip(layouts, groups, devs):
+          with collectives.on_device(device):
+            chunks[-1].append(layout.slice(grads, k))
+    ops = exchange_lib.InProgram(home) if in_program else exchange_lib.InReplica(
+        home, pack=devices is not None)
+    summed = ops.sum(chunks, range(len(layouts)))
     after = []
-    for chunk, device in zip(summed, places):
+    for chunk, device in zip(summed, home):
       with collectives.on_device(device):
         after.append(tf.reduce_sum(tf.square(chunk)))
     squares += after
-    if k == mine:
-      kept = summed
-  return kept, tf.sqrt(tf.add_n(squares))
+    if k in mine:
+      kept[k] = summed
+  return [kept[k] for k in mine], tf.sqrt(tf.add_n(squares))
+
+
+def count_scatter(exchange, layouts: Sequence[FlatLayout], compressed: bool) -> None:
+  """Records zero2's chunked sum as the bytes of one SUM of the gradient (the loop's
+  comm_bytes)."""
+  padded = 4 * sum(layout.padded_size for layout in layouts)
+  exchange.traffic[compressed] = Traffic(padded, padded)
 
 
 def _per_replica(strategy, value_of):

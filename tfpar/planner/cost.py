@@ -97,7 +97,8 @@ class System:
     sharding_with_float16: whether it shards the optimizer under mixed_float16 (tfpar: no,
       its loss scaling is not sharded).
     sharding_across_nodes: whether it shards the optimizer of a replica whose K x T devices
-      span several nodes (tfpar: no, stages on different workers run in one program).
+      span several nodes (tfpar runs it, the D copies' sums placed in the chief's one
+      program, but the planner does not search it yet).
     sharding_all_reduces: a sharded step all-reduces the gradient and then all-gathers
       the new weights (tfpar: ReplicaContext has no reduce-scatter); else it
       reduce-scatters and all-gathers, the bytes of one all-reduce.
