@@ -9,6 +9,9 @@
 #   twin       one GPU against the CPU, same flags, float32 with TF32 off
 #              (NVIDIA_TF32_OVERRIDE=0): the loss per step to 1e-5 relative;
 #   xla        the same GPU run without XLA (--nojit_compile) against the XLA one;
+#   memory     the GPU run's allocator peak in plan.json (tfpar.training.memory):
+#              GPU:0 measured, bytes held at least the weights and slots, printed
+#              beside the prediction;
 #   bf16       --precision=mixed_bfloat16 on the GPU: finite, falling loss;
 #   nccl       mirrored over every GPU (NcclAllReduce, its default there) against one GPU
 #              (needs 2+ GPUs; said and skipped on one);
@@ -62,6 +65,15 @@ export NVIDIA_TF32_OVERRIDE=0  # float32 matmuls in float32, so a twin can hold 
 step one_gpu 150 "${TRAIN[@]}" --model_dir="$OUT/one_gpu" --strategy=one_device
 CUDA_VISIBLE_DEVICES= step one_cpu 150 "${TRAIN[@]}" --model_dir="$OUT/one_cpu" --strategy=one_device
 step twin 30 "${SAME_LOSSES[@]}" "$OUT/one_gpu" "$OUT/one_cpu" 1e-5
+step memory 30 python -c '
+import json, sys
+d = sys.argv[1]
+plan = json.load(open(f"{d}/plan.json"))
+gpu = plan["allocator_peak"]["allocators"]["GPU:0"]
+held = plan["bytes_per_replica"]["measured"]
+print(json.dumps(gpu))
+assert gpu["held_bytes"] >= held["weights"] + held["optimizer"] and gpu["added_bytes"] > 0
+' "$OUT/one_gpu"
 step one_gpu_noxla 150 "${TRAIN[@]}" --model_dir="$OUT/one_gpu_noxla" --strategy=one_device --nojit_compile
 step xla 30 "${SAME_LOSSES[@]}" "$OUT/one_gpu_noxla" "$OUT/one_gpu" 1e-5
 step bf16 150 "${TRAIN[@]}" --model_dir="$OUT/bf16" --strategy=one_device --precision=mixed_bfloat16
