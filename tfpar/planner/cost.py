@@ -10,7 +10,9 @@ selective recompute q (0 or 1), optimizer sharding none, zero1 or zero2:
                                 2021; selective recomputes the attention core's 4 s^2 h)
   bytes per parameter:          weights + gradients + optimizer (per System); zero1 divides
                                 the optimizer's by D, zero2 the summed gradient's too (tfpar
-                                keeps 2 of its D shards alive, tfpar.parallel.zero.state_bytes)
+                                keeps 2 of its D shards alive, tfpar.parallel.zero.state_bytes);
+                                tfpar's copies in one program (a replica spanning nodes) hold
+                                D gradients on copy 0's device (none, zero1), zero2 one
   activations per block and micro-batch, megatron (Korthikanti et al. 2022, 16-bit values):
                                 s b h (W + (34-W)/T + 5 a s / (h T))  without recompute
                                 s b h (W + (34-W)/T)                  selective recompute
@@ -338,7 +340,7 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   optimizer_share = np.where(z > 0, 1 / D, 1.0)
   grad_share = np.where(z == 2, np.minimum(1.0, system.zero2_gradient_shards / D), 1.0)
   # A replica spanning nodes whose D copies run in one program: sums placed on devices.
-  placed = copies_in_one_program(system, cluster, D, K, T) & (z > 0)
+  placed = copies_in_one_program(system, cluster, D, K, T)
   grad_share = np.where(placed, in_program_gradients(D, z), grad_share)
   slot = np.zeros(n)
   interleaved = sched == INTERLEAVED

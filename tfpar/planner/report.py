@@ -156,7 +156,7 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
          system.optimizer_bytes[precision])
   grads_held = round(r["gradients"][i] / bpp[1] / (r["weights"][i] / bpp[0]), 6)  # x its weights
   sharded = p["optimizer_sharding"] != "none"
-  placed = bool(cost.copies_in_one_program(system, cluster, D, K, T)) and sharded
+  placed = bool(cost.copies_in_one_program(system, cluster, D, K, T))
   lines = [
       "", "how the best plan's numbers come about (docs/planner.md has the sources):",
       f"  layer FLOPs/sequence = 2s(4h^2 + 2hf) + 4s^2h = 2*{s}*(4*{h}^2 + 2*{h}*{f}) + "
