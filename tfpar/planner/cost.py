@@ -429,8 +429,7 @@ def copies_in_one_program(system: System, cluster: Cluster, D, K, T) -> np.ndarr
   """Which plans' D copies run in one program (tfpar: a replica's K x T devices span nodes,
   its stages on different workers; the chief's program holds every copy), not collectives."""
   D, span = np.asarray(D, dtype=float), np.asarray(K, dtype=float) * T
-  return (system.copies_in_one_program and not cluster.shared) & (D > 1) & (
-      span > cluster.devices_per_node)
+  return system.copies_in_one_program & (D > 1) & (span > cluster.devices_per_node)
 
 
 def collective_seconds(grads, weights, D, z, bandwidth, latency, system: System):
@@ -455,7 +454,7 @@ def in_program_seconds(grads, weights, D, z, cluster: Cluster):
     zero2: D rounds one after another (each waits for the previous one's squares), round d
            sums chunk d of every copy on copy d's device; then the new shards as zero1:
                                                     D ((D-1)/D n/B + a) + (D-1)/D w/B + a
-  Transfers into one device, and its phases, do not overlap (as the ring's).
+  One phase's transfers into a device share its link; phases do not overlap (as the ring's).
   """
   D = np.asarray(D, dtype=float)
   bw, a = cluster.inter_bandwidth, cluster.inter_latency
