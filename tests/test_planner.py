@@ -374,28 +374,29 @@ def test_copies_across_nodes_cost_the_sums_placed_in_one_program():
   assert r["optimizer"] == pytest.approx([2 * n, n / 2, n / 2])
 
 
-def test_every_sharded_plan_across_nodes_passes_tfpars_rules():
-  """Each zero1/zero2 plan the planner offers for replicas spanning nodes, as the flags it
-  emits, is a config tfpar.rules accepts and a worker job it starts (check_worker_job: stages
-  on different workers); none under mixed_float16, which tfpar.train refuses."""
+def test_every_plan_across_nodes_passes_tfpars_rules():
+  """Each plan the planner offers for replicas spanning nodes (zero1 and zero2 among them),
+  as the flags it emits, is a config tfpar.rules accepts and a worker job it starts
+  (check_worker_job: stages on different workers, a replica on whole workers: none of 12
+  devices over nodes of 8); no sharding under mixed_float16, which tfpar.train refuses."""
   from tfpar import rules  # pylint: disable=import-outside-toplevel
   from tfpar.planner import report  # pylint: disable=import-outside-toplevel
-  a100 = clusters.parse("a100-80gb:32")
   model = ["--num_layers=16", "--d_model=64", "--num_heads=2", "--d_ff=256", "--seq_len=16",
            "--model_dir=/tmp/tfpar-planner-test"]
-  assert not (search.candidates(DEEP, a100, 32, cost.TFPAR, precision="mixed_float16")
-              .sharding > 0).any()
-  for precision in ("float32", "mixed_bfloat16"):
-    plans = search.candidates(DEEP, a100, 32, cost.TFPAR, precision=precision)
-    ranked = search.rank(DEEP, a100, plans, global_batch=32, precision=precision,
+  for devices, precision in ((32, "float32"), (48, "mixed_bfloat16")):
+    a100 = clusters.parse(f"a100-80gb:{devices}")
+    assert not (search.candidates(DEEP, a100, 48, cost.TFPAR, precision="mixed_float16")
+                .sharding > 0).any()
+    plans = search.candidates(DEEP, a100, 48, cost.TFPAR, precision=precision)
+    ranked = search.rank(DEEP, a100, plans, global_batch=48, precision=precision,
                          system=cost.TFPAR)
     offered = {tuple(report.plan_flags(ranked.row(i), a100)): report.workers(ranked.row(i), a100)
-               for i in np.flatnonzero((plans.sharding > 0) & (plans.K * plans.T > 8))}
+               for i in np.flatnonzero(plans.K * plans.T > 8)}
     assert {x for f in offered for x in f if "sharding" in x} == {
         "--optimizer_sharding=zero1", "--optimizer_sharding=zero2"}
-    for flags, (workers, devices) in offered.items():
+    for flags, (workers, per_worker) in offered.items():
       cfg = make_config(model + [f"--precision={precision}"] + list(flags))
-      assert rules.check_worker_job(cfg, workers, devices), flags  # Stages across workers.
+      assert rules.check_worker_job(cfg, workers, per_worker), flags  # Stages across workers.
 
 
 def test_stages_across_nodes_send_on_the_inter_node_network():

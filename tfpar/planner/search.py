@@ -4,7 +4,7 @@ sequence parallelism plan a cluster allows, ranked.
 Candidates: T divides the head count and d_ff and stays inside a node (tensor
 parallelism sums activations twice per sub-block: it needs the fastest link);
 K <= L (and divides L where the System wants uniform stages); pipeline stages
-may sit on different nodes; D = N / (K T) divides the global batch; the
+may sit on different nodes (tfpar: a replica spanning nodes fills whole ones); D = N / (K T) divides the global batch; the
 micro-batch b divides G / D; recompute none, full and selective; with K > 1
 each schedule the System runs: GPipe, 1F1B, and interleaved with v virtual
 stages where K v divides L and K divides M (Megatron-LM's conditions); with
@@ -95,6 +95,8 @@ def candidates(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost
         continue
       if system is cost.TFPAR and cluster.kind == "tpu" and k * t > 1:
         continue  # tfpar's TPUStrategy path is data parallel only.
+      if system is cost.TFPAR and k * t > dpn and (k * t) % dpn:
+        continue  # tfpar.rules.worker_layout: a replica spanning workers fills whole ones.
       if global_batch % d:
         continue
       per_replica = global_batch // d
