@@ -168,7 +168,7 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
       f"  parameters on the device holding most = {r['params_per_device'][i]:,.0f}; "
       f"bytes/parameter = weights {bpp[0]} + gradients {bpp[1]}"
       + (f" x {grads_held:.3g}" if grads_held != 1 else "")
-      + f" + optimizer {bpp[2]}" + (f"/D={D}" if p["optimizer_sharding"] != "none" else "")
+      + f" + optimizer {bpp[2]}" + (f"/D={D}" if sharded else "")
       + f" ({p['optimizer_sharding']}) -> "
       f"{(r['weights'][i] + r['gradients'][i] + r['optimizer'][i]) / GIB:.3f} GiB",
       "  activations per block and micro-batch = " + (_tfpar_activations(m, p, act)
@@ -197,7 +197,7 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
       f"  data {DATA_EXCHANGE[placed, sharded and system.sharding_all_reduces]}, "
       f"n = {r['params_per_device'][i]:,.0f} x {bpp[1]} B over D={D} -> "
       f"{p['time']['data_comm']:.4g} s",
-      f"  step = M x slot + (K-1) x (slot/v + send) + data all-reduce = {p['step_seconds']:.4g} s; "
+      f"  step = M x slot + (K-1) x (slot/v + send) + data exchange = {p['step_seconds']:.4g} s; "
       f"TFLOP/s per device = step FLOPs / step / {D * K * T} = {p['tflops_per_device']:.2f}; "
       f"MFU = G(3 L layer + 3 logits) / step / devices / peak = {p['mfu']:.1%}",
   ]
