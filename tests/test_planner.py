@@ -241,6 +241,7 @@ def test_micro_batches_in_flight_by_schedule():
 
 
 MEGATRON_145B = megatron.TABLE_1[6].model  # 80 blocks of 12,288
+DEEP = ModelConfig(seq_len=16, num_layers=16, d_model=64, num_heads=2, d_ff=256)
 
 
 def evaluate_fixed(m, cluster, system=cost.TFPAR, **fixed):
@@ -330,7 +331,7 @@ def test_optimizer_sharding_divides_the_optimizer_state_over_d(precision, megatr
 
 
 def test_the_search_shards_the_optimizer_only_where_the_runtime_does():
-  """tfpar: D > 1, not mixed_float16, a replica's K x T devices inside one node (tfpar.rules),
+  """tfpar: D > 1, not mixed_float16 (tfpar.rules), a replica inside one node or across nodes,
   any recompute and micro-batches; Megatron's distributed optimizer: wherever D > 1, zero1
   only."""
   m = SHAPES[0]
@@ -342,13 +343,60 @@ def test_the_search_shards_the_optimizer_only_where_the_runtime_does():
     if expect:  # Hybrid plans (D=2 x K=2 or T=2) too, under every recompute mode.
       assert ((p.K[z] > 1) | (p.T[z] > 1)).any() and set(p.remat[z]) == {0, 1, 2}
     assert set(p.remat) == {0, 1, 2}
-  deep = ModelConfig(seq_len=16, num_layers=16, d_model=64, num_heads=2, d_ff=256)
-  p = search.candidates(deep, clusters.parse("a100-80gb:32"), 32, cost.TFPAR)  # Nodes of 8.
+  p = search.candidates(DEEP, clusters.parse("a100-80gb:32"), 32, cost.TFPAR)  # Nodes of 8.
   z, across = p.sharding > 0, p.K * p.T > 8
-  assert z.any() and not (z & across).any() and (across & (p.D > 1)).any()
+  assert set(p.sharding[z & across]) == {1, 2} and (p.D[z] > 1).all()
   p = search.candidates(MEGATRON_145B, clusters.parse("a100-80gb:512"), 512, cost.MEGATRON,
                         pipeline_stages=8, tensor_parallel=8, microbatches=64)
   assert set(p.sharding) == {0, 1} and (p.D[p.sharding > 0] > 1).all()
+
+
+def test_copies_across_nodes_cost_the_sums_placed_in_one_program():
+  """D=4 copies of a K=8 x T=2 replica on 64 A100s (nodes of 8): the copies run in the chief's
+  one program (reduce_copies, tfpar.parallel.zero.PlanZero), every byte between copies on the
+  inter-node link. none: 3 gradients into copy 0's device and the sum read back by 3;
+  zero1: the same 3 in, 3 shards out, then 3 new weight shards into each device; zero2: 4
+  rounds, each 3 chunks into one copy's device, then the shards. The gradients copy 0's
+  device holds at once: 4 (3 received and the sum), 4 chunks of a quarter under zero2."""
+  a100 = clusters.parse("a100-80gb:64")
+  plans = search.candidates(DEEP, a100, 64, cost.TFPAR, data_parallel=4, pipeline_stages=8,
+                            tensor_parallel=2, microbatches=8, remat="none",
+                            pipeline_schedule="1f1b", sequence_parallel=False)
+  r = cost.evaluate(DEEP, a100, plans, global_batch=64, precision="float32", system=cost.TFPAR)
+  assert list(r["sharding"]) == [0, 1, 2]
+  n = r["params_per_device"][0] * 4  # float32 gradients and weights
+  bw, lat = a100.inter_bandwidth, a100.inter_latency
+  shards_back = 3 / 4 * n / bw + lat
+  assert r["data_comm"] == pytest.approx([
+      2 * (3 * n / bw + lat), 3 * n / bw + lat + (3 / 4 * n / bw + lat) + shards_back,
+      4 * (3 / 4 * n / bw + lat) + shards_back])
+  assert r["gradients"] == pytest.approx([4 * n, 4 * n, n])
+  assert r["optimizer"] == pytest.approx([2 * n, n / 2, n / 2])
+
+
+def test_every_plan_across_nodes_passes_tfpars_rules():
+  """Each plan the planner offers for replicas spanning nodes (zero1 and zero2 among them),
+  as the flags it emits, is a config tfpar.rules accepts and a worker job it starts
+  (check_worker_job: stages on different workers, a replica on whole workers: none of 12
+  devices over nodes of 8); no sharding under mixed_float16, which tfpar.train refuses."""
+  from tfpar import rules  # pylint: disable=import-outside-toplevel
+  from tfpar.planner import report  # pylint: disable=import-outside-toplevel
+  model = ["--num_layers=16", "--d_model=64", "--num_heads=2", "--d_ff=256", "--seq_len=16",
+           "--model_dir=/tmp/tfpar-planner-test"]
+  for devices, precision in ((32, "float32"), (48, "mixed_bfloat16")):
+    a100 = clusters.parse(f"a100-80gb:{devices}")
+    assert not (search.candidates(DEEP, a100, 48, cost.TFPAR, precision="mixed_float16")
+                .sharding > 0).any()
+    plans = search.candidates(DEEP, a100, 48, cost.TFPAR, precision=precision)
+    ranked = search.rank(DEEP, a100, plans, global_batch=48, precision=precision,
+                         system=cost.TFPAR)
+    offered = {tuple(report.plan_flags(ranked.row(i), a100)): report.workers(ranked.row(i), a100)
+               for i in np.flatnonzero(plans.K * plans.T > 8)}
+    assert {x for f in offered for x in f if "sharding" in x} == {
+        "--optimizer_sharding=zero1", "--optimizer_sharding=zero2"}
+    for flags, (workers, per_worker) in offered.items():
+      cfg = make_config(model + [f"--precision={precision}"] + list(flags))
+      assert rules.check_worker_job(cfg, workers, per_worker), flags  # Stages across workers.
 
 
 def test_stages_across_nodes_send_on_the_inter_node_network():

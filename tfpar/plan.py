@@ -91,7 +91,7 @@ def plan(m, cluster, *, global_batch, precision, system, fixed) -> search.Ranked
         "batch, T divide --num_heads and --d_ff and sit in one node, K <= --num_layers; "
         "interleaved needs K x --virtual_stages to divide --num_layers and K the micro-batches"
         + ("; optimizer sharding needs D > 1" + (
-            ", no mixed_float16 and a replica inside one node in tfpar"
+            " and no mixed_float16 in tfpar"
             if system is cost.TFPAR else "")
            if fixed.get("optimizer_sharding") not in (None, "none") else "")
         + (" (tfpar runs only data parallelism on TPUs)" if cluster.kind == "tpu" and

@@ -10,7 +10,9 @@ selective recompute q (0 or 1), optimizer sharding none, zero1 or zero2:
                                 2021; selective recomputes the attention core's 4 s^2 h)
   bytes per parameter:          weights + gradients + optimizer (per System); zero1 divides
                                 the optimizer's by D, zero2 the summed gradient's too (tfpar
-                                keeps 2 of its D shards alive, tfpar.parallel.zero.state_bytes)
+                                keeps 2 of its D shards alive, tfpar.parallel.zero.state_bytes);
+                                tfpar's copies in one program (a replica spanning nodes) hold
+                                D gradients on copy 0's device (none, zero1), zero2 one
   activations per block and micro-batch, megatron (Korthikanti et al. 2022, 16-bit values):
                                 s b h (W + (34-W)/T + 5 a s / (h T))  without recompute
                                 s b h (W + (34-W)/T)                  selective recompute
@@ -30,6 +32,10 @@ selective recompute q (0 or 1), optimizer sharding none, zero1 or zero2:
   stage-boundary send (per micro-batch, forward and backward, v times when interleaved):
                                 b s h act bytes on the inter-node link once K T spans nodes
   ring all-reduce of n bytes over p devices:  2 (p-1)/p n / bw + 2 (p-1) latency
+  data parallel:                the ring all-reduce of the busiest device's gradient over the
+                                D replicas (tfpar sharded: and an all-gather of its new weights);
+                                tfpar's D copies of a replica spanning nodes run in one program
+                                and sum by placement instead (`in_program_seconds`)
   compute efficiency:           e_max / (1 + w/(h/T) + r0/(b s))    (constants fitted)
 
 Two Systems share the physics and differ in layout: "tfpar" is what tfpar
@@ -39,7 +45,8 @@ when interleaved; float32 variables), "megatron" is Megatron-LM as in
 Narayanan et al. 2021 (vocabulary-parallel embedding on the first and last
 stage; L/K blocks per stage; the scatter/gather send between stages) and is
 what the published table is evaluated with. In both a tensor-parallel group
-sits inside a node and pipeline stages may span nodes. A plan names its
+sits inside a node and pipeline stages may span nodes; both shard the
+optimizer over the D copies wherever D > 1 (tfpar not under mixed_float16). A plan names its
 schedule (SCHEDULES: gpipe, 1f1b, interleaved with v virtual stages).
 
 On a shared host (Cluster.shared: logical CPU devices of one machine) the
@@ -96,9 +103,9 @@ class System:
       shards are alive at once).
     sharding_with_float16: whether it shards the optimizer under mixed_float16 (tfpar: no,
       its loss scaling is not sharded).
-    sharding_across_nodes: whether it shards the optimizer of a replica whose K x T devices
-      span several nodes (tfpar runs it, the D copies' sums placed in the chief's one
-      program, but the planner does not search it yet).
+    copies_in_one_program: a replica whose K x T devices span nodes runs its D copies in
+      one program (tfpar: stages on different workers, every copy in the chief's program),
+      which sums by placement, not collectives (`in_program_seconds`); else collectives.
     sharding_all_reduces: a sharded step all-reduces the gradient and then all-gathers
       the new weights (tfpar: ReplicaContext has no reduce-scatter); else it
       reduce-scatters and all-gathers, the bytes of one all-reduce.
@@ -119,7 +126,7 @@ class System:
   optimizer_bytes: Dict[str, int]
   shardings: Tuple[str, ...] = ("none",)
   sharding_with_float16: bool = True
-  sharding_across_nodes: bool = True
+  copies_in_one_program: bool = False
   zero2_gradient_shards: int = 1
   sharding_all_reduces: bool = False
   regather: bool = False
@@ -135,8 +142,9 @@ TFPAR = System(
     optimizer_bytes={p: plan_lib.OPTIMIZER_SLOTS * _FP32 for p in COMPUTE_DTYPE},
     # tfpar.parallel.zero: m and v sharded (the float32 weights stay replicated); zero2's
     # chunked sum keeps its own shard and the one in flight; over the D copies of a
-    # model-parallel plan too, per device position, while a replica sits in one node.
-    shardings=SHARDINGS, sharding_with_float16=False, sharding_across_nodes=False,
+    # model-parallel plan too, per device position, its copies in one program once a
+    # replica spans nodes (PlanZero: sums placed on the copies' devices).
+    shardings=SHARDINGS, sharding_with_float16=False, copies_in_one_program=True,
     zero2_gradient_shards=2,
     sharding_all_reduces=True, activation_counts="tfpar")
 MEGATRON = System(
@@ -331,6 +339,9 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   # Optimizer sharding over the D replicas: zero1 the optimizer state, zero2 the gradient too.
   optimizer_share = np.where(z > 0, 1 / D, 1.0)
   grad_share = np.where(z == 2, np.minimum(1.0, system.zero2_gradient_shards / D), 1.0)
+  # A replica spanning nodes whose D copies run in one program: sums placed on devices.
+  placed = copies_in_one_program(system, cluster, D, K, T)
+  grad_share = np.where(placed, in_program_gradients(D, z), grad_share)
   slot = np.zeros(n)
   interleaved = sched == INTERLEAVED
   for k, t, uniform in set(zip(plans.K.tolist(), plans.T.tolist(), interleaved.tolist())):
@@ -389,13 +400,13 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   # On a shared host a stage's idle time is another stage's working time: no bubble cost.
   # Else the fill and drain: K - 1 chunk slots (a chunk is 1/v of a stage) and sends.
   out["bubble"] = np.zeros(n) if cluster.shared else (K - 1) * (slot / v + p2p)
-  # Data parallel: one all-reduce of the busiest device's gradients across D replicas.
+  # Data parallel: the busiest device's gradients summed over the D copies (and, sharded,
+  # the new weight shards brought back): collectives, or placement in one program.
   grads = out["params_per_device"] * system.grad_bytes[precision]
-  out["data_comm"] = all_reduce_seconds(grads, D, bw(D * K * T), lat(D * K * T))
-  if system.sharding_all_reduces:  # Then the updated weight shards come back: an all-gather.
-    weights = out["params_per_device"] * system.weight_bytes[precision]
-    out["data_comm"] += np.where(z > 0, all_gather_seconds(weights, D, bw(D * K * T),
-                                                           lat(D * K * T)), 0.0)
+  weights = out["params_per_device"] * system.weight_bytes[precision]
+  out["data_comm"] = np.where(
+      placed, in_program_seconds(grads, weights, D, z, cluster),
+      collective_seconds(grads, weights, D, z, bw(D * K * T), lat(D * K * T), system))
   out["M"] = M
   out["schedule"], out["v"], out["remat"], out["sharding"] = sched, v, rm, z
   out["sequence_parallel"] = sp
@@ -412,6 +423,54 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   out["mfu"] = float(step_flops(m, global_batch, False)) / out["step_seconds"] / units / peak
   out["bubble_fraction"] = bubble_fraction(K, M, v)
   return out
+
+
+def copies_in_one_program(system: System, cluster: Cluster, D, K, T) -> np.ndarray:
+  """Which plans' D copies run in one program (tfpar: a replica's K x T devices span nodes,
+  its stages on different workers; the chief's program holds every copy), not collectives."""
+  D, span = np.asarray(D, dtype=float), np.asarray(K, dtype=float) * T
+  return system.copies_in_one_program & (D > 1) & (span > cluster.devices_per_node)
+
+
+def collective_seconds(grads, weights, D, z, bandwidth, latency, system: System):
+  """The data-parallel exchange of replicas in sync: one ring all-reduce of the gradient,
+  and for a System that all-reduces before sharding (tfpar) an all-gather of the new weights."""
+  out = all_reduce_seconds(grads, D, bandwidth, latency)
+  if system.sharding_all_reduces:
+    out = out + np.where(z > 0, all_gather_seconds(weights, D, bandwidth, latency), 0.0)
+  return out
+
+
+def in_program_seconds(grads, weights, D, z, cluster: Cluster):
+  """The data-parallel exchange of D copies in one program, by placement (tfpar.parallel.zero
+  PlanZero, tfpar.parallel.exchange reduce_copies), on the inter-node link of each device.
+
+  Copy d's device of a position and its peers sit on different nodes. n: a device's
+  gradient bytes (`grads`), w: its weight bytes (`weights`), B, a: the inter-node link.
+    none:  the D-1 other gradients into copy 0's device, summed there; every copy reads
+           the sum back:                             2 (D-1) n/B + 2a
+    zero1: the same sum; copy d's shard of it sent to copy d's device; the D new weight
+           shards to every copy's device:           (D-1) n/B + (D-1)/D n/B + (D-1)/D w/B + 3a
+    zero2: D rounds one after another (each waits for the previous one's squares), round d
+           sums chunk d of every copy on copy d's device; then the new shards as zero1:
+                                                    D ((D-1)/D n/B + a) + (D-1)/D w/B + a
+  One phase's transfers into a device share its link; phases do not overlap (as the ring's).
+  """
+  D = np.asarray(D, dtype=float)
+  bw, a = cluster.inter_bandwidth, cluster.inter_latency
+  gather = (D - 1) / D * weights / bw + a
+  return np.select(
+      [z == 0, z == 1],
+      [2 * (D - 1) * grads / bw + 2 * a,
+       (D - 1) * grads / bw + (D - 1) / D * grads / bw + a + a + gather],
+      D * ((D - 1) / D * grads / bw + a) + gather)
+
+
+def in_program_gradients(D, z):
+  """Gradients one device holds at once when D copies sum in one program, in device gradients:
+  copy 0's device receives the D-1 others and makes the sum (none, zero1: D); under zero2 copy
+  d's device receives chunk d of the D-1 others and sums it (D chunks of 1/D: 1)."""
+  return np.where(np.asarray(z) == 2, 1.0, np.asarray(D, dtype=float))
 
 
 def bubble_fraction(K, M, v=1):

@@ -154,6 +154,9 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
   e = cluster.efficiency
   bpp = (system.weight_bytes[precision], system.grad_bytes[precision],
          system.optimizer_bytes[precision])
+  grads_held = round(r["gradients"][i] / bpp[1] / (r["weights"][i] / bpp[0]), 6)  # x its weights
+  sharded = p["optimizer_sharding"] != "none"
+  placed = bool(cost.copies_in_one_program(system, cluster, D, K, T))
   lines = [
       "", "how the best plan's numbers come about (docs/planner.md has the sources):",
       f"  layer FLOPs/sequence = 2s(4h^2 + 2hf) + 4s^2h = 2*{s}*(4*{h}^2 + 2*{h}*{f}) + "
@@ -164,9 +167,8 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
       f"{cost.step_flops(m, g, p['remat']):.4g}",
       f"  parameters on the device holding most = {r['params_per_device'][i]:,.0f}; "
       f"bytes/parameter = weights {bpp[0]} + gradients {bpp[1]}"
-      + (f" x {r['gradients'][i] / (r['params_per_device'][i] * bpp[1]):.3g}"
-         if p["optimizer_sharding"] == "zero2" else "")
-      + f" + optimizer {bpp[2]}" + (f"/D={D}" if p["optimizer_sharding"] != "none" else "")
+      + (f" x {grads_held:.3g}" if grads_held != 1 else "")
+      + f" + optimizer {bpp[2]}" + (f"/D={D}" if sharded else "")
       + f" ({p['optimizer_sharding']}) -> "
       f"{(r['weights'][i] + r['gradients'][i] + r['optimizer'][i]) / GIB:.3f} GiB",
       "  activations per block and micro-batch = " + (_tfpar_activations(m, p, act)
@@ -192,9 +194,10 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
       f"times, on the {'inter' if K * T > cluster.devices_per_node else 'intra'}-node link "
       f"(K x T = {K * T} devices, {cluster.devices_per_node} per node) -> "
       f"{p['time']['pipeline_comm']:.4g} s",
-      f"  data all-reduce = 2(D-1)/D n/bw + 2(D-1) lat, n = {r['params_per_device'][i]:,.0f} x "
-      f"{bpp[1]} B over D={D} -> {p['time']['data_comm']:.4g} s",
-      f"  step = M x slot + (K-1) x (slot/v + send) + data all-reduce = {p['step_seconds']:.4g} s; "
+      f"  data {DATA_EXCHANGE[placed, sharded and system.sharding_all_reduces]}, "
+      f"n = {r['params_per_device'][i]:,.0f} x {bpp[1]} B over D={D} -> "
+      f"{p['time']['data_comm']:.4g} s",
+      f"  step = M x slot + (K-1) x (slot/v + send) + data exchange = {p['step_seconds']:.4g} s; "
       f"TFLOP/s per device = step FLOPs / step / {D * K * T} = {p['tflops_per_device']:.2f}; "
       f"MFU = G(3 L layer + 3 logits) / step / devices / peak = {p['mfu']:.1%}",
   ]
@@ -209,6 +212,14 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
   return "\n".join(lines)
 
 
+# The data-parallel exchange's formula, by (copies in one program, sharded); w = n in tfpar.
+DATA_EXCHANGE = {
+    (False, False): "all-reduce = 2(D-1)/D n/bw + 2(D-1) lat",
+    (False, True): "all-reduce + all-gather of the new weights = 3(D-1)/D n/bw + 3(D-1) lat",
+    (True, False): "sum on copy 0's device, read back, across nodes = 2(D-1) n/bw + 2 lat",
+    (True, True): "sum placed in one program, across nodes (zero1: (D-1)(1 + 2/D) n/bw + 3 lat; "
+                  "zero2: (D-1)(1 + 1/D) n/bw + (D+1) lat)",
+}
 IN_FLIGHT = {"gpipe": "M", "1f1b": "min(M, K-k)", "interleaved": "(2(K-k-1) + (v-1)K + 1)/v"}
 
 

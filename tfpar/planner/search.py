@@ -4,14 +4,14 @@ sequence parallelism plan a cluster allows, ranked.
 Candidates: T divides the head count and d_ff and stays inside a node (tensor
 parallelism sums activations twice per sub-block: it needs the fastest link);
 K <= L (and divides L where the System wants uniform stages); pipeline stages
-may sit on different nodes; D = N / (K T) divides the global batch; the
+may sit on different nodes (tfpar: a replica spanning nodes fills whole ones); D = N / (K T) divides the global batch; the
 micro-batch b divides G / D; recompute none, full and selective; with K > 1
 each schedule the System runs: GPipe, 1F1B, and interleaved with v virtual
 stages where K v divides L and K divides M (Megatron-LM's conditions); with
-D > 1 each optimizer sharding the System runs (tfpar: zero1 and zero2 where
-a replica's K x T devices sit in one node, not under mixed_float16, as
-tfpar.rules allows; Megatron: zero1, its distributed optimizer, anywhere); with T > 1 sequence parallelism off and on (both Systems
-run it). With tfpar on TPUs only data parallelism runs. The candidates of
+D > 1 each optimizer sharding the System runs (tfpar: zero1 and zero2, a
+replica inside one node or spanning nodes, not under mixed_float16, as
+tfpar.rules allows; Megatron: zero1, its distributed optimizer); with T > 1
+sequence parallelism off and on (both Systems run it). With tfpar on TPUs only data parallelism runs. The candidates of
 4,096 devices number a few thousand: one vectorised pass.
 """
 
@@ -95,6 +95,8 @@ def candidates(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost
         continue
       if system is cost.TFPAR and cluster.kind == "tpu" and k * t > 1:
         continue  # tfpar's TPUStrategy path is data parallel only.
+      if system is cost.TFPAR and k * t > dpn and (k * t) % dpn:
+        continue  # tfpar.rules.worker_layout: a replica spanning workers fills whole ones.
       if global_batch % d:
         continue
       per_replica = global_batch // d
@@ -107,7 +109,7 @@ def candidates(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost
         for sched, v in schedules(m, k, mb, system, pipeline_schedule, virtual_stages):
           for r in remats:
             for z in shardings:
-              if z and not shards_optimizer(system, d, k, t, dpn, precision):
+              if z and not shards_optimizer(system, d, precision):
                 continue
               for sp in sequence_parallels(t, sequence_parallel):
                 rows.append((d, k, t, b, r, sched, v, z, sp))
@@ -122,12 +124,10 @@ def sequence_parallels(t: int, given: Optional[bool]) -> tuple:
   return options if given is None else tuple(o for o in options if o == int(given))
 
 
-def shards_optimizer(system: cost.System, d: int, k: int, t: int, devices_per_node: int,
-                     precision: Optional[str]) -> bool:
+def shards_optimizer(system: cost.System, d: int, precision: Optional[str]) -> bool:
   """Whether the System can shard the optimizer of this plan: D > 1, and for tfpar no
-  mixed_float16 and a replica (K x T devices) inside one node (tfpar.rules' conditions)."""
-  return d > 1 and (system.sharding_with_float16 or precision != "mixed_float16") and (
-      system.sharding_across_nodes or k * t <= devices_per_node)
+  mixed_float16 (tfpar.rules' conditions; a replica may span nodes)."""
+  return d > 1 and (system.sharding_with_float16 or precision != "mixed_float16")
 
 
 @dataclasses.dataclass
