@@ -52,6 +52,10 @@ def test_schedules_set_bubble_chunks_and_predicted_activations():
   for device, nbytes in gpipe.activation_bytes().items():
     assert one_f_one_b.activation_bytes()[device] < nbytes / 3
     assert one_f_one_b.activation_bytes()[device] < interleaved.activation_bytes()[device] < nbytes
+  # Interleaved: the last device holds 3 chunks (1.5 stages) but the head only once (chunk 3's
+  # forward is followed by its backward).
+  chunk, *_, last = interleaved.microbatch_activations
+  assert interleaved.activation_bytes()["CPU:1"] == 3 * chunk + last - chunk
 
 
 def test_grid_bubble_and_plan_json(tmp_path):
