@@ -37,8 +37,8 @@ until every forward has run: B(k, 0) may start as soon as F(K-1, 0) has
 reached the loss, and each micro-batch's activations are freed by its
 backward. So a stage holds at most M micro-batches' activations, and how
 many it really holds depends on when the threads get to which op: at K=2,
-M=8 the held bytes measured 2 to 3 micro-batches' worth, and varied from
-run to run (scripts/pipeline_memory.py). The plan predicts the bound, M
+M=8 a stage held 1.7 to 4.1 micro-batches' worth over three runs
+(scripts/pipeline_memory.py). The plan predicts the bound, M
 (`greedy`: `held` is a bound).
 
 1F1B (PipeDream-Flush, Narayanan et al. 2021). Stage k runs K - k - 1
