@@ -485,14 +485,14 @@ def make_plan(cfg: Config, devices: Sequence[str], *,
                         parameters=params, embedding=i == 0, head=i == k - 1))
   # Per chunk (the stages, or the v K chunks); the last also keeps what the head's backward reads.
   blocks = [size] * (k * v) if v > 1 else per_stage
-  activations = [int(n * per_block) for n in blocks]
-  activations[-1] += int(head)
+  activations = [n * per_block for n in blocks]
+  activations[-1] += head
   grid = tuple(tuple(tuple(flat[r * k * t + s * t + j] for j in range(t)) for s in range(k))
                for r in range(d))
   return ParallelPlan(data_parallel=d, pipeline_stages=k, tensor_parallel=t,
                       microbatches=p.microbatches, per_replica_batch=g // d, stages=tuple(stages),
                       devices=grid, remat=p.remat, counts=counts,
                       schedule=p.pipeline_schedule, virtual_stages=v,
-                      microbatch_activations=tuple(activations),
+                      microbatch_activations=tuple(int(a) for a in activations),
                       sequence_parallel=p.sequence_parallel,
                       optimizer_sharding=p.optimizer_sharding)
