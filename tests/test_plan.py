@@ -68,6 +68,9 @@ def test_grid_bubble_and_plan_json(tmp_path):
   saved = json.load(open(plan.write(str(tmp_path))))
   assert saved["bubble"] == pytest.approx(1 / 3) and len(saved["bytes_per_device"]) == 8
   assert "bubble (K-1)/(M+K-1) = 1/3" in plan.format()
+  # GPipe's order is the executor's: its activations are a bound.
+  assert saved["activation_bytes_are_a_bound"] is True
+  assert "micro-batches in flight per stage at most 2, 2" in plan.format()
 
 
 def test_bytes_add_up_to_the_whole_model_per_replica():

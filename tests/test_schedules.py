@@ -76,6 +76,7 @@ def test_schedule_matches_one_device(one_device, tmp_path, name):
   assert recorded["schedule"] == engine.plan.schedule == name.split("_")[0]
   assert recorded["bubble"] == engine.plan.bubble > 0
   assert recorded["in_flight_microbatches"] == engine.plan.in_flight
+  assert recorded["activation_bytes_are_a_bound"] is False  # The order is enforced.
   if engine.plan.data_parallel == 1:  # Copy 0 sees the whole batch: its gradients are one device's.
     loss, grads = loss_and_grads(engine, batch)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)

@@ -350,6 +350,7 @@ class ParallelPlan:
             "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "bubble": self.bubble, "in_flight_microbatches": self.in_flight,
             "activation_bytes_per_device": self.activation_bytes(),
+            "activation_bytes_are_a_bound": schedules.make(self.schedule).greedy,
             "stages": [dataclasses.asdict(s) for s in self.stages],
             "devices": [[list(shards) for shards in row] for row in self.devices],
             "stage_workers": self.stage_workers,
