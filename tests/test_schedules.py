@@ -153,7 +153,8 @@ def test_1f1b_holds_the_plans_activations_and_gpipe_stays_under_its_bound(memory
     # 1F1B's order is enforced: what a stage holds when a backward runs is the plan's count.
     assert one_f_one_b["held_bytes_per_stage"][stage] == pytest.approx(predicted, rel=0.1), (
         stage, report)
-    # GPipe's is the executor's: at most all M micro-batches, the plan's bound.
-    assert 0 < gpipe["held_bytes_per_stage"][stage] <= gpipe["predicted_bytes_per_stage"][stage]
+    # GPipe's is the executor's: at least micro-batch 0's, at most all M, the plan's bound.
+    bound = gpipe["predicted_bytes_per_stage"][stage]
+    assert 0.9 * bound / 8 < gpipe["held_bytes_per_stage"][stage] <= bound, (stage, report)
     assert 0 < one_f_one_b["peak_bytes_per_stage"][stage] < gpipe["peak_bytes_per_stage"][stage]
   assert 0 < one_f_one_b["all_stages_bytes"] < gpipe["all_stages_bytes"]
