@@ -25,7 +25,7 @@ and measures, in this order:
         reading (alive when the backward starts) at every backward, since a
         pipeline's backwards start M times (with 1F1B the most is held when a
         backward follows the last warm-up forward); the tensors' requested
-        bytes, as there (the BFC allocator rounds them up, by up to 20% here).
+        bytes, as there (the BFC allocator rounds them up: 1F1B's stage 0 by 21% here).
       peak: the most bytes the allocator handed out in the step and alive at
         once: the activations, the gradients (GPipe's one tf.gradients keeps
         all M of each weight's until their AddN) and the temporaries, not the
