@@ -1,6 +1,6 @@
-"""Peak activation bytes per pipeline stage and tokens/s: GPipe against 1F1B, each in its own process.
+"""Activations per pipeline stage against the plan's, peaks and tokens/s; a process per schedule.
 
-    python scripts/pipeline_memory.py                     # K=2 stages, M=8, 3 rounds
+    python scripts/pipeline_memory.py                     # GPipe, 1F1B: K=2 stages, M=8, 3 rounds
     python scripts/pipeline_memory.py --schedules=gpipe,1f1b,interleaved --rounds=3
 
 Every measurement is a child (`--only=SCHEDULE`, one JSON line) that builds
@@ -17,17 +17,27 @@ and measures, in this order:
     backward, `loss_and_grads`, no optimizer) counts each allocation on the
     stage whose device runs its op (a gradient op: its forward op's, by
     colocation; an op Grappler renamed: the op it came from; "other": an op
-    of no stage, e.g. the input split), and a stage's peak is the most bytes
-    allocated in the step and alive at once: the activations kept for the
-    backward, the gradients and the temporaries, not the weights and
-    optimizer slots (allocated before the step).
+    of no stage, e.g. the input split). Two readings per stage:
+      held: the most bytes that forward ops requested during the step and
+        that are still alive when a backward op (of `gradients/`, or of a
+        1F1B unit "B{c}_{m}") allocates: the activations kept for the
+        backwards, what the plan predicts. scripts/activation_memory.py's
+        reading (alive when the backward starts) at every backward, since a
+        pipeline's backwards start M times (with 1F1B the most is held when a
+        backward follows the last warm-up forward); the tensors' requested
+        bytes, as there (the BFC allocator rounds them up: 1F1B's stage 0 by 21% here).
+      peak: the most bytes the allocator handed out in the step and alive at
+        once: the activations, the gradients (GPipe's one tf.gradients keeps
+        all M of each weight's until their AddN) and the temporaries, not the
+        weights and optimizer slots (allocated before the step).
   * all stages: the allocator's peak during one untraced step above its
     level before it (`tf.config.experimental.get_memory_info`).
   * the plan's prediction beside it (tfpar.parallel.plan.activation_bytes:
-    micro-batches in flight under the schedule x tfpar's bytes per block,
-    plus the head's: tfpar.parallel.plan.tfpar_kept_per_position, measured
-    by scripts/activation_memory.py): an estimate of the activations alone,
-    the same for every order of ops.
+    tfpar's bytes per block of one micro-batch, plus the head's, from
+    tfpar.parallel.plan.tfpar_kept_per_position, measured by
+    scripts/activation_memory.py, replayed in each device's order of
+    forwards and backwards; GPipe's order is the executor's, so for it the
+    plan gives a bound, all M micro-batches, printed "<=").
   * tokens/s: --steps timed training steps (optimizer included) after
     --warmup untimed ones, without the profiler (--steps=0: not measured).
 
@@ -40,6 +50,7 @@ only the ratio of two medians means anything.
 import collections
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -81,20 +92,31 @@ def train_flags(schedule: str, model_dir: str):
               [f"--virtual_stages={f.virtual_stages}"] if schedule == "interleaved" else [])
 
 
+def backward(op_name: str) -> bool:
+  """A gradient op, or (1F1B, interleaved) an op of a backward unit's name scope "B{c}_{m}"."""
+  return bool(re.search(r"(^|/)gradients(_\d+)?/", op_name) or re.match(r"B\d+_\d+/", op_name))
+
+
 def peaks_per_stage(events, devices, stage_by_device):
-  """{stage: the most bytes allocated during the trace and alive at once}."""
-  live, peak, owner = collections.Counter(), collections.Counter(), {}
+  """({stage: the most bytes allocated during the trace and alive at once},
+  {stage: the most bytes requested by forward ops and alive when a backward op allocates})."""
+  live, forward, peak, held, owner = (collections.Counter(), collections.Counter(),
+                                      collections.Counter(), collections.Counter(), {})
   for _, name, stats in sorted(events, key=lambda e: e[0]):
     if name == "MemoryAllocation":
-      stage = stage_by_device.get(devices.get(xplane.op_of(stats.get("tf_op", ""), devices)),
-                                  "other")
-      owner[stats["addr"]] = (stage, stats["allocation_bytes"])
+      op = stats.get("tf_op", "")
+      stage = stage_by_device.get(devices.get(xplane.op_of(op, devices)), "other")
+      kept = 0 if backward(op) else stats["requested_bytes"]
+      owner[stats["addr"]] = (stage, stats["allocation_bytes"], kept)
       live[stage] += stats["allocation_bytes"]
       peak[stage] = max(peak[stage], live[stage])
+      held[stage] = max(held[stage], forward[stage] if backward(op) else 0)
+      forward[stage] += kept
     elif stats.get("addr") in owner:  # A free of an allocation made during the trace.
-      stage, nbytes = owner.pop(stats["addr"])
+      stage, nbytes, kept = owner.pop(stats["addr"])
       live[stage] -= nbytes
-  return dict(peak)
+      forward[stage] -= kept
+  return dict(peak), dict(held)
 
 
 def measure(schedule: str) -> dict:
@@ -104,7 +126,7 @@ def measure(schedule: str) -> dict:
   from tfpar import config, engines, flags as tfpar_flags, strategies  # pylint: disable=import-outside-toplevel
   from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
   from tfpar.data.pipeline import Corpus  # pylint: disable=import-outside-toplevel
-  from tfpar.parallel import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  from tfpar.parallel import plan as plan_lib, schedules  # pylint: disable=import-outside-toplevel
   workdir = tempfile.mkdtemp(prefix="tfpar_pipeline_memory_")
   cfg = config.from_flags(tfpar_flags.parse(train_flags(schedule, workdir)))
   strategies.setup_devices(cfg.dist.num_cpu_devices)
@@ -126,8 +148,8 @@ def measure(schedule: str) -> dict:
   tf.profiler.experimental.start(os.path.join(workdir, "trace"))
   step(*batch)
   tf.profiler.experimental.stop()
-  peaks = peaks_per_stage(xplane.memory_events(os.path.join(workdir, "trace")), devices,
-                          stage_by_device)
+  events = list(xplane.memory_events(os.path.join(workdir, "trace")))
+  peaks, held = peaks_per_stage(events, devices, stage_by_device)
   tokens_per_sec = None
   if FLAGS.steps:
     iterator = engine.train_iterator(0)
@@ -138,8 +160,10 @@ def measure(schedule: str) -> dict:
                       (time.perf_counter() - start))
   predicted = plan.activation_bytes()
   return {"schedule": schedule, "pid": os.getpid(), "bubble": plan.bubble,
+          "prediction_is_bound": schedules.make(schedule).greedy,
           "in_flight": plan.in_flight,
-          "measured_bytes_per_stage": {s: peaks.get(s, 0) for s in sorted(stage_by_device.values())},
+          "held_bytes_per_stage": {s: held.get(s, 0) for s in sorted(stage_by_device.values())},
+          "peak_bytes_per_stage": {s: peaks.get(s, 0) for s in sorted(stage_by_device.values())},
           "other_bytes": peaks.get("other", 0), "all_stages_bytes": int(all_stages),
           "predicted_bytes_per_stage": {f"stage {k}": predicted[plan_lib.device_key(row[k][0])]
                                         for row in plan.devices[:1] for k in range(len(row))},
@@ -159,23 +183,30 @@ def main(_):
   rows = {}
   for schedule in FLAGS.schedules:
     mine = [run for run in runs if run["schedule"] == schedule]
-    stages = sorted(mine[0]["measured_bytes_per_stage"])
+    stages = sorted(mine[0]["held_bytes_per_stage"])
     rows[schedule] = {
-        "measured": {s: med([run["measured_bytes_per_stage"][s] for run in mine]) for s in stages},
+        "held": {s: med([run["held_bytes_per_stage"][s] for run in mine]) for s in stages},
+        "peak": {s: med([run["peak_bytes_per_stage"][s] for run in mine]) for s in stages},
         "predicted": mine[0]["predicted_bytes_per_stage"], "in_flight": mine[0]["in_flight"],
+        "bound": mine[0]["prediction_is_bound"],
         "other": med([run["other_bytes"] for run in mine]),
         "all_stages": med([run["all_stages_bytes"] for run in mine]),
         "tokens_per_sec": med([run["tokens_per_sec"] or 0 for run in mine]),
         "bubble": mine[0]["bubble"]}
   reference = rows[FLAGS.schedules[0]]["tokens_per_sec"] or 1
+  stages = list(rows[FLAGS.schedules[0]]["held"])
   print(f"K={FLAGS.stages} stages, M={FLAGS.microbatches} micro-batches, {FLAGS.rounds} rounds "
-        f"(medians), 1-minute load {os.getloadavg()[0]:.1f}; MiB per stage, measured (predicted)")
-  print("| schedule | in flight | " + " | ".join(rows[FLAGS.schedules[0]]["measured"]) +
-        " | other | all stages | tokens/s | vs " + FLAGS.schedules[0] + " |")
-  print("|---" * (len(rows[FLAGS.schedules[0]]["measured"]) + 6) + "|")
+        f"(medians), 1-minute load {os.getloadavg()[0]:.1f}; MiB per stage: the activations held, "
+        f"measured (predicted), and the peak of all the step allocates")
+  print("| schedule | in flight | " + " | ".join(f"{s} held" for s in stages) + " | " +
+        " | ".join(f"{s} peak" for s in stages) + " | other | all stages | tokens/s | vs " +
+        FLAGS.schedules[0] + " |")
+  print("|---" * (2 * len(stages) + 6) + "|")
   for schedule, row in rows.items():
-    cells = [f"{row['measured'][s] / MIB:.2f} ({row['predicted'][s] / MIB:.2f})"
-             for s in row["measured"]]
+    bound = "<= " if row["bound"] else ""
+    cells = [f"{row['held'][s] / MIB:.2f} ({bound}{row['predicted'][s] / MIB:.2f})"
+             for s in stages] + [
+        f"{row['peak'][s] / MIB:.2f}" for s in stages]
     print(f"| {schedule} | {', '.join(f'{n:g}' for n in row['in_flight'])} | " +
           " | ".join(cells) + f" | {row['other'] / MIB:.2f} | {row['all_stages'] / MIB:.2f} | "
           f"{row['tokens_per_sec']:,.0f} | {row['tokens_per_sec'] / reference:.2f}x |")

@@ -52,6 +52,10 @@ def test_schedules_set_bubble_chunks_and_predicted_activations():
   for device, nbytes in gpipe.activation_bytes().items():
     assert one_f_one_b.activation_bytes()[device] < nbytes / 3
     assert one_f_one_b.activation_bytes()[device] < interleaved.activation_bytes()[device] < nbytes
+  # Interleaved: the last device holds 3 chunks (1.5 stages) but the head only once (chunk 3's
+  # forward is followed by its backward).
+  chunk, *_, last = interleaved.microbatch_activations
+  assert interleaved.activation_bytes()["CPU:1"] == 3 * chunk + last - chunk
 
 
 def test_grid_bubble_and_plan_json(tmp_path):
@@ -64,6 +68,9 @@ def test_grid_bubble_and_plan_json(tmp_path):
   saved = json.load(open(plan.write(str(tmp_path))))
   assert saved["bubble"] == pytest.approx(1 / 3) and len(saved["bytes_per_device"]) == 8
   assert "bubble (K-1)/(M+K-1) = 1/3" in plan.format()
+  # GPipe's order is the executor's: its activations are a bound.
+  assert saved["activation_bytes_are_a_bound"] is True
+  assert "micro-batches in flight per stage at most 2, 2" in plan.format()
 
 
 def test_bytes_add_up_to_the_whole_model_per_replica():

@@ -28,16 +28,21 @@ for M micro-batches under GPipe and 1F1B, (K-1)/(vM+K-1) under interleaved
 of L/(vK) blocks each (`chunks`), not one contiguous run of blocks
 (tfpar.parallel.schedules derives both).
 
-Activations: `activation_bytes` predicts each stage's peak, the schedule's
-micro-batches in flight on it (GPipe M, 1F1B K-k on stage k: `in_flight`)
-times one micro-batch's activations there: what tfpar's blocks keep for the
-backward (`activation_bytes_per_block` with counts="tfpar", also the
-planner's for --system=tfpar; Korthikanti et al. 2022's count is Megatron-LM's;
-sequence parallelism splits part of it over the T shards) and what the head
-keeps on the last stage (`head_activation_bytes`). scripts/pipeline_memory.py
-measures the stages' peaks; scripts/activation_memory.py measures, from the
+Activations: `activation_bytes` predicts the most each stage holds for its
+backwards: one micro-batch's activations per chunk (`microbatch_activations`:
+what tfpar's blocks keep for the backward, `activation_bytes_per_block` with
+counts="tfpar", also the planner's for --system=tfpar; Korthikanti et al.
+2022's count is Megatron-LM's; sequence parallelism splits part of it over
+the T shards; and what the head keeps on the last chunk,
+`head_activation_bytes`), replayed in the device's order of forwards and
+backwards (`Schedule.held`): 1F1B holds K-k micro-batches on stage k
+(`in_flight`), interleaved 1F1B its warm-up's chunks. GPipe's order is the
+executor's, so for it the prediction is a bound, all M micro-batches
+(tfpar.parallel.schedules). scripts/activation_memory.py measures, from the
 allocator, what each device holds when the backward starts (held to this
-prediction by tests/test_sequence_parallel.py).
+prediction by tests/test_sequence_parallel.py); scripts/pipeline_memory.py
+what each stage holds when a backward runs, and its peak (held to this
+prediction by tests/test_schedules.py).
 """
 
 import dataclasses
@@ -248,7 +253,8 @@ class ParallelPlan:
     counts: parameter counts per part.
     schedule: the pipeline schedule (tfpar.parallel.schedules), --pipeline_schedule.
     virtual_stages: v, chunks per stage (interleaved; 1 otherwise).
-    microbatch_activations: per stage, the predicted bytes of one micro-batch's activations.
+    microbatch_activations: per chunk (the K stages, or the v K chunks in pipeline order), the
+      predicted bytes one micro-batch's forward there keeps for its backward.
     sequence_parallel: the blocks' sequence split over the T shards (--sequence_parallel).
     optimizer_sharding: --optimizer_sharding: zero1/zero2 split each device's AdamW slots
       over its D data-parallel peers (tfpar.parallel.zero.PlanZero).
@@ -293,8 +299,9 @@ class ParallelPlan:
 
   def activation_bytes(self) -> Dict[str, int]:
     """Predicted {stage's first device: peak bytes of activations} (module docstring)."""
-    return {device_key(row[k][0]): int(n * self.microbatch_activations[k])
-            for row in self.devices for k, n in enumerate(self.in_flight)}
+    held = schedules.make(self.schedule, self.virtual_stages).held(
+        self.pipeline_stages, self.microbatches, self.microbatch_activations)
+    return {device_key(row[k][0]): int(n) for row in self.devices for k, n in enumerate(held)}
 
   @property
   def anchors(self) -> List[str]:
@@ -343,6 +350,7 @@ class ParallelPlan:
             "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "bubble": self.bubble, "in_flight_microbatches": self.in_flight,
             "activation_bytes_per_device": self.activation_bytes(),
+            "activation_bytes_are_a_bound": schedules.make(self.schedule).greedy,
             "stages": [dataclasses.asdict(s) for s in self.stages],
             "devices": [[list(shards) for shards in row] for row in self.devices],
             "stage_workers": self.stage_workers,
@@ -367,8 +375,9 @@ class ParallelPlan:
       lines.append(f"  stage {s.index}: blocks {runs}{extra}, "
                    f"{s.parameters:,} params on [{devs}]")
     flight = ", ".join(f"{n:g}" for n in self.in_flight)
+    bound = "at most " if schedules.make(self.schedule).greedy else ""
     lines.append(f"  predicted bytes per device (activations: micro-batches in flight per stage "
-                 f"{flight}):")
+                 f"{bound}{flight}):")
     activations = self.activation_bytes()
     for device, b in self.bytes_per_device().items():
       acts = f", activations {kib(activations[device])}" if device in activations else ""
@@ -469,20 +478,22 @@ def make_plan(cfg: Config, devices: Sequence[str], *,
                                             cfg.train.precision, p.sequence_parallel,
                                             counts="tfpar")
   head = head_activation_bytes(m, b, cfg.train.precision, "tfpar")
-  stages, activations = [], []
+  stages = []
   for i, n_blocks in enumerate(per_stage):
     params = n_blocks * counts.block + (counts.embedding if i == 0 else 0) + \
         (counts.head if i == k - 1 else 0)
     stages.append(Stage(index=i, blocks=tuple(j for run in runs[i] for j in run),
                         parameters=params, embedding=i == 0, head=i == k - 1))
-    # The last stage also keeps what the head's backward reads.
-    activations.append(int(n_blocks * per_block + (head if i == k - 1 else 0)))
+  # Per chunk (the stages, or the v K chunks); the last also keeps what the head's backward reads.
+  blocks = [size] * (k * v) if v > 1 else per_stage
+  activations = [n * per_block for n in blocks]
+  activations[-1] += head
   grid = tuple(tuple(tuple(flat[r * k * t + s * t + j] for j in range(t)) for s in range(k))
                for r in range(d))
   return ParallelPlan(data_parallel=d, pipeline_stages=k, tensor_parallel=t,
                       microbatches=p.microbatches, per_replica_batch=g // d, stages=tuple(stages),
                       devices=grid, remat=p.remat, counts=counts,
                       schedule=p.pipeline_schedule, virtual_stages=v,
-                      microbatch_activations=tuple(activations),
+                      microbatch_activations=tuple(int(a) for a in activations),
                       sequence_parallel=p.sequence_parallel,
                       optimizer_sharding=p.optimizer_sharding)

@@ -23,7 +23,8 @@ M + K - 1 backward slots, so the idle fraction, the bubble, is
 
 and it shrinks as M grows (at the cost of M smaller matmuls). Every
 micro-batch's activations stay until its backward: M of them on every stage
-(--remat keeps only each block's input).
+(--remat keeps only each block's input). tfpar's GPipe keeps at most that
+(below).
 
 How GPipe runs: there is no hand-written timetable. The step is ONE graph in
 which every micro-batch's stage-k ops are placed on stage k's device; the
@@ -31,7 +32,14 @@ backward comes from one `tf.gradients` of the summed loss, which places each
 gradient op with its forward op (a GradientTape in a tf.function leaves them
 unplaced). TensorFlow's executor runs any op whose inputs are ready, so F(1, 0)
 runs while F(0, 1) does: the dataflow overlaps the stages as the diagram does,
-the same dependencies, scheduled greedily.
+the same dependencies, scheduled greedily. Nothing holds a backward back
+until every forward has run: B(k, 0) may start as soon as F(K-1, 0) has
+reached the loss, and each micro-batch's activations are freed by its
+backward. So a stage holds at most M micro-batches' activations, and how
+many it really holds depends on when the threads get to which op: at K=2,
+M=8 a stage held 1.7 to 4.1 micro-batches' worth over three runs
+(scripts/pipeline_memory.py). The plan predicts the bound, M
+(`greedy`: `held` is a bound).
 
 1F1B (PipeDream-Flush, Narayanan et al. 2021). Stage k runs K - k - 1
 warm-up forwards, then alternates one forward and one backward, then drains
@@ -82,7 +90,7 @@ dataflow's dependencies): it draws the diagrams above, finds the bubble the
 formulas give, and would raise on an order that deadlocks.
 """
 
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
 from tfpar.config import ConfigError
 
@@ -100,6 +108,7 @@ class Schedule:
   """
 
   name = ""
+  greedy = False  # The executor's order, not this schedule's: `held` is then a bound.
 
   def __init__(self, virtual_stages: int = 1):
     self.virtual = virtual_stages
@@ -111,13 +120,18 @@ class Schedule:
   def in_flight(self, stages: int, microbatches: int) -> List[float]:
     """Per device, the most micro-batches whose activations it holds at once (in stages: a chunk
     counts 1/v)."""
+    return [n / self.virtual for n in self.held(stages, microbatches, [1] * stages * self.virtual)]
+
+  def held(self, stages: int, microbatches: int, chunk_bytes: Sequence[float]) -> List[float]:
+    """Per device, the most bytes of activations it holds at once, chunk c keeping chunk_bytes[c]
+    of each micro-batch from its forward to its backward: `order` replayed on each device."""
     out = []
     for k in range(stages):
       live, peak = 0, 0
-      for kind, _, _ in order(stages, microbatches, self.virtual, k):
-        live += 1 if kind == "F" else -1
+      for kind, c, _ in order(stages, microbatches, self.virtual, k):
+        live += chunk_bytes[c] if kind == "F" else -chunk_bytes[c]
         peak = max(peak, live)
-      out.append(peak / self.virtual)
+      out.append(peak)
     return out
 
   def loss_and_grads(self, pipeline, inputs, targets):
@@ -129,9 +143,11 @@ class GPipe(Schedule):
   """Every forward, then every backward: one tf.gradients of the summed micro-batch losses."""
 
   name = "gpipe"
+  greedy = True
 
-  def in_flight(self, stages: int, microbatches: int) -> List[float]:
-    return [float(microbatches)] * stages
+  def held(self, stages: int, microbatches: int, chunk_bytes: Sequence[float]) -> List[float]:
+    """A bound: every micro-batch's (the executor's order is greedy, not this schedule's)."""
+    return [microbatches * chunk_bytes[k] for k in range(stages)]
 
   def loss_and_grads(self, pipeline, inputs, targets):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
