@@ -319,7 +319,9 @@ def test_a_codec_sums_copies_in_one_program_as_replicas_do(method):
   step = tf.function(lambda per_copy: copies.reduce_copies(per_copy))
   for step_grads, step_want in zip(grads, want):
     got = step([[tf.constant(g) for g in copy] for copy in step_grads])
-    for i, (a, b) in enumerate(zip(got, step_want[0])):
+    for a, b in zip(got[0], got[1]):  # A codec's sums: one list, read by both copies.
+      np.testing.assert_array_equal(a, b)
+    for i, (a, b) in enumerate(zip(got[0], step_want[0])):
       np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max(), err_msg=i)
   assert copies.traffic[True] == replicas.traffic[True]
   if method == "powersgd":
@@ -329,6 +331,37 @@ def test_a_codec_sums_copies_in_one_program_as_replicas_do(method):
       for i in mine:
         assert device_key(mine[i].device) == device_key(device)
         np.testing.assert_allclose(mine[i].numpy(), theirs[i].numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_plain_sum_of_copies_in_one_program_lands_on_every_copys_devices():
+  """reduce_copies without a codec (collectives.placed_sum): each copy gets the sum on its
+  own devices, equal to numpy's sum of the copies in order, for tensors too small to cut
+  into D chunks as well; the bytes counted are one copy's gradients."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tfpar.config import CompressionConfig  # pylint: disable=import-outside-toplevel
+  from tfpar.parallel.compression import make_exchange  # pylint: disable=import-outside-toplevel
+  from tfpar.parallel.plan import device_key  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(3)
+  shapes = [(7, 5), (2,), (3, 4, 2)]  # 35 elements in 3 unequal chunks, 2 in 3 (one empty).
+  devices = [d.name for d in tf.config.list_logical_devices("CPU")[:3]]
+  # Copy c's gradient of variable i on its own device; variable 1's on another one of c's.
+  places = [[devices[c], devices[(c + 1) % 3], devices[c]] for c in range(3)]
+  grads = [[rng.normal(size=s).astype(np.float32) for s in shapes] for _ in range(3)]
+  copies = make_exchange(CompressionConfig(method="none"),
+                         [tf.Variable(tf.zeros(s)) for s in shapes], num_replicas=3,
+                         state_devices=places)
+  step = tf.function(lambda per_copy: copies.reduce_copies(per_copy))
+  inputs = [[tf.constant(g) for g in copy] for copy in grads]
+  got = step(inputs)
+  placed = step.get_concrete_function(inputs).structured_outputs  # The graph's own tensors.
+  for c in range(3):
+    for i, want in enumerate(grads[0][i] + grads[1][i] + grads[2][i] for i in range(3)):
+      np.testing.assert_allclose(got[c][i].numpy(), want, rtol=1e-6, err_msg=(c, i))
+      op = placed[c][i].op
+      while op.type == "Identity" and not op.device:  # The function's output marker.
+        op = op.inputs[0].op
+      assert device_key(op.device) == device_key(places[c][i]), (c, i, op.type)
+  assert copies.traffic[True].bytes == 4 * sum(np.prod(s) for s in shapes)
 
 
 class Exited(Exception):

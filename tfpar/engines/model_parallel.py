@@ -239,10 +239,11 @@ class ModelParallelEngine(Engine):
 
     Copy r takes the r-th of D equal slices of the global batch (each loss is
     already a share of the global mean, so any split sums to the same); the
-    gradient exchange sums the copies' gradients (or compresses them, each
-    copy's codec work beside its own gradients) onto copy 0's device of each
-    variable, where every copy reads them: a reduction to one device, like
-    MirroredStrategy's on one host. Under ZeRO, PlanZero updates every copy
+    gradient exchange sums the copies' gradients onto every copy's own devices,
+    each device sending and receiving 2(D-1)/D of its gradients as in a ring
+    (collectives.placed_sum), or with a codec (each copy's codec work beside
+    its own gradients) onto copy 0's device of each variable, where every
+    copy reads them. Under ZeRO, PlanZero updates every copy
     instead (the sums scattered over the copies' devices) and gives the norm.
     """
     xs, ys = split_batch(inputs, len(self.copies)), split_batch(targets, len(self.copies))
@@ -250,9 +251,9 @@ class ModelParallelEngine(Engine):
     with tf.device(self.copies[0].devices[-1][0]):
       loss = tf.add_n([loss for loss, _ in outs])
     grads = [list(grads) for _, grads in outs]
-    reduced = (self._zero_update(grads, range(len(grads)), compressed) if self.zero
-               else self.exchange.reduce_copies(grads, compressed))
-    return [(loss, reduced)] * len(self.copies), loss
+    if self.zero:
+      return [(loss, self._zero_update(grads, range(len(grads)), compressed))] * len(grads), loss
+    return [(loss, summed) for summed in self.exchange.reduce_copies(grads, compressed)], loss
 
   def _replica_step(self, inputs, targets, compressed):
     if self.strategy is None and len(self.copies) > 1:  # Every replica in this program.

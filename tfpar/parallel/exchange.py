@@ -17,7 +17,9 @@ twin. A `GradientExchange` is that step as an interface, in replica context:
 (fp16, bf16, PowerSGD) hand the collectives fewer bytes. Where the D replicas
 are D copies in one program (no replica context: a model-parallel plan whose
 stages sit on different workers), `reduce_copies(per_copy)` does the same
-sum, with the same codec code, onto copy 0's device of each gradient. A ZeRO-style
+sum by placement, onto every copy's own devices (`collectives.placed_sum`:
+chunk d summed on copy d's device, the chunks joined on each), or with a
+codec the codec's sums onto copy 0's device of each gradient. A ZeRO-style
 distributed optimizer adds reduce-scatter (each replica keeps the sum of its
 1/R of the gradient) and all-gather (the updated shards back to every replica)
 beside `reduce`, over tfpar.parallel.collectives.
@@ -106,27 +108,41 @@ class GradientExchange:
     return self._exchange([grads], [replica], InReplica(home, self.pack_by_device), compressed)
 
   def reduce_copies(self, per_copy: List[List[tf.Tensor]],
-                    compressed: bool = True) -> List[tf.Tensor]:
-    """sum_r per_copy[r] (or its compressed estimate) when every replica runs in this program.
+                    compressed: bool = True) -> List[List[tf.Tensor]]:
+    """[sum_r per_copy[r] (or its compressed estimate)] for each copy, when every replica runs
+    in this program.
 
     Outside any replica context (a model-parallel plan whose stages sit on
-    different workers: the chief's one program holds all D copies). The
-    codec's per-copy work runs beside copy r's gradients (`state_devices[r]`),
-    so only what a collective would carry crosses devices; the sums land on
-    copy 0's device of each variable, where every copy reads them.
+    different workers: the chief's one program holds all D copies). The plain
+    sum lands on every copy's own devices, moved as a ring would move it
+    (`collectives.placed_sum`). A codec's per-copy work runs beside copy r's
+    gradients (`state_devices[r]`), so only what a collective would carry
+    crosses devices; its sums land on copy 0's device of each variable, where
+    every copy reads them (the same list for every copy).
     """
     if len(per_copy) == 1:
       self.traffic[compressed] = NONE
-      return list(per_copy[0])
-    return self._exchange(per_copy, range(len(per_copy)), InProgram(self.state_devices[0]),
-                          compressed)
+      return [list(per_copy[0])]
+    replicas = range(len(per_copy))
+    if compressed and self.method != "none":
+      return [self._exchange(per_copy, replicas, InProgram(self.state_devices[0]),
+                             compressed)] * len(per_copy)
+    per_copy = self._dense(per_copy, replicas)
+    with tf.name_scope("grad_exchange"):  # What a profile (scripts/dp_profile.py) counts.
+      out = collectives.placed_sum(per_copy, self.state_devices)
+    self.traffic[compressed] = Traffic(nbytes(per_copy[0]), nbytes(per_copy[0]))
+    return out
+
+  def _dense(self, per_copy, replicas):
+    """Each copy's gradients dense, with static shapes (a traced gradient's may be unknown):
+    the bytes are counted from them."""
+    return [[self.beside(r, i, lambda g=g, s=s: tf.ensure_shape(tf.convert_to_tensor(g), s))
+             for i, (g, s) in enumerate(zip(grads, self.shapes))]
+            for r, grads in zip(replicas, per_copy)]
 
   def _exchange(self, per_copy, replicas, ops, compressed):
     """The exchange of `per_copy` (the gradients of `replicas`), summed by `ops`."""
-    # Dense, with static shapes (a traced gradient's may be unknown): the bytes are counted from them.
-    per_copy = [[self.beside(r, i, lambda g=g, s=s: tf.ensure_shape(tf.convert_to_tensor(g), s))
-                 for i, (g, s) in enumerate(zip(grads, self.shapes))]
-                for r, grads in zip(replicas, per_copy)]
+    per_copy = self._dense(per_copy, replicas)
     with tf.name_scope("grad_exchange"):  # What a profile (scripts/dp_profile.py) counts.
       if compressed and self.method != "none":
         out, handed = self._reduce(per_copy, list(replicas), ops)

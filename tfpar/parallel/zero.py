@@ -390,7 +390,8 @@ class PlanZero:
   are collectives (packed per device) and an all_gather brings the shards back; with
   every copy in one program and no replica context (pipeline stages on different
   workers: the chief's program holds all D copies), zero1 sums through the exchange's
-  `reduce_copies` onto copy 0's devices and each copy's shard is cut there, zero2 sums
+  `reduce_copies` onto each copy's devices (a codec's: onto copy 0's) and each copy's
+  shard is cut from its sum, zero2 sums
   chunk d of every copy's gradient on copy d's device only, and each copy's devices
   concatenate the D new shards ("all-gather" by placement).
 
@@ -439,15 +440,18 @@ class PlanZero:
     layouts = [u.layout for u in self.updates]
     shards = [self.updates[0].shards[c].shard for c in copies]
     if self.mode == "zero1":
-      summed = (exchange.reduce(grads[0], replica=copies[0], compressed=compressed)
+      summed = ([exchange.reduce(grads[0], replica=copies[0], compressed=compressed)]
                 if len(copies) == 1 else exchange.reduce_copies(grads, compressed))
-      norm = tf.linalg.global_norm(summed)  # As tfpar.training.step.apply_gradients.
+      norm = tf.linalg.global_norm(summed[0])  # As tfpar.training.step.apply_gradients.
+      # Each copy's shard is cut where its sum lies: its own devices, or (a codec's sums in
+      # one program, the same list for every copy) copy 0's.
+      homes = devices if summed[-1] is not summed[0] else [devices[0]] * len(summed)
       mine = []
-      for shard in shards:  # Cut where the sum is: the copy's devices, or copy 0's in one program.
+      for shard, sums, places in zip(shards, summed, homes):
         mine.append([])
-        for layout, group, device in zip(layouts, self.groups, devices[0]):
+        for layout, group, device in zip(layouts, self.groups, places):
           with tf.device(device):
-            mine[-1].append(layout.slice([summed[i] for i in group], shard))
+            mine[-1].append(layout.slice([sums[i] for i in group], shard))
     else:
       mine, norm = reduce_scatter(
           layouts, [[[copy[i] for i in group] for group in self.groups] for copy in grads],
