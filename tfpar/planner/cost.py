@@ -447,30 +447,32 @@ def in_program_seconds(grads, weights, D, z, cluster: Cluster):
 
   Copy d's device of a position and its peers sit on different nodes. n: a device's
   gradient bytes (`grads`), w: its weight bytes (`weights`), B, a: the inter-node link.
-    none:  the D-1 other gradients into copy 0's device, summed there; every copy reads
-           the sum back:                             2 (D-1) n/B + 2a
-    zero1: the same sum; copy d's shard of it sent to copy d's device; the D new weight
-           shards to every copy's device:           (D-1) n/B + (D-1)/D n/B + (D-1)/D w/B + 3a
+    none:  the placed sum (collectives.placed_sum): chunk d of every copy's gradient
+           summed on copy d's device, then every device joins the D chunks, each device
+           sending and receiving (D-1)/D n per phase, as a ring:   2 (D-1)/D n/B + 2a
+    zero1: the same sum on every copy's devices, each copy's shard cut from its own; then
+           the D new weight shards to every copy's device:  2 (D-1)/D n/B + 2a + (D-1)/D w/B + a
     zero2: D rounds one after another (each waits for the previous one's squares), round d
            sums chunk d of every copy on copy d's device; then the new shards as zero1:
                                                     D ((D-1)/D n/B + a) + (D-1)/D w/B + a
   One phase's transfers into a device share its link; phases do not overlap (as the ring's).
+  (A codec's sums land on copy 0's device instead: the planner plans no codec.)
   """
   D = np.asarray(D, dtype=float)
   bw, a = cluster.inter_bandwidth, cluster.inter_latency
   gather = (D - 1) / D * weights / bw + a
-  return np.select(
-      [z == 0, z == 1],
-      [2 * (D - 1) * grads / bw + 2 * a,
-       (D - 1) * grads / bw + (D - 1) / D * grads / bw + a + a + gather],
-      D * ((D - 1) / D * grads / bw + a) + gather)
+  placed = 2 * (D - 1) / D * grads / bw + 2 * a
+  return np.select([z == 0, z == 1], [placed, placed + gather],
+                   D * ((D - 1) / D * grads / bw + a) + gather)
 
 
 def in_program_gradients(D, z):
   """Gradients one device holds at once when D copies sum in one program, in device gradients:
-  copy 0's device receives the D-1 others and makes the sum (none, zero1: D); under zero2 copy
-  d's device receives chunk d of the D-1 others and sums it (D chunks of 1/D: 1)."""
-  return np.where(np.asarray(z) == 2, 1.0, np.asarray(D, dtype=float))
+  its own, the D-1 chunks of 1/D it receives and their sum joined whole (none, zero1:
+  2 + (D-1)/D); under zero2 copy d's device receives chunk d of the D-1 others and sums it
+  (D chunks of 1/D: 1)."""
+  D = np.asarray(D, dtype=float)
+  return np.where(np.asarray(z) == 2, 1.0, 2 + (D - 1) / D)
 
 
 def bubble_fraction(K, M, v=1):
