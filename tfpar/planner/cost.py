@@ -12,7 +12,7 @@ selective recompute q (0 or 1), optimizer sharding none, zero1 or zero2:
                                 the optimizer's by D, zero2 the summed gradient's too (tfpar
                                 keeps 2 of its D shards alive, tfpar.parallel.zero.state_bytes);
                                 tfpar's copies in one program (a replica spanning nodes) hold
-                                D gradients on copy 0's device (none, zero1), zero2 one
+                                3 - 1/D gradients on a device (none, zero1), zero2 one
   activations per block and micro-batch, megatron (Korthikanti et al. 2022, 16-bit values):
                                 s b h (W + (34-W)/T + 5 a s / (h T))  without recompute
                                 s b h (W + (34-W)/T)                  selective recompute

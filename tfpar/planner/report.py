@@ -216,8 +216,9 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
 DATA_EXCHANGE = {
     (False, False): "all-reduce = 2(D-1)/D n/bw + 2(D-1) lat",
     (False, True): "all-reduce + all-gather of the new weights = 3(D-1)/D n/bw + 3(D-1) lat",
-    (True, False): "sum on copy 0's device, read back, across nodes = 2(D-1) n/bw + 2 lat",
-    (True, True): "sum placed in one program, across nodes (zero1: (D-1)(1 + 2/D) n/bw + 3 lat; "
+    (True, False): "sum placed in one program as a ring moves it, across nodes = "
+                   "2(D-1)/D n/bw + 2 lat",
+    (True, True): "sum placed in one program, across nodes (zero1: 3(D-1)/D n/bw + 3 lat; "
                   "zero2: (D-1)(1 + 1/D) n/bw + (D+1) lat)",
 }
 IN_FLIGHT = {"gpipe": "M", "1f1b": "min(M, K-k)", "interleaved": "(2(K-k-1) + (v-1)K + 1)/v"}
