@@ -16,8 +16,6 @@ interleaved with --num-layers-per-virtual-pipeline-stage 5, 5, 3 and 1 (v = 3,
 import dataclasses
 from typing import List
 
-import numpy as np
-
 from tfpar.config import ModelConfig
 from tfpar.planner import clusters, cost, report, search
 
