@@ -19,7 +19,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tfpar import schema, storage
+from tfpar import storage
 from tfpar.config import Config, check_batch
 from tfpar.engines.base import Engine, build_model
 from tfpar.parallel import plan as plan_lib
@@ -122,16 +122,15 @@ class DataParallelEngine(Engine):
 
   def predicted_memory(self):
     """Per local replica: the state above, its own gradient (and the summed one beside it when
-    replicas sum), and the activations its backward keeps at G/D sequences
-    (tfpar.parallel.plan's count for one device)."""
+    replicas sum), and the activations its backward keeps at G/D sequences: the plan of
+    one device holding the whole model (tfpar.parallel.plan)."""
     cfg, d = self.cfg, self.num_replicas
     state = self.predicted_bytes()
-    b = cfg.train.global_batch_size // d
-    per_block, _ = plan_lib.activation_bytes_per_block(
-        cfg.model, b, 1, schema.REMAT.index(cfg.parallel.remat), cfg.train.precision, False,
-        counts="tfpar")
-    activations = int(cfg.model.num_layers * per_block + plan_lib.head_activation_bytes(
-        cfg.model, b, cfg.train.precision, "tfpar"))
+    one = plan_lib.make_plan(
+        cfg.replace(parallel={"data_parallel": 1, "microbatches": 1},
+                    train={"global_batch_size": cfg.train.global_batch_size // d}),
+        [self._local_devices[0]], family=self.task.family)
+    activations = sum(one.activation_bytes().values())
     gradients = state["weights"] + (state["summed_gradient"] if d > 1 else 0)
     one = {"weights": state["weights"], "gradients": gradients, "optimizer": state["optimizer"],
            "activations": activations}
