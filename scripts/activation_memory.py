@@ -111,10 +111,11 @@ def measure() -> list:
   """This process's rows, one per case (module docstring)."""
   import numpy as np  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tfpar import config, engines, flags as tfpar_flags, storage, strategies  # pylint: disable=import-outside-toplevel
-  from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
+  from tfpar.config import config, flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+  from tfpar import engines, storage, strategies  # pylint: disable=import-outside-toplevel
+  from tfpar.config.cluster import Cluster  # pylint: disable=import-outside-toplevel
   from tfpar.data.pipeline import Corpus  # pylint: disable=import-outside-toplevel
-  from tfpar.parallel import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  from tfpar.layout import placement as plan_lib  # pylint: disable=import-outside-toplevel
   tf.config.threading.set_inter_op_parallelism_threads(1)
   strategies.setup_devices(2)
   tokens = np.random.default_rng(0).integers(0, 256, 1 << 14).astype(np.uint8)

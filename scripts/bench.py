@@ -155,8 +155,9 @@ class TfparSystem:
 
   def __init__(self, shape: dict, precision: str, total_steps: int, extra_flags: List[str],
                model_dir: Optional[str] = None):
-    from tfpar import config, console, strategies  # pylint: disable=import-outside-toplevel
-    from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+    from tfpar.config import config  # pylint: disable=import-outside-toplevel
+    from tfpar import console, strategies  # pylint: disable=import-outside-toplevel
+    from tfpar.config import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
 
     self.model_dir = model_dir or tempfile.mkdtemp(prefix="tfpar_bench_")
     cfg = config.from_flags(tfpar_flags.parse(
@@ -164,7 +165,7 @@ class TfparSystem:
     strategies.setup_devices(cfg.dist.num_cpu_devices)  # Before TensorFlow starts.
     console.set_xla_auto_clustering(cfg.train.xla_auto_clustering)  # Before XLA reads its flags.
     import keras  # pylint: disable=import-outside-toplevel
-    from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
+    from tfpar.config.cluster import Cluster  # pylint: disable=import-outside-toplevel
     from tfpar.data import pipeline  # pylint: disable=import-outside-toplevel
     from tfpar import engines  # pylint: disable=import-outside-toplevel
     from tfpar.layers import attention  # pylint: disable=import-outside-toplevel
@@ -203,7 +204,8 @@ class AcrossWorkersSystem(TfparSystem):
   `python -m tfpar.train` with the same flags, started here, serving its stage until `close`."""
 
   def __init__(self, shape: dict, precision: str, total_steps: int, extra_flags: List[str]):
-    from tfpar import cluster, launch  # pylint: disable=import-outside-toplevel
+    from tfpar.config import cluster  # pylint: disable=import-outside-toplevel
+    from tfpar.cli import launch  # pylint: disable=import-outside-toplevel
     spec = {"worker": [f"127.0.0.1:{port}" for port in launch.free_ports(2)]}
     model_dir = tempfile.mkdtemp(prefix="tfpar_bench_")
     self.server = subprocess.Popen(
@@ -232,7 +234,7 @@ class KerasHubSystem:
     import keras  # pylint: disable=import-outside-toplevel
     import keras_hub  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    from tfpar import config  # pylint: disable=import-outside-toplevel
+    from tfpar.config import schema  # pylint: disable=import-outside-toplevel
     from tfpar.data import pipeline  # pylint: disable=import-outside-toplevel
     from tfpar.training import optimizer as tfpar_optimizer  # pylint: disable=import-outside-toplevel
 
@@ -245,7 +247,7 @@ class KerasHubSystem:
     logits = backbone.token_embedding(backbone.output, reverse=True)  # Tied, as GPT2CausalLM.
     self.model = keras.Model(backbone.input, logits)
     # The same AdamW settings as tfpar's defaults (keras' own class: no tfpar override).
-    optim = config.OptimConfig()
+    optim = schema.OptimConfig()
     opt = keras.optimizers.AdamW(
         learning_rate=tfpar_optimizer.learning_rate_schedule(optim, total_steps),
         weight_decay=optim.weight_decay, beta_1=0.9, beta_2=0.95, epsilon=1e-8,

@@ -123,10 +123,12 @@ def measure(schedule: str) -> dict:
   """This process's measurements of one schedule (module docstring)."""
   import numpy as np  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tfpar import config, engines, flags as tfpar_flags, strategies  # pylint: disable=import-outside-toplevel
-  from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
+  from tfpar.config import config, flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+  from tfpar import engines, strategies  # pylint: disable=import-outside-toplevel
+  from tfpar.config.cluster import Cluster  # pylint: disable=import-outside-toplevel
   from tfpar.data.pipeline import Corpus  # pylint: disable=import-outside-toplevel
-  from tfpar.parallel import plan as plan_lib, schedules  # pylint: disable=import-outside-toplevel
+  from tfpar.layout import placement as plan_lib  # pylint: disable=import-outside-toplevel
+  from tfpar.layout import schedule as schedule_lib  # pylint: disable=import-outside-toplevel
   workdir = tempfile.mkdtemp(prefix="tfpar_pipeline_memory_")
   cfg = config.from_flags(tfpar_flags.parse(train_flags(schedule, workdir)))
   strategies.setup_devices(cfg.dist.num_cpu_devices)
@@ -160,7 +162,7 @@ def measure(schedule: str) -> dict:
                       (time.perf_counter() - start))
   predicted = plan.activation_bytes()
   return {"schedule": schedule, "pid": os.getpid(), "bubble": plan.bubble,
-          "prediction_is_bound": schedules.make(schedule).greedy,
+          "prediction_is_bound": schedule in schedule_lib.BOUND,
           "in_flight": plan.in_flight,
           "held_bytes_per_stage": {s: held.get(s, 0) for s in sorted(stage_by_device.values())},
           "peak_bytes_per_stage": {s: peaks.get(s, 0) for s in sorted(stage_by_device.values())},

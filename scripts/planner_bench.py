@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from tfpar.config import ModelConfig
+from tfpar.config.schema import ModelConfig
 from tfpar.planner import clusters, cost, search
 
 MODELS = {

@@ -29,7 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from tfpar.planner import cost  # pylint: disable=wrong-import-position
-from tfpar.schema import ModelConfig  # pylint: disable=wrong-import-position
+from tfpar.config.schema import ModelConfig  # pylint: disable=wrong-import-position
 
 MODEL = dict(num_layers=4, d_model=128, num_heads=4, d_ff=512, seq_len=128)  # gpt_tiny's
 BATCH = 16

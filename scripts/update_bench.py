@@ -37,11 +37,12 @@ VARIANTS = ("none/false", "none/true", "zero1/false", "zero1/true")
 def _time_one(variant: str) -> dict:
   """ms per update of one variant, in this process."""
   mode, jit = variant.split("/")
-  from tfpar import config, flags as tfpar_flags, strategies  # pylint: disable=import-outside-toplevel
-  from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
+  from tfpar.config import config, flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+  from tfpar import strategies  # pylint: disable=import-outside-toplevel
+  from tfpar.config.cluster import Cluster  # pylint: disable=import-outside-toplevel
   from tfpar.data import pipeline  # pylint: disable=import-outside-toplevel
   from tfpar.engines.data_parallel import DataParallelEngine  # pylint: disable=import-outside-toplevel
-  from tfpar.parallel import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  from tfpar.layout import placement as plan_lib  # pylint: disable=import-outside-toplevel
   from tfpar.training.step import apply_gradients  # pylint: disable=import-outside-toplevel
   cfg = config.from_flags(tfpar_flags.parse(
       (bench_dp.QUICK if FLAGS.quick else bench_dp.FULL) +

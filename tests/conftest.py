@@ -270,7 +270,7 @@ def pytest_configure(config):
 
 def make_config(args):
   """A validated Config from '--name=value' strings, as the CLI would build it."""
-  from tfpar import config, flags  # pylint: disable=import-outside-toplevel
+  from tfpar.config import config, flags  # pylint: disable=import-outside-toplevel
   return config.from_flags(flags.parse(args))
 
 
@@ -279,10 +279,11 @@ def train_in_process(args):
 
   Returns its last records.
   """
-  from tfpar import config, runner  # pylint: disable=import-outside-toplevel
-  from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
+  from tfpar import runner  # pylint: disable=import-outside-toplevel
+  from tfpar.config import rundir  # pylint: disable=import-outside-toplevel
+  from tfpar.config.cluster import Cluster  # pylint: disable=import-outside-toplevel
   cfg = make_config(args)
-  config.check_run(cfg, Cluster())
+  rundir.check_run(cfg, Cluster())
   return runner.run(cfg, Cluster())
 
 
@@ -291,7 +292,7 @@ def build_engine(args, tokens=None, eval_tokens=512):
   synthetic corpus), its first `eval_tokens` the held-out split."""
   import numpy as np  # pylint: disable=import-outside-toplevel
   from tfpar import engines, strategies  # pylint: disable=import-outside-toplevel
-  from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
+  from tfpar.config.cluster import Cluster  # pylint: disable=import-outside-toplevel
   from tfpar.data.pipeline import Corpus  # pylint: disable=import-outside-toplevel
   cfg = make_config(args)
   tokens = np.arange(4096, dtype=np.uint8) if tokens is None else tokens

@@ -19,9 +19,9 @@ from absl import flags as absl_flags
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import TINY, make_config, run_modules, train_in_process
-from tfpar import config as config_lib
-from tfpar.cluster import Cluster
-from tfpar.config import ConfigError
+from tfpar.config import rundir
+from tfpar.config.cluster import Cluster
+from tfpar.config.schema import ConfigError
 
 MWMS = lambda n: Cluster(spec={"worker": [f"127.0.0.1:{2000 + i}" for i in range(n)]},  # noqa: E731
                          task_type="worker", task_index=0)
@@ -111,14 +111,14 @@ def test_bad_input_is_one_line_naming_the_flag(files, extra, cluster, flag):
   args = TINY + ["--model_dir=/tmp/tfpar-bad-input-unused"]
   args += [a.format(root=files) for a in extra]
   with pytest.raises(ConfigError) as info:
-    config_lib.check_run(make_config(args), cluster)
+    rundir.check_run(make_config(args), cluster)
   message = str(info.value)
   assert f"--{flag}" in message, message
   assert "\n" not in message
 
 
 def test_a_resume_with_the_same_flags_passes(files):
-  config_lib.check_run(make_config(TINY + [f"--model_dir={files / 'run'}",
+  rundir.check_run(make_config(TINY + [f"--model_dir={files / 'run'}",
                                            "--train_steps=500"]), None)
 
 
@@ -227,7 +227,7 @@ def test_model_dir_that_is_a_file_is_refused_and_the_file_kept(tmp_path):
   path = tmp_path / "a_file"
   path.write_text("keep me")
   with pytest.raises(ConfigError) as info:
-    config_lib.check_run(make_config(TINY + [f"--model_dir={path}"]))
+    rundir.check_run(make_config(TINY + [f"--model_dir={path}"]))
   assert "--model_dir" in str(info.value) and "is a file" in str(info.value)
   assert "\n" not in str(info.value)
   assert path.read_text() == "keep me"
@@ -280,7 +280,7 @@ def test_model_dir_that_cannot_be_created_is_refused_before_the_data():
   """Under /proc even root's access() says writable; the directory cannot be made there.
   The run-directory check refuses it, and train.main makes it before the runner reads data."""
   with pytest.raises(ConfigError, match="--model_dir=/proc/tfpar_run cannot be created"):
-    config_lib.check_run(make_config(TINY + ["--model_dir=/proc/tfpar_run"]))
+    rundir.check_run(make_config(TINY + ["--model_dir=/proc/tfpar_run"]))
 
 
 def test_cli_unreachable_gs_model_dir_is_one_line_and_exit_1(cli):
@@ -419,7 +419,7 @@ def fake_vision_run(tmp_path_factory):
 def test_generate_flags_are_refused_in_one_line_or_sample_a_byte(values, temperature, logits,
                                                                  fake_run):
   """Whatever generate's check accepts samples: e.g. --temperature=1e-310 used to give NaNs."""
-  from tfpar import generate  # pylint: disable=import-outside-toplevel
+  from tfpar.cli import generate  # pylint: disable=import-outside-toplevel
   fv = generate.define_flags()
   try:
     fv(["generate", f"--model_dir={fake_run}", f"--temperature={temperature!r}"]
@@ -437,7 +437,7 @@ def test_generate_flags_are_refused_in_one_line_or_sample_a_byte(values, tempera
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(value=floats)
 def test_predict_score_threshold_is_refused_in_one_line_or_in_range(value, fake_vision_run):
-  from tfpar import predict  # pylint: disable=import-outside-toplevel
+  from tfpar.cli import predict  # pylint: disable=import-outside-toplevel
   fv = predict.define_flags()
   fv(["predict", f"--model_dir={fake_vision_run}", f"--image={fake_vision_run}",
       f"--score_threshold={value!r}"])
@@ -459,8 +459,8 @@ PLAN_INTS = ["num_layers", "d_model", "num_heads", "d_ff", "seq_len", "vocab_siz
        st.sampled_from(["cpu:8", "a100-80gb:64", "tpu-v4:16"]))
 def test_plan_flags_are_refused_in_one_line_or_give_a_plan_that_prints(values, cluster):
   """A zero degree used to divide by zero, a huge model to fill memory with its stage splits."""
-  from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
-  from tfpar import plan as plan_cli  # pylint: disable=import-outside-toplevel
+  from tfpar.config import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+  from tfpar.cli import plan as plan_cli  # pylint: disable=import-outside-toplevel
   from tfpar.planner import clusters, report  # pylint: disable=import-outside-toplevel
   fv = tfpar_flags.define_plan_flags(absl_flags.FlagValues())
   fv(["plan", "--flagfile=configs/gpt_tiny.flags", f"--cluster={cluster}"]
@@ -488,7 +488,7 @@ def test_k8s_flags_are_refused_in_one_line_or_render_valid_manifests(values, kin
                                                                      train_values):
   import k8s_validate  # pylint: disable=import-outside-toplevel
   import yaml  # pylint: disable=import-outside-toplevel
-  from tfpar.k8s import __main__ as k8s_cli  # pylint: disable=import-outside-toplevel
+  from tfpar.cli import k8s as k8s_cli  # pylint: disable=import-outside-toplevel
   values = {"workers": 2, **values}
   argv = (["render", f"--kind={kind}", "--name=gpt", "--image=registry.example/tfpar:1"]
           + [f"--{k}={v}" for k, v in values.items()]

@@ -47,7 +47,7 @@ def reduce_steps(strategy, method, shapes, grads, **settings):
   outputs[step][replica][tensor] are the reduced gradients each replica got.
   """
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tfpar.config import CompressionConfig  # pylint: disable=import-outside-toplevel
+  from tfpar.config.schema import CompressionConfig  # pylint: disable=import-outside-toplevel
   from tfpar.parallel import compression  # pylint: disable=import-outside-toplevel
   devices = list(strategy.extended.worker_devices)
   variables = [tf.Variable(tf.zeros(s)) for s in shapes]
@@ -129,9 +129,9 @@ def test_counted_bytes_equal_the_formula(mirrored4, method):
 def test_powersgd_rank_4_sends_30x_fewer_bytes_at_the_benchmark_shape():
   """The benchmark GPT (4 layers, d_model 256, d_ff 1024): the formula the test above checks."""
   from conftest import make_config  # pylint: disable=import-outside-toplevel
-  from tfpar.config import CompressionConfig  # pylint: disable=import-outside-toplevel
+  from tfpar.config.schema import CompressionConfig  # pylint: disable=import-outside-toplevel
   from tfpar.parallel.compression import expected_bytes  # pylint: disable=import-outside-toplevel
-  from tfpar.training.engine import build_model  # pylint: disable=import-outside-toplevel
+  from tfpar.engines.base import build_model  # pylint: disable=import-outside-toplevel
   cfg = make_config(["--model_dir=/tmp/unused", "--num_layers=4", "--d_model=256",
                      "--d_ff=1024", "--seq_len=256"])
   shapes = [tuple(v.shape) for v in build_model(cfg).trainable_variables]
@@ -144,7 +144,7 @@ def test_powersgd_rank_4_sends_30x_fewer_bytes_at_the_benchmark_shape():
 def test_powersgd_with_nothing_to_compress_is_refused_in_one_line(settings):
   """Not an IndexError in the traced step: a setting no restart can fix (exit 2 from the CLI)."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tfpar.config import CompressionConfig, ConfigError  # pylint: disable=import-outside-toplevel
+  from tfpar.config.schema import CompressionConfig, ConfigError  # pylint: disable=import-outside-toplevel
   from tfpar.parallel import compression  # pylint: disable=import-outside-toplevel
   variables = [tf.Variable(tf.zeros(s)) for s in [(256, 32), (32, 64), (64,)]]
   with pytest.raises(ConfigError, match="compresses none of the model's weights "
@@ -293,7 +293,7 @@ MW_STEPS = 6
 def run_two_workers(tmp_path):
   """Two multi_worker_mirrored workers, each saving its own weights after training (see
   __main__ below). Returns (tmp_path, their exit statuses, their outputs)."""
-  from tfpar import launch  # pylint: disable=import-outside-toplevel
+  from tfpar.cli import launch  # pylint: disable=import-outside-toplevel
   tasks = [launch.Task("worker", i) for i in range(2)]
   configs = launch.tf_configs(tasks, launch.free_ports(2))
   args = TINY + ["--jit_compile=false", "--eval_steps=0", f"--train_steps={MW_STEPS}",
@@ -343,11 +343,12 @@ PROCESS_RUNS = {"powersgd_resume": run_powersgd_and_resume_it_midway,
 def _worker_main(out_dir, argv):
   """One multi_worker_mirrored worker: trains as tfpar.train does, then saves its weights."""
   # pylint: disable=import-outside-toplevel
-  from tfpar import cluster as cluster_lib, config, flags, strategies
+  from tfpar.config import cluster as cluster_lib, config, flags
+  from tfpar import strategies
   from tfpar.data import pipeline
   from tfpar.training import loop
   from tfpar.training.checkpoint import model_layout, read_canonical
-  from tfpar.training.engine import DataParallelEngine
+  from tfpar.engines.data_parallel import DataParallelEngine
   cfg = config.from_flags(flags.parse(argv))
   cluster = cluster_lib.from_env()
   strategies.setup_devices(cfg.dist.num_cpu_devices)

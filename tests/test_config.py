@@ -5,8 +5,8 @@ import os
 import pytest
 
 from conftest import TINY, make_config, read_metrics, run_module, run_modules, train_in_process
-from tfpar import config as config_lib
-from tfpar.config import ConfigError
+from tfpar.config import rundir
+from tfpar.config.schema import ConfigError
 
 MODEL_DIR = "--model_dir=/tmp/tfpar-config-test"  # validate() never touches it
 
@@ -139,7 +139,7 @@ def test_remat_takes_its_old_boolean_spellings_and_three_modes(extra, mode):
 
 
 def test_remat_in_a_flagfile_and_a_config_json_of_the_boolean_days(tmp_path):
-  from tfpar import rundir  # pylint: disable=import-outside-toplevel
+  from tfpar.config import rundir  # pylint: disable=import-outside-toplevel
   flagfile = tmp_path / "old.flags"
   flagfile.write_text("--remat\n")
   assert make_config(TINY + [MODEL_DIR, f"--flagfile={flagfile}"]).parallel.remat == "full"
@@ -179,7 +179,7 @@ def test_jit_compile_defaults_off_for_bfloat16_only(extra, xla, clustering):
 
 
 def test_auto_clustering_with_a_step_compiled_whole_is_refused():
-  from tfpar.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from tfpar.config.schema import ConfigError  # pylint: disable=import-outside-toplevel
   with pytest.raises(ConfigError, match="--xla_auto_clustering=fusible is for a step not "
                      "compiled whole.*pass --nojit_compile"):
     make_config([MODEL_DIR, "--jit_compile", "--xla_auto_clustering=fusible"])
@@ -187,7 +187,7 @@ def test_auto_clustering_with_a_step_compiled_whole_is_refused():
 
 def test_every_task_of_a_model_parallel_job_checks_its_layout_before_servers_start():
   """rules.check_worker_job: what tfpar.runner asks on every task before any server starts."""
-  from tfpar import rules  # pylint: disable=import-outside-toplevel
+  from tfpar.config import rules  # pylint: disable=import-outside-toplevel
   across = [MODEL_DIR, "--strategy=multi_worker_mirrored", "--pipeline_stages=2",
             "--precision=mixed_bfloat16", "--num_cpu_devices=1"]
   cfg = make_config(across + ["--xla_auto_clustering=fusible"])
@@ -218,7 +218,7 @@ def test_auto_clustering_sets_tf_xla_flags_before_the_users_own(monkeypatch):
 
 def test_a_warmup_past_the_end_is_clamped_with_a_warning():
   """A flagfile shortened to a quick try (vit_digits' warmup of 50, 3 steps) runs, and says so."""
-  from tfpar import config, flags  # pylint: disable=import-outside-toplevel
+  from tfpar.config import config, flags  # pylint: disable=import-outside-toplevel
   heard = []
   cfg = config.from_flags(flags.parse(["--flagfile=configs/vit_digits.flags", MODEL_DIR,
                                        "--train_steps=3"]), warn=heard.append)
@@ -285,7 +285,7 @@ def test_cli_bad_input_leaves_existing_run_untouched(tmp_path):
   # makes once TensorFlow can read it, here in-process (its exit 2 and one line from the CLI:
   # test_bad_input's test_cli_resume_with_another_batch_leaves_the_run_untouched).
   with pytest.raises(ConfigError) as info:
-    config_lib.check_run(make_config(args + ["--train_steps=4", "--d_model=48"]))
+    rundir.check_run(make_config(args + ["--train_steps=4", "--d_model=48"]))
   assert "--model_dir" in str(info.value) and "d_model" in str(info.value), str(info.value)
   assert "\n" not in str(info.value)
   assert _snapshot(model_dir) == before

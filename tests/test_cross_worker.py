@@ -300,9 +300,9 @@ def test_a_codec_sums_copies_in_one_program_as_replicas_do(method):
   rounds by its order).
   """
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tfpar.config import CompressionConfig  # pylint: disable=import-outside-toplevel
+  from tfpar.config.schema import CompressionConfig  # pylint: disable=import-outside-toplevel
   from tfpar.parallel.compression import make_exchange  # pylint: disable=import-outside-toplevel
-  from tfpar.parallel.plan import device_key  # pylint: disable=import-outside-toplevel
+  from tfpar.layout.placement import device_key  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(2)
   shapes = [(40, 24), (24,), (8, 8), (24, 16)]  # Two compressed matrices, a vector, a small one.
   # Magnitudes as different as a gradient's (fp16 scales each tensor by its own peak).
@@ -338,9 +338,9 @@ def test_the_plain_sum_of_copies_in_one_program_lands_on_every_copys_devices():
   own devices, equal to numpy's sum of the copies in order, for tensors too small to cut
   into D chunks as well; the bytes counted are one copy's gradients."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tfpar.config import CompressionConfig  # pylint: disable=import-outside-toplevel
+  from tfpar.config.schema import CompressionConfig  # pylint: disable=import-outside-toplevel
   from tfpar.parallel.compression import make_exchange  # pylint: disable=import-outside-toplevel
-  from tfpar.parallel.plan import device_key  # pylint: disable=import-outside-toplevel
+  from tfpar.layout.placement import device_key  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(3)
   shapes = [(7, 5), (2,), (3, 4, 2)]  # 35 elements in 3 unequal chunks, 2 in 3 (one empty).
   devices = [d.name for d in tf.config.list_logical_devices("CPU")[:3]]
@@ -374,7 +374,7 @@ def test_a_stage_server_exits_0_only_after_the_chief_it_saw_finished(monkeypatch
   import socket  # pylint: disable=import-outside-toplevel
   import threading  # pylint: disable=import-outside-toplevel
   import types  # pylint: disable=import-outside-toplevel
-  from tfpar.parallel.parameter_server import server  # pylint: disable=import-outside-toplevel
+  from tfpar.engines.parameter_server import server  # pylint: disable=import-outside-toplevel
 
   def exit_(code):
     raise Exited(code)

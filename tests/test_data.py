@@ -163,7 +163,7 @@ def test_the_start_up_line_counts_in_words(tmp_path):
 
 def test_the_data_flag_says_what_each_task_reads():
   """Its help spoke of text only, whatever --task."""
-  from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+  from tfpar.config import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
   help_text = tfpar_flags.parse([])["data"].help
   for words in ("lm: text", "classify: a directory with one sub-directory of images per class",
                 "detect: a COCO instances JSON", "segment: a directory with images/",

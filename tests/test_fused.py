@@ -27,7 +27,8 @@ import pytest
 import tensorflow as tf
 
 from conftest import TINY, assert_same_state, build_engine, canonical_grads, make_config
-from tfpar import schema, tasks
+from tfpar.config import schema
+from tfpar import tasks
 from tfpar.layers import GatedMLP, SelfAttention, set_compute
 from tfpar.layers.attention import (CAUSAL_CORES, causal_attention, causal_fraction,
                                     online_softmax_attention)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY, make_config, run_modules
-from tfpar import generate
+from tfpar.cli import generate
 from tfpar.data import corpus
 
 SEQ_LEN = 32  # TINY's --seq_len
@@ -18,7 +18,7 @@ SEQ_LEN = 32  # TINY's --seq_len
 def model_dir(tmp_path_factory):
   """A run trained the way the CLI trains (config.json included), in this process."""
   from tfpar import runner  # pylint: disable=import-outside-toplevel
-  from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
+  from tfpar.config.cluster import Cluster  # pylint: disable=import-outside-toplevel
   path = str(tmp_path_factory.mktemp("run"))
   cfg = make_config(TINY + ["--jit_compile=false", "--train_steps=4", "--dropout=0.1",
                             f"--model_dir={path}"])

@@ -27,13 +27,14 @@ import sentencepiece
 import tensorflow as tf
 
 from conftest import TINY, make_config, run_module
-from tfpar import rundir, strategies, tokenizer
-from tfpar.cluster import Cluster
-from tfpar.config import ConfigError
+from tfpar.config import rundir
+from tfpar import strategies, tokenizer
+from tfpar.config.cluster import Cluster
+from tfpar.config.schema import ConfigError
 from tfpar.data.pipeline import Corpus
 from tfpar.engines.model_parallel import ModelParallelEngine
-from tfpar.export import export
-from tfpar.generate import load_model
+from tfpar.cli.export import export
+from tfpar.cli.generate import load_model
 from tfpar.hub import preset
 from tfpar.models import GPT, Llama
 from tfpar.training import loop

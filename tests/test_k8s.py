@@ -31,10 +31,10 @@ import yaml
 
 from conftest import (OPTIONAL_K8S_SCHEMAS, REPO, TINY, in_background, read_metrics,
                       selected_tests_use)
-from tfpar import cluster as cluster_lib
-from tfpar.k8s import __main__ as k8s_cli
+from tfpar.config import cluster as cluster_lib
+from tfpar.cli import k8s as k8s_cli
 from tfpar.k8s import manifests
-from tfpar.launch import free_ports
+from tfpar.cli.launch import free_ports
 
 import k8s_validate
 
@@ -603,7 +603,7 @@ def test_a_pod_that_sees_other_gpus_than_rendered_stops_with_one_line():
   """The render chose the job's policies on --gpus_per_worker; a pod deciding on another
   count would serve (or not) where its peers do not: it refuses instead (exit 2)."""
   from tfpar import strategies  # pylint: disable=import-outside-toplevel
-  from tfpar.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from tfpar.config.schema import ConfigError  # pylint: disable=import-outside-toplevel
   job = k8s_cli.parse(["render", "--kind=jobset", "--name=gpt", "--workers=4", "--image=i",
                        "--", *VARIANTS["stages_across"][1]])
   cfg = k8s_cli._check_train_flags(job.train_args)  # pylint: disable=protected-access

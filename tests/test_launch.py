@@ -24,7 +24,7 @@ import time
 import pytest
 
 from conftest import TINY, Watched, in_background, read_metrics, run_module, selected_tests_use
-from tfpar import launch as launch_lib
+from tfpar.cli import launch as launch_lib
 from tfpar import status
 
 MWMS = TINY + ["--strategy=multi_worker_mirrored", "--jit_compile=false", "--eval_steps=0"]

@@ -19,26 +19,26 @@ LAYERS = [
     ("foundation", ["tfpar", "tfpar.storage", "tfpar.status", "tfpar.console",
                     "tfpar.partitioning"]),
     ("data", ["tfpar.data", "tfpar.vision", "tfpar.tokenizer"]),
-    ("settings", ["tfpar.config", "tfpar.schema", "tfpar.rules", "tfpar.rundir", "tfpar.cluster",
-                  "tfpar.tasks.specs", "tfpar.hub"]),
+    ("settings", ["tfpar.config", "tfpar.tasks.specs", "tfpar.hub"]),
+    ("layout", ["tfpar.layout"]),  # TF-free arithmetic: the runtime and the planner read it.
+    ("planner", ["tfpar.planner"]),  # Below every runtime layer: it imports none.
     ("layers", ["tfpar.layers"]),
     ("models", ["tfpar.models"]),
     ("training", ["tfpar.training"]),
     ("tasks", ["tfpar.tasks"]),
-    ("parallel", ["tfpar.parallel", "tfpar.strategies"]),
-    ("engines", ["tfpar.engines", "tfpar.planner"]),
+    ("parallel", ["tfpar.parallel"]),
+    ("engines", ["tfpar.engines", "tfpar.strategies"]),
     ("runner", ["tfpar.runner"]),
-    ("cli", ["tfpar.flags", "tfpar.train", "tfpar.generate", "tfpar.predict", "tfpar.launch",
-             "tfpar.plan", "tfpar.k8s", "tfpar.export"]),
+    # The command-line tools, and the modules that keep their `python -m` names.
+    ("cli", ["tfpar.cli", "tfpar.train", "tfpar.generate", "tfpar.predict", "tfpar.launch",
+             "tfpar.plan", "tfpar.export", "tfpar.k8s", "tfpar.data.__main__",
+             "tfpar.tokenizer.__main__"]),
 ]
 RANK = {prefix: rank for rank, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes}
 # A module whose layer is not its package's: the task registry (the names, and
 # each task's TF-free spec; the Task classes it loads by name, on demand) sits
 # with the settings that validate --task.
 EXACT = {"tfpar.tasks": RANK["tfpar.config"]}
-
-# Old import paths kept for callers: each only re-exports from the layer above.
-ALIASES = {"tfpar.training.engine": "tfpar.engines", "tfpar.parallel.hybrid": "tfpar.engines"}
 
 # What the engines and the training machinery must not import: models, losses, readers.
 WHAT_A_TASK_BRINGS = ["tfpar.models", "tfpar.layers", "tfpar.tasks.", "tfpar.data.corpus",
@@ -98,25 +98,73 @@ def test_no_module_imports_from_a_layer_above_its_own():
   upward = []
   for name, path in MODULES.items():
     for target in imports(path):
-      if layer_of(target) > layer_of(name) and not target.startswith(ALIASES.get(name, "-")):
+      if layer_of(target) > layer_of(name):
         upward.append(f"{name} -> {target}")
   assert not upward, "imports against the layering:\n" + "\n".join(sorted(set(upward)))
 
 
-def test_the_aliases_only_re_export():
-  for name in ALIASES:
-    with open(MODULES[name], encoding="utf-8") as f:
-      body = ast.parse(f.read()).body
-    code = [n for n in body if not isinstance(n, ast.ImportFrom) and not (
-        isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
-    assert not code, f"{name} is an alias: it may only re-export"
+def graph():
+  """{module: the tfpar modules it imports}, every arrow (lazy ones too)."""
+  return {name: {t for t in imports(path) if t in MODULES and t != name}
+          for name, path in MODULES.items()}
+
+
+def cycles(edges):
+  """The strongly connected components of more than one module (Tarjan), each sorted."""
+  index, low, stack, on, out = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on.add(v)
+    for w in sorted(edges.get(v, ())):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while True:
+        w = stack.pop()
+        on.discard(w)
+        component.append(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        out.append(sorted(component))
+
+  for v in sorted(edges):
+    if v not in index:
+      visit(v)
+  return out
+
+
+def test_no_import_cycles():
+  found = cycles(graph())
+  assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_cycle_finder_finds_cycles():
+  """A finder that finds nothing would pass anything."""
+  assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+  assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_planner_imports_no_runtime_module():
+  """The planner prices plans for thousands of devices on a laptop: TF-free arithmetic only."""
+  runtime = [prefix for _, prefixes in LAYERS[LAYERS.index(("planner", ["tfpar.planner"])) + 1:]
+             for prefix in prefixes]
+  found = [f"{name} -> {target}" for name, path in MODULES.items()
+           if name.startswith("tfpar.planner") for target in imports(path)
+           if any(target == p or target.startswith(p + ".") for p in runtime)]
+  assert not found, "the planner reaches the runtime:\n" + "\n".join(sorted(set(found)))
 
 
 def test_engines_and_training_import_no_model_loss_or_reader():
   found = []
   for name, path in MODULES.items():
-    if layer_of(name) not in (RANK["tfpar.engines"], RANK["tfpar.training"]) or \
-        name.startswith("tfpar.planner"):
+    if layer_of(name) not in (RANK["tfpar.engines"], RANK["tfpar.training"]):
       continue
     for target in imports(path):
       if any(target == p or target.startswith(p if p.endswith(".") else p + ".")
@@ -129,5 +177,6 @@ def test_engines_and_training_import_no_model_loss_or_reader():
 def test_the_layering_test_sees_real_arrows():
   """The parser finds what is there (a test that finds no import would pass anything)."""
   assert "tfpar.training.step" in set(imports(MODULES["tfpar.engines.data_parallel"]))
+  assert "tfpar.layout.placement" in set(imports(MODULES["tfpar.planner.cost"]))
   assert "tfpar.tasks" in set(imports(MODULES["tfpar.runner"]))
   assert layer_of("tfpar.parallel.exchange") > layer_of("tfpar.training.step")

@@ -20,9 +20,9 @@ import pytest
 
 from conftest import TINY, assert_twin, build_engine, make_config, train_twin
 from tfpar import partitioning
-from tfpar.config import ConfigError
+from tfpar.config.schema import ConfigError
 from tfpar.models import Llama, ParallelModel
-from tfpar.parallel import plan as plan_lib
+from tfpar.layout import placement as plan_lib
 from tfpar.training.checkpoint import model_layout
 
 STEPS = 3

@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import pytest
 
-from tfpar.config import ModelConfig
+from tfpar.config.schema import ModelConfig
 from tfpar.models import GPT
 
 SMALL = dict(seq_len=16, num_layers=2, d_model=32, num_heads=4, d_ff=64)

@@ -21,15 +21,15 @@ import tensorflow as tf
 
 from conftest import TINY, canonical_grads, make_config
 from tfpar import partitioning, strategies
-from tfpar.cluster import Cluster
+from tfpar.config.cluster import Cluster
 from tfpar.data.pipeline import Corpus
 from tfpar.layers import ColumnParallelDense, RowParallelDense, SelfAttention, TensorParallel
 from tfpar.models import GPT, ParallelModel
-from tfpar.parallel.hybrid import ModelParallelEngine
+from tfpar.engines.model_parallel import ModelParallelEngine
 from tfpar.partitioning import COLUMN, REPLICATED, ROW, VOCAB, Rule
 from tfpar.tasks.lm import LanguageModeling
 from tfpar.training.checkpoint import model_layout, read_canonical
-from tfpar.training.engine import DataParallelEngine
+from tfpar.engines.data_parallel import DataParallelEngine
 from tfpar.training.optimizer import inner_optimizer
 
 STEPS = 3
@@ -217,7 +217,7 @@ def test_its_bytes_per_device_come_from_its_rules(runs):
   embedding, head = TOY.embed_head_counts(m)
   measured = engine.measured_bytes()
   row = engine.plan.devices[0]
-  from tfpar.parallel.plan import device_key  # pylint: disable=import-outside-toplevel
+  from tfpar.layout.placement import device_key  # pylint: disable=import-outside-toplevel
   want = {device_key(row[0][0]): embedding + unsplit + shard, device_key(row[0][1]): shard,
           device_key(row[1][0]): head + unsplit + shard, device_key(row[1][1]): shard}
   assert {d: b["parameters"] for d, b in measured.items()} == {d: 4 * n for d, n in want.items()}
@@ -231,7 +231,7 @@ def test_its_plan_counts_its_own_parameters(runs):
   assert {d: b["parameters"] for d, b in predicted.items()} == \
       {d: b["parameters"] for d, b in measured.items()}
   m = engine.cfg.model
-  from tfpar.parallel import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  from tfpar.layout import placement as plan_lib  # pylint: disable=import-outside-toplevel
   assert engine.plan.counts == plan_lib.count_params(m, 2, family="toy")
   assert engine.plan.counts != plan_lib.count_params(m, 2)  # GPT's block differs.
   total = sum(int(np.prod(v.shape)) for v in engine.copies[0].model.trainable_variables)

@@ -32,11 +32,11 @@ import tensorflow as tf
 from conftest import (TINY, assert_same_state, make_config, read_metrics,
                       run_module_in_background, selected_tests_use, train_in_process)
 from tfpar import strategies
-from tfpar.cluster import Cluster
-from tfpar.config import ConfigError
+from tfpar.config.cluster import Cluster
+from tfpar.config.schema import ConfigError
 from tfpar.data import pipeline
 from tfpar.training.checkpoint import CanonicalCheckpointer, read_canonical, read_checkpoint
-from tfpar.training.engine import DataParallelEngine
+from tfpar.engines.data_parallel import DataParallelEngine
 
 STEPS = 6
 ARGS = TINY + [f"--train_steps={STEPS}", "--seed=3", "--input_sharding=data",

@@ -64,7 +64,7 @@ def restored_one_device_eval(model_dir):
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tfpar.data import pipeline  # pylint: disable=import-outside-toplevel
   from tfpar.training import checkpoint  # pylint: disable=import-outside-toplevel
-  from tfpar.training.engine import DataParallelEngine  # pylint: disable=import-outside-toplevel
+  from tfpar.engines.data_parallel import DataParallelEngine  # pylint: disable=import-outside-toplevel
   with open(os.path.join(model_dir, "config.json")) as f:
     saved = json.load(f)
   args = [a for a in PS_FLAGS if not a.startswith("--strategy")] + [
@@ -144,14 +144,15 @@ def test_two_workers_over_two_ps_shards_train_asynchronously_and_resume(tmp_path
 
 
 def test_ps_shards_more_than_ps_and_missing_tasks_are_clear_errors():
-  from tfpar.cluster import Cluster, ClusterError  # pylint: disable=import-outside-toplevel
-  from tfpar import config  # pylint: disable=import-outside-toplevel
-  from tfpar.parallel import parameter_server  # pylint: disable=import-outside-toplevel
+  from tfpar.config.cluster import Cluster, ClusterError  # pylint: disable=import-outside-toplevel
+  from tfpar.config import rundir  # pylint: disable=import-outside-toplevel
+  from tfpar.config.schema import ConfigError  # pylint: disable=import-outside-toplevel
+  from tfpar.engines.parameter_server import server as parameter_server  # pylint: disable=import-outside-toplevel
   spec = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
   cfg = make_config(PS_FLAGS + ["--model_dir=unused", "--ps_shards=2"])
-  # Checked against TF_CONFIG before TensorFlow starts (tfpar.config.check_run).
-  with pytest.raises(config.ConfigError, match=r"--ps_shards=2 is more than the 1 parameter server"):
-    config.check_run(cfg, Cluster(spec=spec, task_type="chief"))
+  # Checked against TF_CONFIG before TensorFlow starts (tfpar.config.rundir.check_run).
+  with pytest.raises(ConfigError, match=r"--ps_shards=2 is more than the 1 parameter server"):
+    rundir.check_run(cfg, Cluster(spec=spec, task_type="chief"))
   with pytest.raises(ClusterError, match="missing: ps"):
     parameter_server.serve(Cluster(spec={"chief": spec["chief"], "worker": spec["worker"]},
                                    task_type="worker"))

@@ -7,8 +7,8 @@ import pytest
 
 from conftest import make_config
 from tfpar import partitioning, tasks
-from tfpar.config import ModelConfig
-from tfpar.parallel import plan as plan_lib
+from tfpar.config.schema import ModelConfig
+from tfpar.layout import placement as plan_lib
 from tfpar.training.checkpoint import model_layout
 from tfpar.training.optimizer import NO_DECAY
 
@@ -75,7 +75,7 @@ def test_the_no_decay_set_is_todays():
 
 
 def test_keras_decays_exactly_what_the_rules_say(task_models):
-  from tfpar.config import OptimConfig  # pylint: disable=import-outside-toplevel
+  from tfpar.config.schema import OptimConfig  # pylint: disable=import-outside-toplevel
   from tfpar.training.optimizer import make_optimizer  # pylint: disable=import-outside-toplevel
   _, model = task_models[2]
   opt = make_optimizer(OptimConfig(), 10)

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from conftest import TINY, make_config
-from tfpar.config import ConfigError
-from tfpar.parallel import plan as plan_lib
+from tfpar.config.schema import ConfigError
+from tfpar.layout import placement as plan_lib
 
 DEVICES = [f"/device:CPU:{i}" for i in range(8)]
 

@@ -9,8 +9,9 @@ import pytest
 
 from conftest import (TINY, in_background, make_config, read_metrics, run_module, run_modules,
                       selected_tests_use)
-from tfpar.config import ModelConfig
-from tfpar.parallel import plan as plan_lib
+from tfpar.config.schema import ModelConfig
+from tfpar.layout import placement as plan_lib
+from tfpar.layout import schedule as schedule_lib
 from tfpar.planner import calibrate, clusters, cost, megatron, search
 
 SHAPES = [
@@ -102,9 +103,9 @@ PLACED = {
 def test_predicted_bytes_per_device_match_tfpars_placement(name, tmp_path):
   """The planner's weights + optimizer on the busiest device vs the real variables' bytes."""
   from tfpar import strategies  # pylint: disable=import-outside-toplevel
-  from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
+  from tfpar.config.cluster import Cluster  # pylint: disable=import-outside-toplevel
   from tfpar.data.pipeline import Corpus  # pylint: disable=import-outside-toplevel
-  from tfpar.parallel.hybrid import ModelParallelEngine  # pylint: disable=import-outside-toplevel
+  from tfpar.engines.model_parallel import ModelParallelEngine  # pylint: disable=import-outside-toplevel
   cfg = make_config(TINY + ["--jit_compile=false", f"--model_dir={tmp_path}"] + PLACED[name])
   tokens = np.arange(4096, dtype=np.uint8)
   engine = ModelParallelEngine(cfg, strategies.make_strategy(cfg.dist, Cluster()),
@@ -226,18 +227,18 @@ def test_interleaved_is_what_most_pipelined_rows_ran():
 def test_micro_batches_in_flight_by_schedule():
   """GPipe keeps M; 1F1B K - k; interleaved K (1 + (K-1)/(K v)) on stage 0 (Korthikanti et al.)."""
   K, M, v = 4, 8, 2
-  in_flight = lambda s: cost.micro_batches_in_flight(np.array([[s]]), np.array([[M]]),
+  in_flight = lambda s: schedule_lib.in_flight(np.array([[s]]), np.array([[M]]),
                                                      np.array([[v]]), K)[0]
-  np.testing.assert_allclose(in_flight(cost.GPIPE), [8, 8, 8, 8])
-  np.testing.assert_allclose(in_flight(cost.ONE_F_ONE_B), [4, 3, 2, 1])
-  inter = in_flight(cost.INTERLEAVED)
+  np.testing.assert_allclose(in_flight(schedule_lib.GPIPE), [8, 8, 8, 8])
+  np.testing.assert_allclose(in_flight(schedule_lib.ONE_F_ONE_B), [4, 3, 2, 1])
+  inter = in_flight(schedule_lib.INTERLEAVED)
   assert inter[0] == pytest.approx(K * (1 + (K - 1) / (K * v)))
   assert list(inter) == sorted(inter, reverse=True) and inter[-1] == pytest.approx((K + 1) / v)
   # Never more than every micro-batch, however few there are.
-  assert cost.micro_batches_in_flight(np.array([[cost.ONE_F_ONE_B]]), np.array([[2]]),
+  assert schedule_lib.in_flight(np.array([[schedule_lib.ONE_F_ONE_B]]), np.array([[2]]),
                                       np.array([[1]]), K)[0].max() == 2
-  assert cost.bubble_fraction(4, 8) == pytest.approx(3 / 11)
-  assert cost.bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)  # (K-1)/(vM) of the ideal time.
+  assert schedule_lib.bubble(4, 8) == pytest.approx(3 / 11)
+  assert schedule_lib.bubble(4, 8, 2) == pytest.approx(3 / 19)  # (K-1)/(vM) of the ideal time.
 
 
 MEGATRON_145B = megatron.TABLE_1[6].model  # 80 blocks of 12,288
@@ -380,7 +381,7 @@ def test_every_plan_across_nodes_passes_tfpars_rules():
   as the flags it emits, is a config tfpar.rules accepts and a worker job it starts
   (check_worker_job: stages on different workers, a replica on whole workers: none of 12
   devices over nodes of 8); no sharding under mixed_float16, which tfpar.train refuses."""
-  from tfpar import rules  # pylint: disable=import-outside-toplevel
+  from tfpar.config import rules  # pylint: disable=import-outside-toplevel
   from tfpar.planner import report  # pylint: disable=import-outside-toplevel
   model = ["--num_layers=16", "--d_model=64", "--num_heads=2", "--d_ff=256", "--seq_len=16",
            "--model_dir=/tmp/tfpar-planner-test"]
@@ -418,8 +419,8 @@ def test_stages_across_nodes_send_on_the_inter_node_network():
 def test_megatrons_published_layout_is_planned_under_tfpar():
   """Issue 16's example: Megatron's 530B layout, once refused ("a replica must sit in one node")."""
   from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
-  from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
-  from tfpar import plan as plan_cli  # pylint: disable=import-outside-toplevel
+  from tfpar.config import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+  from tfpar.cli import plan as plan_cli  # pylint: disable=import-outside-toplevel
   fv = tfpar_flags.define_plan_flags(absl_flags.FlagValues())
   fv(["plan", "--num_layers=105", "--d_model=20480", "--num_heads=128", "--d_ff=81920",
       "--seq_len=2048", "--vocab_size=51200", "--global_batch_size=1920",
@@ -504,10 +505,10 @@ def test_flags_of_a_plan_across_nodes():
 def test_schedule_flags_are_the_training_flags_once_defined():
   """If tfpar.schema defines --pipeline_schedule (the runtime), the planner reads that one."""
   from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
-  from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+  from tfpar.config import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
   fv = tfpar_flags.define_flags(absl_flags.FlagValues())
   if "pipeline_schedule" not in fv:  # As tfpar.schema will define them for the runtime.
-    absl_flags.DEFINE_enum("pipeline_schedule", "gpipe", list(cost.SCHEDULES), "", flag_values=fv)
+    absl_flags.DEFINE_enum("pipeline_schedule", "gpipe", list(schedule_lib.SCHEDULES), "", flag_values=fv)
     absl_flags.DEFINE_integer("virtual_stages", 1, "", flag_values=fv)
   tfpar_flags.define_plan_flags(fv)  # No DuplicateFlagError.
   fv(["plan", "--pipeline_schedule=interleaved", "--virtual_stages=3"])
@@ -529,8 +530,8 @@ PLAN_ERRORS = [
 @pytest.mark.parametrize("args, words", PLAN_ERRORS)
 def test_planner_refuses_in_one_line(args, words):
   from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
-  from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
-  from tfpar import plan as plan_cli  # pylint: disable=import-outside-toplevel
+  from tfpar.config import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+  from tfpar.cli import plan as plan_cli  # pylint: disable=import-outside-toplevel
   fv = tfpar_flags.define_plan_flags(absl_flags.FlagValues())
   fv(["plan", "--flagfile=configs/gpt_tiny.flags", "--cluster=a100-80gb:8"] + args)
   with pytest.raises(plan_cli.PlanError) as error:

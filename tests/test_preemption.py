@@ -114,7 +114,7 @@ def test_a_lost_peer_is_reported_in_one_line_that_names_it():
   """The error TensorFlow 2.21 raised on worker 0 when worker 1 was SIGSTOPped (docs/failures.md)."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tfpar import runner  # pylint: disable=import-outside-toplevel
-  from tfpar.cluster import Cluster  # pylint: disable=import-outside-toplevel
+  from tfpar.config.cluster import Cluster  # pylint: disable=import-outside-toplevel
   message = ("Graph execution error:\n\nDetected at node while/CollectiveReduceV2 defined at "
              "(most recent call last):\n  File \"<frozen runpy>\", line 198\n"
              "Collective ops is aborted by: Error reported from /job:worker/task:1: The following "

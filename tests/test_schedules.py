@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, TINY, build_engine, canonical_grads, in_background, selected_tests_use
+from tfpar.layout import schedule as schedule_lib
 from tfpar.parallel import schedules
 
 STEPS = 3
@@ -98,25 +99,28 @@ def test_schedule_matches_one_device(one_device, tmp_path, name):
 def test_orders_run_without_deadlock_in_the_bubble_the_formula_gives(stages, microbatches,
                                                                      virtual):
   name = "1f1b" if virtual == 1 else "interleaved"
-  schedule = schedules.make(name, virtual)
-  rows = schedules.timetable(stages, microbatches, virtual)
+  rows = schedule_lib.timetable(stages, microbatches, virtual)
   for k, row in enumerate(rows):  # Every chunk of the device, every micro-batch, once each way.
     units = sorted(u for u in row if u)
     assert units == sorted((kind, c, m) for kind in "BF" for c in range(k, stages * virtual, stages)
                            for m in range(microbatches))
   idle = 1 - 2 * virtual * microbatches / len(rows[0])
-  assert idle == pytest.approx(schedule.bubble(stages, microbatches))
+  assert idle == pytest.approx(schedule_lib.bubble(stages, microbatches, virtual))
   # 1F1B: stage k keeps at most K - k micro-batches' activations, GPipe all M.
-  flight = schedule.in_flight(stages, microbatches)
+  index = schedule_lib.SCHEDULES.index(name)
+  flight = list(schedule_lib.in_flight(index, microbatches, virtual, stages))
   if virtual == 1:
     assert flight == [min(stages - k, microbatches) for k in range(stages)]
-  assert max(flight) < schedules.make("gpipe").in_flight(stages, microbatches)[0] or \
+  # The closed form is the order replayed: a chunk of each micro-batch counts 1/v.
+  replayed = schedule_lib.held(name, stages, microbatches, virtual, [1] * stages * virtual)
+  assert flight == pytest.approx([n / virtual for n in replayed])
+  assert max(flight) < schedule_lib.in_flight(schedule_lib.GPIPE, microbatches, 1, stages)[0] or \
       microbatches <= stages
 
 
 def test_the_docstring_draws_the_timetables():
-  assert schedules.draw(4, 6) in schedules.__doc__
-  assert schedules.draw(2, 4, 2) in schedules.__doc__
+  assert schedule_lib.draw(4, 6) in schedules.__doc__
+  assert schedule_lib.draw(2, 4, 2) in schedules.__doc__
 
 
 def run_pipeline_memory(tmp_path):

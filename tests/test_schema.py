@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from tfpar import config, flags, rundir, schema, tasks
+from tfpar.config import config, flags, rundir, schema
+from tfpar import tasks
 
 PACKAGE = pathlib.Path(tasks.__file__).parent.parent
 
@@ -26,7 +27,7 @@ def test_every_flag_is_one_field_of_the_schema_and_the_defaults_agree():
   assert sorted(names) == sorted(fv), "a flag without a field, or a field without a flag"
   assert len(set(names)) == len(names)
   # The flags' defaults resolve to the dataclasses' (d_ff = 4 * d_model, warmup = 5% of 200).
-  assert config.from_flags(flags.parse(["--model_dir=runs/default"])) == config.Config()
+  assert config.from_flags(flags.parse(["--model_dir=runs/default"])) == schema.Config()
 
 
 def test_a_flag_sets_its_own_field():
@@ -39,20 +40,20 @@ def test_a_flag_sets_its_own_field():
 
 
 def test_flags_config_and_rules_start_no_tensorflow():
-  code = ("import sys; import tfpar.config, tfpar.flags, tfpar.rules, tfpar.rundir, tfpar.cluster; "
+  code = ("import sys; import tfpar.config.config, tfpar.config.flags, tfpar.config.rules, tfpar.config.rundir, tfpar.config.cluster; "
           "from tfpar import tasks; [tasks.spec(n) for n in tasks.NAMES]; "
           "assert 'tensorflow' not in sys.modules, 'TensorFlow imported'")
   subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_a_run_directory_reads_alike_with_fields_missing_or_unknown(tmp_path):
-  saved = config.Config().replace(model={"d_model": 64}).to_dict()
+  saved = schema.Config().replace(model={"d_model": 64}).to_dict()
   saved["model"]["a_field_of_a_later_version"] = 1
   del saved["model"]["pooling"]  # One of an earlier version that had no such field.
   del saved["compression"]  # A whole section of a later version.
   saved["a_section_of_a_later_version"] = {"x": 1}
   (tmp_path / rundir.RUN_CONFIG).write_text(json.dumps(saved))
-  assert rundir.load(str(tmp_path)) == config.Config().replace(model={"d_model": 64})
+  assert rundir.load(str(tmp_path)) == schema.Config().replace(model={"d_model": 64})
   heard = []
   assert rundir.find_run(str(tmp_path), warn=heard.append) == rundir.load(str(tmp_path))
   assert heard == [f"--model_dir={tmp_path}: config.json is of another tfpar version: ignored "
@@ -63,12 +64,12 @@ def test_a_run_directory_reads_alike_with_fields_missing_or_unknown(tmp_path):
   with pytest.raises(ValueError, match="has no config.json [(]it does not exist[)]"):
     rundir.find_run(str(tmp_path / "nowhere"), ValueError)
   (tmp_path / rundir.RUN_CONFIG).write_text(json.dumps({"model": []}))
-  with pytest.raises(config.ConfigError, match="config.json that cannot be read"):
+  with pytest.raises(schema.ConfigError, match="config.json that cannot be read"):
     rundir.load(str(tmp_path))
 
 
 def test_the_run_directory_writer_and_reader_agree(tmp_path):
-  cfg = config.Config().replace(train={"model_dir": str(tmp_path / "run")},
+  cfg = schema.Config().replace(train={"model_dir": str(tmp_path / "run")},
                                 parallel={"stage_layers": (1, 3)})
   rundir.write_config(cfg, ["cat", "dog"])
   saved = rundir.read_saved(cfg.train.model_dir)

@@ -10,7 +10,7 @@ import pytest
 
 
 def test_gpipe_is_the_plans_schedule_and_its_bubble():
-  from tfpar.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from tfpar.config.schema import ConfigError  # pylint: disable=import-outside-toplevel
   from tfpar.parallel import schedules  # pylint: disable=import-outside-toplevel
   gpipe = schedules.make("gpipe")
   assert isinstance(gpipe, schedules.GPipe)
@@ -27,7 +27,7 @@ def test_the_compression_method_picks_the_exchange(method, kind):
   import keras  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tfpar.config import CompressionConfig  # pylint: disable=import-outside-toplevel
+  from tfpar.config.schema import CompressionConfig  # pylint: disable=import-outside-toplevel
   from tfpar.parallel import compression, exchange, traffic  # pylint: disable=import-outside-toplevel
   variables = [keras.Variable(np.zeros([64, 32], np.float32)),  # What an engine passes.
                keras.Variable(np.zeros([32], np.float32))]

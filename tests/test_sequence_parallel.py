@@ -33,8 +33,8 @@ import pytest
 
 from conftest import (REPO, TINY, assert_twin, build_engine, canonical_grads, in_background,
                       make_config, selected_tests_use, train_twin)
-from tfpar.config import ConfigError
-from tfpar.parallel import plan as plan_lib
+from tfpar.config.schema import ConfigError
+from tfpar.layout import placement as plan_lib
 from tfpar.planner import clusters, cost, report, search
 
 STEPS = 2

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from conftest import TINY, train_in_process
 from tfpar import strategies
-from tfpar.config import ConfigError
+from tfpar.config.schema import ConfigError
 from tfpar.data import corpus, pipeline
 
 NUM_SAMPLES, REPLICAS, GLOBAL_BATCH = 10_000, 4, 100

@@ -130,8 +130,8 @@ def test_export_writes_the_run_s_tokenizer_into_the_preset(trained, sp_run, tmp_
   """A preset of the Llama trained on SentencePiece ids holds its tokenizer (from the run's own
   copy): LlamaCausalLM.from_preset gives tfpar's ids, tfpar's logits, and generates."""
   import keras_hub  # pylint: disable=import-outside-toplevel
-  from tfpar.export import export  # pylint: disable=import-outside-toplevel
-  from tfpar.generate import load_model  # pylint: disable=import-outside-toplevel
+  from tfpar.cli.export import export  # pylint: disable=import-outside-toplevel
+  from tfpar.cli.generate import load_model  # pylint: disable=import-outside-toplevel
   with only_the_run_s_copy(trained):
     assert export(sp_run, str(tmp_path / "preset")) == "LlamaCausalLM"
   lm = keras_hub.models.LlamaCausalLM.from_preset(str(tmp_path / "preset"))

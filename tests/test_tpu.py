@@ -47,7 +47,7 @@ def compile_and_run_tpu_step():
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tfpar.data import pipeline  # pylint: disable=import-outside-toplevel
   from tfpar.tasks.task import cross_entropy  # pylint: disable=import-outside-toplevel
-  from tfpar.training.engine import build_model  # pylint: disable=import-outside-toplevel
+  from tfpar.engines.base import build_model  # pylint: disable=import-outside-toplevel
   from tfpar.training.optimizer import make_optimizer  # pylint: disable=import-outside-toplevel
   from tfpar.training.step import TrainStep  # pylint: disable=import-outside-toplevel
 
@@ -111,7 +111,7 @@ def _closed_port():
 
 
 def test_unreachable_grpc_tpu_fails_fast_with_one_line():
-  from tfpar.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from tfpar.config.schema import ConfigError  # pylint: disable=import-outside-toplevel
   from tfpar.parallel import tpu  # pylint: disable=import-outside-toplevel
   address = f"grpc://127.0.0.1:{_closed_port()}"
   start = time.monotonic()

@@ -108,7 +108,7 @@ def test_cli_predict_prints_the_class_folder_names(folder_run, cli):
 def test_vit_shapes_and_parameter_count():
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tfpar import tasks  # pylint: disable=import-outside-toplevel
-  from tfpar.parallel import plan  # pylint: disable=import-outside-toplevel
+  from tfpar.layout import placement as plan  # pylint: disable=import-outside-toplevel
   for pooling in ("cls", "mean"):
     # --data: not the built-in 8x8 digits (this model is never trained).
     cfg = make_config(VIT + ["--model_dir=/tmp/unused", "--num_classes=7", "--data=/tmp",
@@ -171,7 +171,7 @@ def check_pipeline_checkpoint_restores_on_one_device(model_dir, tmp_path):
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tfpar import tasks  # pylint: disable=import-outside-toplevel
   from tfpar.training import checkpoint  # pylint: disable=import-outside-toplevel
-  from tfpar.training.engine import DataParallelEngine  # pylint: disable=import-outside-toplevel
+  from tfpar.engines.data_parallel import DataParallelEngine  # pylint: disable=import-outside-toplevel
   cfg = make_config(VIT + [f"--model_dir={tmp_path / 'restored'}"])
   task = tasks.make(cfg)
   data, _ = task.load_data()
@@ -202,7 +202,7 @@ def test_accuracy_counts_each_held_out_image_once():
 
 def test_bad_image_size_and_class_ids_are_one_line_errors(cli):
   from test_config import assert_one_line_error  # pylint: disable=import-outside-toplevel
-  from tfpar.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from tfpar.config.schema import ConfigError  # pylint: disable=import-outside-toplevel
   with pytest.raises(ConfigError, match="--image_size=10 is not divisible by --patch_size=4"):
     make_config(VIT + ["--model_dir=/tmp/unused", "--image_size=10", "--patch_size=4",
                        "--data=/tmp"])

@@ -24,10 +24,10 @@ import keras
 
 from conftest import TINY, assert_same_state, make_config
 from tfpar import strategies
-from tfpar.cluster import Cluster
+from tfpar.config.cluster import Cluster
 from tfpar.data import pipeline
 from tfpar.engines.data_parallel import DataParallelEngine
-from tfpar.schema import CompressionConfig, OptimConfig
+from tfpar.config.schema import CompressionConfig, OptimConfig
 from tfpar.parallel import zero
 from tfpar.parallel.compression import make_exchange
 from tfpar.planner import clusters, cost

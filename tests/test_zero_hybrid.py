@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from conftest import TINY, assert_same_state, assert_twin, build_engine, make_config, train_twin
-from tfpar import rules
-from tfpar.parallel import plan as plan_lib
+from tfpar.config import rules
+from tfpar.layout import placement as plan_lib
 from tfpar.planner import clusters, cost
 from tfpar.training.checkpoint import (CanonicalCheckpointer, assign_canonical, read_canonical,
                                        read_checkpoint)

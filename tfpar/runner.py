@@ -9,14 +9,14 @@ import tensorflow as tf
 
 from tfpar import console
 from tfpar import engines
-from tfpar import rules
-from tfpar import rundir
+from tfpar.config import rules
+from tfpar.config import rundir
 from tfpar import storage
 from tfpar import strategies
 from tfpar import tasks
 from tfpar import tokenizer
-from tfpar.cluster import Cluster, ClusterError, PeerError
-from tfpar.config import Config, ConfigError
+from tfpar.config.cluster import Cluster, ClusterError, PeerError
+from tfpar.config.schema import Config, ConfigError
 from tfpar.data import corpus as corpus_lib
 from tfpar.parallel import remote
 from tfpar.training import loop, preemption
@@ -90,7 +90,7 @@ def _host_memory() -> int:
 
 def _out_of_memory_message(cfg: Config, error) -> str:
   """One line: what TensorFlow failed to allocate, what the plan needs, how to find one that fits."""
-  from tfpar.parallel import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  from tfpar.layout import placement as plan_lib  # pylint: disable=import-outside-toplevel
   text = " ".join(str(getattr(error, "message", error)).split())
   oom = re.search(r"OOM when allocating tensor with shape\[[^\]]*\] and type \w+", text)
   needed = plan_lib.state_bytes_per_device(cfg)
@@ -112,7 +112,7 @@ def _run(cfg: Config, cluster: Cluster) -> dict:
   absl_logging.set_verbosity(absl_logging.WARNING)  # so does the checkpoint saver, at every save
   strategies.setup_devices(cfg.dist.num_cpu_devices)
   if cfg.dist.strategy == "parameter_server" and cluster.task_type in ("worker", "ps"):
-    from tfpar.parallel import parameter_server  # pylint: disable=import-outside-toplevel
+    from tfpar.engines.parameter_server import server as parameter_server  # pylint: disable=import-outside-toplevel
     parameter_server.serve(cluster)
     return {}
   # Every task of a model-parallel job checks its layout here, before any server starts.

@@ -10,9 +10,9 @@ import os
 
 import tensorflow as tf
 
-from tfpar import rules
-from tfpar.cluster import GPUS_ENV, Cluster
-from tfpar.config import ConfigError, DistConfig
+from tfpar.config import rules
+from tfpar.config.cluster import GPUS_ENV, Cluster
+from tfpar.config.schema import ConfigError, DistConfig
 
 
 def setup_devices(num_cpu_devices: int) -> None:
@@ -79,7 +79,7 @@ def make_strategy(dist: DistConfig, cluster: Cluster) -> tf.distribute.Strategy:
   if name == "multi_worker_mirrored":
     return _multi_worker(dist, cluster)
   if name == "parameter_server":
-    from tfpar.parallel import parameter_server  # pylint: disable=import-outside-toplevel
+    from tfpar.engines.parameter_server import server as parameter_server  # pylint: disable=import-outside-toplevel
     return parameter_server.make_strategy(dist, cluster)
   if name == "tpu":
     from tfpar.parallel import tpu  # pylint: disable=import-outside-toplevel

@@ -20,8 +20,9 @@ from typing import Sequence
 
 from absl import flags
 
-from tfpar import console, generate, tokenizer
-from tfpar.schema import ConfigError
+from tfpar import console, tokenizer
+from tfpar.cli import generate
+from tfpar.config.schema import ConfigError
 
 FORMATS = ("keras_hub",)
 

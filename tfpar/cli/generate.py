@@ -20,10 +20,10 @@ import numpy as np
 from absl import flags
 
 from tfpar import console
-from tfpar import rundir
+from tfpar.config import rundir
 from tfpar import tasks
 from tfpar import tokenizer
-from tfpar.schema import VOCAB_SIZE, ConfigError
+from tfpar.config.schema import VOCAB_SIZE, ConfigError
 
 
 def define_flags() -> flags.FlagValues:

@@ -15,9 +15,11 @@ from typing import Sequence
 import yaml
 from absl import flags as absl_flags
 
-from tfpar import cluster as cluster_lib
-from tfpar import config as config_lib
-from tfpar import flags as tfpar_flags
+from tfpar.config import cluster as cluster_lib
+from tfpar.config import config as config_lib
+from tfpar.config import flags as tfpar_flags
+from tfpar.config import rules
+from tfpar.config.schema import ConfigError
 from tfpar.k8s import manifests
 
 USAGE = ("python -m tfpar.k8s render --kind=tfjob|jobset|indexed-job --name=NAME --workers=N "
@@ -72,21 +74,21 @@ def parse(argv: Sequence[str]) -> manifests.Job:
   gpus = job.gpus_per_worker or 0
   try:
     if strategy == "multi_worker_mirrored" and not cfg.parallel.model_parallel:
-      config_lib.check_batch(cfg.train.global_batch_size, job.workers * max(1, gpus),
+      rules.check_batch(cfg.train.global_batch_size, job.workers * max(1, gpus),
                              flag=f"--workers={job.workers}"
                              + (f" x --gpus_per_worker={gpus}" if gpus else ""))
-    config_lib.check_cluster(cfg, cluster_lib.Cluster(spec=spec, task_type="worker", task_index=0))
+    cluster_lib.check_cluster(cfg, cluster_lib.Cluster(spec=spec, task_type="worker", task_index=0))
     if strategy == "multi_worker_mirrored" and cfg.parallel.model_parallel:
       # The plan every pod computes from these flags and its GPUs (GPUS_ENV pins
       # them), judged here the same way: tfpar.strategies.stages_across_workers.
       devices = gpus or max(1, cfg.dist.num_cpu_devices)
-      replicas, _ = config_lib.worker_layout(cfg.parallel, job.workers, devices,
+      replicas, _ = rules.worker_layout(cfg.parallel, job.workers, devices,
                                              cfg.compression.method)
-      config_lib.check_batch(cfg.train.global_batch_size, replicas, cfg.parallel.microbatches,
+      rules.check_batch(cfg.train.global_batch_size, replicas, cfg.parallel.microbatches,
                              flag=f"--data_parallel={replicas}")
       job = dataclasses.replace(job, model_parallel=True,
-                                stage_servers=config_lib.stages_across_workers(cfg, devices))
-  except config_lib.ConfigError as e:
+                                stage_servers=rules.stages_across_workers(cfg, devices))
+  except ConfigError as e:
     raise RenderError(f"training flags with --workers={job.workers}"
                       f"{f' --ps={job.ps}' if job.ps else ''}"
                       f"{f' --gpus_per_worker={gpus}' if gpus else ''}: {e}") from None
@@ -105,7 +107,7 @@ def _check_train_flags(train_args: Sequence[str]):
   values.data = None
   try:
     cfg = config_lib.from_flags(values)
-  except config_lib.ConfigError as e:
+  except ConfigError as e:
     raise RenderError(f"training flags: {e}") from None
   return cfg
 

@@ -65,7 +65,7 @@ import threading
 import time
 from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union
 
-from tfpar import cluster as cluster_lib
+from tfpar.config import cluster as cluster_lib
 from tfpar import status
 from tfpar.console import count
 
@@ -174,21 +174,23 @@ def _check_train_flags(cfg: LaunchConfig) -> bool:
   (judged on --num_cpu_devices devices per worker: the launcher's are CPUs).
   """
   from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
-  from tfpar import config as config_lib  # pylint: disable=import-outside-toplevel
-  from tfpar import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+  from tfpar.config import config as config_lib  # pylint: disable=import-outside-toplevel
+  from tfpar.config import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+  from tfpar.config import rules  # pylint: disable=import-outside-toplevel
+  from tfpar.config.schema import ConfigError  # pylint: disable=import-outside-toplevel
   try:
     parsed = tfpar_flags.parse(cfg.train_args)
     train = config_lib.from_flags(parsed)
     strategy = train.dist.strategy
   except absl_flags.Error as e:
     raise LaunchError(f"training flags: {str(e).splitlines()[0]}") from None
-  except config_lib.ConfigError as e:
+  except ConfigError as e:
     raise LaunchError(f"training flags: {e}") from None
   try:
     cluster_lib.check_job_shape(strategy, cfg.num_workers, cfg.num_ps)
   except cluster_lib.ClusterError as e:
     raise LaunchError(str(e)) from None
-  return config_lib.stages_across_workers(train, train.dist.num_cpu_devices)
+  return rules.stages_across_workers(train, train.dist.num_cpu_devices)
 
 
 def cluster_tasks(cfg: LaunchConfig) -> List[Task]:

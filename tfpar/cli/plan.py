@@ -28,9 +28,10 @@ import time
 
 from absl import app, flags
 
-from tfpar import config as config_lib
+from tfpar.config import config as config_lib
 from tfpar import console
-from tfpar import flags as tfpar_flags
+from tfpar.config import flags as tfpar_flags
+from tfpar.config.schema import ConfigError
 from tfpar.planner import clusters, cost, report, search
 
 tfpar_flags.define_plan_flags()
@@ -183,11 +184,6 @@ def _check_training_run(fv, cluster) -> None:
                     "energy: use a YAML cluster file with power_watts (docs/planner.md)")
 
 
-def train_has_schedules() -> bool:
-  """Whether tfpar.train defines --pipeline_schedule (the runtime's schedules) itself."""
-  return "pipeline_schedule" in tfpar_flags.define_flags(flags.FlagValues())
-
-
 def answer(fv):
   """Validates the flags and plans: (model, cluster, system, ranked plans).
 
@@ -213,11 +209,6 @@ def answer(fv):
   fixed = fixed_degrees(fv)
   if fv.emit_flags:
     check_writable(fv.emit_flags)
-    if not train_has_schedules():  # This tfpar.train runs GPipe only: plan what it runs.
-      if fixed["pipeline_schedule"] not in (None, "gpipe"):
-        raise PlanError(f"--emit_flags: this tfpar.train runs only --pipeline_schedule=gpipe, "
-                        f"not {fixed['pipeline_schedule']}: drop --pipeline_schedule")
-      fixed["pipeline_schedule"] = "gpipe"
   ranked = plan(m, cluster, global_batch=fv.global_batch_size, precision=fv.precision,
                 system=system, fixed=fixed)
   add_training_run(fv, m, cluster, ranked)
@@ -231,7 +222,7 @@ def main(argv):
   console.import_tensorflow_quietly(FLAGS.verbosity if FLAGS["verbosity"].present else None)
   try:
     m, cluster, system, ranked = answer(FLAGS)
-  except (config_lib.ConfigError, clusters.ClusterError, PlanError) as e:
+  except (ConfigError, clusters.ClusterError, PlanError) as e:
     fail(str(e))
   best = ranked.row(ranked.order[0])
   if FLAGS.format == "json":
@@ -246,8 +237,7 @@ def main(argv):
     training = tfpar_flags.define_flags(flags.FlagValues())
     given = [FLAGS[name].serialize() for name in training
              if name not in PLAN_FLAGS and FLAGS[name].present]
-    path = report.write_flagfile(FLAGS.emit_flags, given, best, cluster,
-                                 schedule_flags=train_has_schedules())
+    path = report.write_flagfile(FLAGS.emit_flags, given, best, cluster)
     print(f"wrote {path}: python -m tfpar.train --flagfile={path}", file=sys.stderr)
 
 

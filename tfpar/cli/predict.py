@@ -31,9 +31,9 @@ import numpy as np
 from absl import flags
 
 from tfpar import console
-from tfpar import rundir
+from tfpar.config import rundir
 from tfpar import tasks
-from tfpar.schema import ConfigError
+from tfpar.config.schema import ConfigError
 from tfpar.tasks.prediction import Prediction
 
 def define_flags() -> flags.FlagValues:

@@ -22,11 +22,12 @@ import sys
 
 from absl import app, flags
 
-from tfpar import cluster as cluster_lib
-from tfpar import config as config_lib
+from tfpar.config import cluster as cluster_lib
+from tfpar.config import config as config_lib
 from tfpar import console
-from tfpar import flags as tfpar_flags
-from tfpar import rundir
+from tfpar.config import flags as tfpar_flags
+from tfpar.config.schema import ConfigError
+from tfpar.config import rundir
 from tfpar import status
 from tfpar import storage
 from tfpar.training import preemption
@@ -51,7 +52,7 @@ def main(argv):
     cluster = cluster_lib.from_env()
     if cluster.spec:  # TF_CONFIG against --strategy: before TensorFlow starts.
       cluster_lib.check_cluster(cfg, cluster)
-  except (config_lib.ConfigError, cluster_lib.ClusterError) as e:
+  except (ConfigError, cluster_lib.ClusterError) as e:
     fail(str(e))
   except cluster_lib.PeersNotFound as e:  # Not bad input: a restart may find them.
     print(f"tfpar.train: error: {e}", file=sys.stderr, flush=True)
@@ -60,7 +61,7 @@ def main(argv):
   console.import_tensorflow_quietly(FLAGS.verbosity if FLAGS["verbosity"].present else None)
   try:
     rundir.check_run(cfg)  # Reads --model_dir through tf.io.gfile (TF_CONFIG: checked above).
-  except config_lib.ConfigError as e:
+  except ConfigError as e:
     fail(str(e))
   except storage.Unreachable as e:  # gs:// without network: a later start may well reach it.
     fail(str(e), status.CRASH)

@@ -23,7 +23,7 @@ import socket
 import time
 from typing import Callable, Dict, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
-from tfpar import rules
+from tfpar.config import rules
 from tfpar.console import count
 
 # Task types in the order tfpar numbers a job's tasks: the launcher's ports, an

@@ -1,39 +1,19 @@
-"""Frozen, validated configuration built from flags before TensorFlow starts.
+"""A frozen, validated `Config` from parsed flags, before TensorFlow starts.
 
 `from_flags(FLAGS)` is the only reader of absl flags; everything below the
-entry point takes the dataclasses (or the few fields it needs). The config
-is split by concern, and this module gathers it under one name:
-
-  * tfpar.schema: the dataclasses, each setting written once (tfpar.flags
-    defines the flags from their fields);
-  * tfpar.rules: the pure validation rules (`validate`, `check_batch`,
-    `check_model_split`), with each task's own in tfpar.tasks.specs;
-  * tfpar.rundir: a run's config.json (`read_saved`, `from_saved`, `load`)
-    and what the flags meet there (`check_run`);
-  * tfpar.cluster: the job's TF_CONFIG against the flags (`check_cluster`).
-
-Every rule raises `ConfigError` with one line naming the flag and the fix, and
-runs before TensorFlow starts. What can only be found while reading (a
-TFRecord whose records are not tf.train.Example) fails later, with the same
-one line and exit status 2.
+entry point takes the dataclasses (or the few fields it needs). It resolves
+the flags whose defaults depend on others (--warmup_steps, --jit_compile,
+--xla_auto_clustering, --vocab_size from the tokenizer) and runs the rules of
+tfpar.config.rules, each of which raises `ConfigError` with one line naming
+the flag and the fix.
 """
 
 import dataclasses
 from typing import Tuple
 
 from tfpar import console, hub, tokenizer
-# pylint: disable=unused-import  # The names other modules import from here.
-from tfpar.cluster import check_cluster
-from tfpar.rules import (MAX_COLLECTIVE_TIMEOUT, MAX_CPU_DEVICES, MAX_INT, MAX_SEED, check_batch,
-                         check_model_split, stages_across_workers, validate, validate_model,
-                         worker_layout)
-from tfpar.rundir import (CLASS_NAMES, RESUME_FIXED, RUN_CONFIG, check_run, from_saved, load,
-                          read_saved, saved_class_names)
-from tfpar.schema import (COMPRESSIONS, ON_NONFINITE, VOCAB_SIZE, CompressionConfig, Config,
-                          ConfigError, DataConfig, DistConfig, ModelConfig, OptimConfig,
-                          ParallelConfig, TrainConfig, settings)
-from tfpar.tasks.specs import DIGITS_CHANNELS, DIGITS_CLASSES, DIGITS_IMAGE_SIZE, IMAGE_CHANNELS
-# pylint: enable=unused-import
+from tfpar.config.rules import validate, validate_model
+from tfpar.config.schema import VOCAB_SIZE, Config, ConfigError, ModelConfig, settings
 
 
 def _ints(values, flag: str, fix: str) -> Tuple[int, ...]:

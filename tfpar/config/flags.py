@@ -1,8 +1,8 @@
 """The central place to define tfpar's flags.
 
-Every absl flag of `python -m tfpar.train` is a field of tfpar.schema's
+Every absl flag of `python -m tfpar.train` is a field of tfpar.config.schema's
 dataclasses, defined here from it (name, default, help, enum choices) and
-nowhere else; `tfpar.config.from_flags` turns the parsed values back into a
+nowhere else; `tfpar.config.config.from_flags` turns the parsed values back into a
 frozen, validated `Config` before TensorFlow initialises; nothing below the
 entry point reads `FLAGS`. The planner's and the Kubernetes renderer's own
 flags, which are no part of a run's config, are defined by hand below.
@@ -10,8 +10,7 @@ flags, which are no part of a run's config, are defined by hand below.
 
 from absl import flags
 
-from tfpar import schema
-from tfpar.schema import PRECISIONS, STRATEGIES  # pylint: disable=unused-import  # Named here too.
+from tfpar.config import schema
 
 
 def _define(define, flag_values, *args, **kwargs):
@@ -94,16 +93,6 @@ def define_plan_flags(flag_values: flags.FlagValues = flags.FLAGS) -> flags.Flag
   _define(flags.DEFINE_enum, fv, "system", "tfpar", ["tfpar", "megatron"],
           "Layout to plan for: what tfpar runs (embedding unsplit, stages balanced by "
           "parameters) or Megatron-LM's (vocabulary-parallel embedding; for comparison).")
-  # The pipeline schedule: a training flag once the runtime defines it in tfpar.schema (the
-  # planner then reads that one); until then the planner's own, with the same name.
-  if "pipeline_schedule" not in fv:
-    from tfpar.planner import cost  # pylint: disable=import-outside-toplevel
-    _define(flags.DEFINE_enum, fv, "pipeline_schedule", "gpipe", list(cost.SCHEDULES),
-            "Pipeline schedule: gpipe, 1f1b or interleaved (with --virtual_stages). The "
-            "planner searches them all unless this is given.")
-  if "virtual_stages" not in fv:
-    _define(flags.DEFINE_integer, fv, "virtual_stages", 1,
-            "Model chunks per pipeline device under --pipeline_schedule=interleaved.")
   _define(flags.DEFINE_float, fv, "train_tokens", None,
           "Tokens to train on: adds wall-clock time, device-hours, energy and cost to the plans.")
   _define(flags.DEFINE_float, fv, "pue", 1.1,

@@ -17,8 +17,8 @@ import os
 
 from tfpar import hub, tasks, tokenizer
 from tfpar.console import count
-from tfpar.schema import VOCAB_SIZE, COMPRESSIONS, ON_NONFINITE, Config, ConfigError, ModelConfig
-from tfpar.schema import ParallelConfig
+from tfpar.config.schema import VOCAB_SIZE, COMPRESSIONS, ON_NONFINITE, Config, ConfigError, ModelConfig
+from tfpar.config.schema import ParallelConfig
 from tfpar.tasks.specs import positive as _positive
 
 MAX_INT = 2 ** 31 - 1  # TensorFlow counts steps, shapes and batches in int32 in places.

@@ -16,7 +16,7 @@ import tempfile
 from typing import Sequence, Tuple
 
 from tfpar import storage
-from tfpar.schema import Config, ConfigError, ModelConfig, remat_mode
+from tfpar.config.schema import Config, ConfigError, ModelConfig, remat_mode
 
 RUN_CONFIG = "config.json"  # In --model_dir: the run's flags (write_config).
 CLASS_NAMES = "class_names"  # Beside the sections in config.json, where the data names classes.
@@ -136,7 +136,7 @@ def check_run(cfg: Config, cluster=None) -> None:
   """
   _check_model_dir(cfg)
   if cluster is not None and cluster.spec:
-    from tfpar import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
+    from tfpar.config import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
     cluster_lib.check_cluster(cfg, cluster)
 
 

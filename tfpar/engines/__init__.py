@@ -8,7 +8,7 @@ tfpar.runner and scripts/bench.py both build their engine here. The core the
 three share is tfpar.engines.base.
 """
 
-from tfpar.config import Config
+from tfpar.config.schema import Config
 from tfpar.engines.base import Engine, build_model
 
 
@@ -19,7 +19,7 @@ def make(cfg: Config, strategy, data, *, sharding: str = "data", task=None) -> E
     from tfpar.engines.model_parallel import ModelParallelEngine  # pylint: disable=import-outside-toplevel
     return ModelParallelEngine(cfg, strategy, data, sharding=sharding, task=task)
   if cfg.dist.strategy == "parameter_server":
-    from tfpar.engines.parameter_server import ParameterServerEngine  # pylint: disable=import-outside-toplevel
+    from tfpar.engines.parameter_server.engine import ParameterServerEngine  # pylint: disable=import-outside-toplevel
     return ParameterServerEngine(cfg, strategy, data, task=task)
   from tfpar.engines.data_parallel import DataParallelEngine  # pylint: disable=import-outside-toplevel
   return DataParallelEngine(cfg, strategy, data, sharding=sharding, task=task)

@@ -32,7 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar import tasks
-from tfpar.config import Config
+from tfpar.config.schema import Config
 from tfpar.data import pipeline
 from tfpar.parallel.collectives import reduce_outputs
 from tfpar.parallel.traffic import NONE, Traffic

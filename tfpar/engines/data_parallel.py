@@ -20,9 +20,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar import storage
-from tfpar.config import Config, check_batch
+from tfpar.config.schema import Config
+from tfpar.config.rules import check_batch
 from tfpar.engines.base import Engine, build_model
-from tfpar.parallel import plan as plan_lib
+from tfpar.layout import placement as plan_lib
 from tfpar.parallel import zero
 from tfpar.parallel.compression import make_exchange
 from tfpar.training.checkpoint import model_layout

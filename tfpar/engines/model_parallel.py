@@ -67,9 +67,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar import strategies
-from tfpar.config import Config
+from tfpar.config.schema import Config
 from tfpar.engines.base import Engine, build_model
-from tfpar.parallel import plan as plan_lib
+from tfpar.layout import placement as plan_lib
 from tfpar.parallel import collectives, remote, schedules, tensor, zero
 from tfpar.parallel.compression import make_exchange
 from tfpar.parallel.pipeline import Pipeline, split_batch

@@ -19,7 +19,7 @@ import json
 import os
 
 from tfpar.hub import gpt2, llama
-from tfpar.schema import ConfigError
+from tfpar.config.schema import ConfigError
 
 BACKBONES = {m.CLASS: m for m in (gpt2, llama)}
 BY_ARCHITECTURE = {m.ARCHITECTURE: m for m in (gpt2, llama)}

@@ -37,7 +37,7 @@ import dataclasses
 import json
 from typing import Dict, List, Optional, Tuple
 
-from tfpar import cluster as cluster_lib
+from tfpar.config import cluster as cluster_lib
 from tfpar import status
 
 CONTAINER = "tensorflow"  # The name TFJob injects TF_CONFIG into; used for every kind.

@@ -26,7 +26,7 @@ device's step spent idle while the pipeline fills and drains: (K-1)/(M+K-1)
 for M micro-batches under GPipe and 1F1B, (K-1)/(vM+K-1) under interleaved
 1F1B with v chunks per device; there stage k holds the v chunks k, k+K, ...
 of L/(vK) blocks each (`chunks`), not one contiguous run of blocks
-(tfpar.parallel.schedules derives both).
+(tfpar.layout.schedule derives both).
 
 Activations: `activation_bytes` predicts the most each stage holds for its
 backwards: one micro-batch's activations per chunk (`microbatch_activations`:
@@ -38,7 +38,7 @@ the T shards; and what the head keeps on the last chunk,
 backwards (`Schedule.held`): 1F1B holds K-k micro-batches on stage k
 (`in_flight`), interleaved 1F1B its warm-up's chunks. GPipe's order is the
 executor's, so for it the prediction is a bound, all M micro-batches
-(tfpar.parallel.schedules). scripts/activation_memory.py measures, from the
+(tfpar.layout.schedule). scripts/activation_memory.py measures, from the
 allocator, what each device holds when the backward starts (held to this
 prediction by tests/test_sequence_parallel.py); scripts/pipeline_memory.py
 what each stage holds when a backward runs, and its peak (held to this
@@ -52,14 +52,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from tfpar import config as config_lib
+from tfpar.config import rules
 from tfpar import partitioning
-from tfpar import schema
+from tfpar.config import schema
 from tfpar.console import count
 from tfpar import storage
 from tfpar import tasks
-from tfpar.parallel import schedules
-from tfpar.config import Config, ConfigError, ModelConfig
+from tfpar.layout import schedule as schedule_lib
+from tfpar.config.schema import Config, ConfigError, ModelConfig
 
 ACTIVATION_BYTES = {"float32": 4, "mixed_bfloat16": 2, "mixed_float16": 2}
 NO_REMAT, FULL_REMAT, SELECTIVE_REMAT = (schema.REMAT.index(r) for r in ("none", "full", "selective"))
@@ -251,7 +251,7 @@ class ParallelPlan:
     remat: what blocks recompute in the backward pass: "none", "full" (all but the
       block's input) or "selective" (the attention core).
     counts: parameter counts per part.
-    schedule: the pipeline schedule (tfpar.parallel.schedules), --pipeline_schedule.
+    schedule: the pipeline schedule (tfpar.layout.schedule.SCHEDULES), --pipeline_schedule.
     virtual_stages: v, chunks per stage (interleaved; 1 otherwise).
     microbatch_activations: per chunk (the K stages, or the v K chunks in pipeline order), the
       predicted bytes one micro-batch's forward there keeps for its backward.
@@ -276,14 +276,14 @@ class ParallelPlan:
 
   @property
   def bubble(self) -> float:
-    return schedules.make(self.schedule, self.virtual_stages).bubble(self.pipeline_stages,
-                                                                     self.microbatches)
+    return schedule_lib.bubble(self.pipeline_stages, self.microbatches, self.virtual_stages)
 
   @property
   def in_flight(self) -> List[float]:
     """Per stage, the most micro-batches whose activations it holds at once under the schedule."""
-    return schedules.make(self.schedule, self.virtual_stages).in_flight(self.pipeline_stages,
-                                                                        self.microbatches)
+    return [float(n) for n in schedule_lib.in_flight(
+        schedule_lib.SCHEDULES.index(self.schedule), self.microbatches, self.virtual_stages,
+        self.pipeline_stages)]
 
   @property
   def chunks(self) -> List[Tuple[int, Tuple[int, ...]]]:
@@ -299,8 +299,8 @@ class ParallelPlan:
 
   def activation_bytes(self) -> Dict[str, int]:
     """Predicted {stage's first device: peak bytes of activations} (module docstring)."""
-    held = schedules.make(self.schedule, self.virtual_stages).held(
-        self.pipeline_stages, self.microbatches, self.microbatch_activations)
+    held = schedule_lib.held(self.schedule, self.pipeline_stages, self.microbatches,
+                             self.virtual_stages, self.microbatch_activations)
     return {device_key(row[k][0]): int(n) for row in self.devices for k, n in enumerate(held)}
 
   @property
@@ -350,7 +350,7 @@ class ParallelPlan:
             "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "bubble": self.bubble, "in_flight_microbatches": self.in_flight,
             "activation_bytes_per_device": self.activation_bytes(),
-            "activation_bytes_are_a_bound": schedules.make(self.schedule).greedy,
+            "activation_bytes_are_a_bound": self.schedule in schedule_lib.BOUND,
             "stages": [dataclasses.asdict(s) for s in self.stages],
             "devices": [[list(shards) for shards in row] for row in self.devices],
             "stage_workers": self.stage_workers,
@@ -375,7 +375,7 @@ class ParallelPlan:
       lines.append(f"  stage {s.index}: blocks {runs}{extra}, "
                    f"{s.parameters:,} params on [{devs}]")
     flight = ", ".join(f"{n:g}" for n in self.in_flight)
-    bound = "at most " if schedules.make(self.schedule).greedy else ""
+    bound = "at most " if self.schedule in schedule_lib.BOUND else ""
     lines.append(f"  predicted bytes per device (activations: micro-batches in flight per stage "
                  f"{bound}{flight}):")
     activations = self.activation_bytes()
@@ -445,11 +445,11 @@ def make_plan(cfg: Config, devices: Sequence[str], *,
   """
   m, p = cfg.model, cfg.parallel
   k, t = p.pipeline_stages, p.tensor_parallel
-  config_lib.check_model_split(m, p, cfg.train.precision)  # The rules config checked: the same ones.
+  rules.check_model_split(m, p, cfg.train.precision)  # The rules config checked: the same ones.
   # Only the device counts are new here: the devices are known now.
   if worker_devices is not None:
     # One replica per worker (on its first K x T devices), or a replica over whole workers.
-    d, w = config_lib.worker_layout(p, len(worker_devices), min(len(x) for x in worker_devices),
+    d, w = rules.worker_layout(p, len(worker_devices), min(len(x) for x in worker_devices),
                                     cfg.compression.method)
     flat = [dev for x in worker_devices for dev in list(x)[:k * t // w]]
   else:
@@ -461,7 +461,7 @@ def make_plan(cfg: Config, devices: Sequence[str], *,
                         f"--num_cpu_devices logical CPUs): set --num_cpu_devices={d * k * t}")
     flat = list(devices)
   g = cfg.train.global_batch_size
-  config_lib.check_batch(g, d, p.microbatches, flag=f"--data_parallel={d}")
+  rules.check_batch(g, d, p.microbatches, flag=f"--data_parallel={d}")
   counts = count_params(m, t, family=family)
   v = p.virtual_stages
   if p.stage_layers is not None:

@@ -15,7 +15,7 @@ import keras
 from keras import ops
 
 from tfpar import partitioning
-from tfpar.config import ModelConfig
+from tfpar.config.schema import ModelConfig
 from tfpar.layers import LlamaBlock
 from tfpar.models.base import Transformer
 

@@ -16,7 +16,7 @@ import keras
 from keras import ops
 
 from tfpar import partitioning
-from tfpar.config import ModelConfig
+from tfpar.config.schema import ModelConfig
 from tfpar.layers import Block
 from tfpar.models.base import Transformer
 

@@ -67,7 +67,7 @@ from typing import Dict, List
 import numpy as np
 import tensorflow as tf
 
-from tfpar.config import CompressionConfig, ConfigError
+from tfpar.config.schema import CompressionConfig, ConfigError
 from tfpar.parallel import exchange_state
 from tfpar.parallel.exchange import AllReduce, GradientExchange
 # Byte accounting, importable from here as before.

@@ -45,10 +45,10 @@ import tensorflow as tf
 from tfpar.layers.attention import recompute_cores
 from tfpar.layers.parallel import whole_sequence
 from tfpar.models.base import ParallelModel
-from tfpar.parallel import plan as plan_lib
+from tfpar.layout import placement as plan_lib
 from tfpar.parallel import schedules
 from tfpar.parallel.collectives import combine_outputs
-from tfpar.schema import REMAT, remat_mode
+from tfpar.config.schema import REMAT, remat_mode
 
 
 class Pipeline:

@@ -45,8 +45,8 @@ import time
 import tensorflow as tf
 
 from tfpar import status, storage
-from tfpar.cluster import Cluster
-from tfpar.parallel.parameter_server.server import reachable, start_server, watch_chief
+from tfpar.config.cluster import Cluster
+from tfpar.parallel.servers import reachable, start_server, watch_chief
 
 PEER_POLL_SECONDS = 1.0
 MARKER = ".preempted-"  # <model_dir>/.preempted-worker-1: that server was sent SIGTERM

@@ -39,11 +39,11 @@ backward. So a stage holds at most M micro-batches' activations, and how
 many it really holds depends on when the threads get to which op: at K=2,
 M=8 a stage held 1.7 to 4.1 micro-batches' worth over three runs
 (scripts/pipeline_memory.py). The plan predicts the bound, M
-(`greedy`: `held` is a bound).
+(tfpar.layout.schedule.BOUND: `held` is a bound).
 
 1F1B (PipeDream-Flush, Narayanan et al. 2021). Stage k runs K - k - 1
 warm-up forwards, then alternates one forward and one backward, then drains
-the backwards (`order`; drawn by `draw(4, 6)`, one slot per F or B):
+the backwards (tfpar.layout.schedule's `order`; drawn by its `draw(4, 6)`, one slot per F or B):
 
   dev 0 F00 F01 F02 F03  .   .   .  B00 F04 B01 F05 B02  .  B03  .  B04  .  B05
   dev 1  .  F10 F11 F12  .   .  B10 F13 B11 F14 B12 F15 B13  .  B14  .  B15
@@ -72,7 +72,7 @@ fill and drain shrink v times,
 
 for v times as many activation sends. Device k holds up to 2 (K - k - 1) +
 (v - 1) K + 1 chunks' activations, a little more than 1F1B's K - k stages
-(`in_flight`).
+(tfpar.layout.schedule.in_flight).
 
 How 1F1B and interleaved run: TensorFlow's executor is greedy, so the order
 is imposed in the graph. Each chunk's forward of each micro-batch is built on
@@ -85,19 +85,16 @@ running sum over micro-batches, on the weight's device, before the device's
 next F or B starts (without that wait Grappler folds the adds into one AddN
 at the end, and all M gradients stay alive as under GPipe's one
 tf.gradients). Each unit's ops sit in a name scope "F{c}_{m}" or "B{c}_{m}"
-(a profile shows the order). The sum is GPipe's up to float rounding. `timetable` simulates the orders (one slot per F or B, with the
+(a profile shows the order). The sum is GPipe's up to float rounding.
+tfpar.layout.schedule's `timetable` simulates the orders (one slot per F or B, with the
 dataflow's dependencies): it draws the diagrams above, finds the bubble the
 formulas give, and would raise on an order that deadlocks.
 """
 
-from typing import List, Sequence, Tuple
+from tfpar.config.schema import ConfigError
+from tfpar.layout.schedule import timetable
 
-from tfpar.config import ConfigError
-
-# TensorFlow is imported where a schedule builds ops, not here: the plan (and
-# `python -m tfpar.plan`, before TensorFlow starts) reads a schedule's bubble.
-
-Unit = Tuple[str, int, int]  # ("F" or "B", chunk, micro-batch)
+# TensorFlow is imported where a schedule builds ops, not here.
 
 
 class Schedule:
@@ -108,31 +105,9 @@ class Schedule:
   """
 
   name = ""
-  greedy = False  # The executor's order, not this schedule's: `held` is then a bound.
 
   def __init__(self, virtual_stages: int = 1):
     self.virtual = virtual_stages
-
-  def bubble(self, stages: int, microbatches: int) -> float:
-    """The idle fraction of each stage's step."""
-    return (stages - 1) / (self.virtual * microbatches + stages - 1)
-
-  def in_flight(self, stages: int, microbatches: int) -> List[float]:
-    """Per device, the most micro-batches whose activations it holds at once (in stages: a chunk
-    counts 1/v)."""
-    return [n / self.virtual for n in self.held(stages, microbatches, [1] * stages * self.virtual)]
-
-  def held(self, stages: int, microbatches: int, chunk_bytes: Sequence[float]) -> List[float]:
-    """Per device, the most bytes of activations it holds at once, chunk c keeping chunk_bytes[c]
-    of each micro-batch from its forward to its backward: `order` replayed on each device."""
-    out = []
-    for k in range(stages):
-      live, peak = 0, 0
-      for kind, c, _ in order(stages, microbatches, self.virtual, k):
-        live += chunk_bytes[c] if kind == "F" else -chunk_bytes[c]
-        peak = max(peak, live)
-      out.append(peak)
-    return out
 
   def loss_and_grads(self, pipeline, inputs, targets):
     """(this replica's loss, dense gradients of pipeline.model.trainable_variables on their devices)."""
@@ -143,11 +118,6 @@ class GPipe(Schedule):
   """Every forward, then every backward: one tf.gradients of the summed micro-batch losses."""
 
   name = "gpipe"
-  greedy = True
-
-  def held(self, stages: int, microbatches: int, chunk_bytes: Sequence[float]) -> List[float]:
-    """A bound: every micro-batch's (the executor's order is greedy, not this schedule's)."""
-    return [microbatches * chunk_bytes[k] for k in range(stages)]
 
   def loss_and_grads(self, pipeline, inputs, targets):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
@@ -212,56 +182,6 @@ def make(name: str, virtual_stages: int = 1) -> Schedule:
   if name not in SCHEDULES:
     raise ConfigError(f"pipeline schedule {name!r} is unknown: use {', '.join(SCHEDULES)}")
   return SCHEDULES[name](virtual_stages)
-
-
-def order(stages: int, microbatches: int, virtual: int, device: int) -> List[Unit]:
-  """Device `device`'s (1F1B or interleaved 1F1B) sequence of forwards and backwards."""
-  k, m_all, v = stages, microbatches, virtual
-  # The i-th forward's (chunk, micro-batch): micro-batches in groups of K, each group through
-  # the device's chunks in turn; backwards in the same order over the chunks reversed.
-  forwards = [(((i // k) % v) * k + device, (i // (k * v)) * k + i % k) for i in range(v * m_all)]
-  backwards = [((v - 1 - (i // k) % v) * k + device, m) for i, (_, m) in enumerate(forwards)]
-  warmup = min(k - device - 1 if v == 1 else 2 * (k - device - 1) + (v - 1) * k, v * m_all)
-  out = [("F", *u) for u in forwards[:warmup]]
-  for f, b in zip(forwards[warmup:], backwards):
-    out += [("F", *f), ("B", *b)]
-  return out + [("B", *u) for u in backwards[v * m_all - warmup:]]
-
-
-def timetable(stages: int, microbatches: int, virtual: int = 1) -> List[List[Unit]]:
-  """Each device's unit (or None: idle) per slot, when every F and B takes one slot.
-
-  A unit runs in the first slot after its device's previous unit and after
-  what it needs: F(c, m) the forward F(c-1, m), B(c, m) the backward
-  B(c+1, m) (the last chunk: its own forward).
-  """
-  orders = [order(stages, microbatches, virtual, k) for k in range(stages)]
-  last, done, rows = virtual * stages - 1, {}, [[] for _ in orders]
-  while any(len(o) for o in orders):
-    ran = []
-    for k, units in enumerate(orders):
-      unit = units[0] if units else None
-      if unit is not None:
-        kind, c, m = unit
-        needs = [("F", c - 1, m)] if kind == "F" and c else []
-        if kind == "B":
-          needs = [("F", c, m)] if c == last else [("B", c + 1, m)]
-        if not all(u in done for u in needs):
-          unit = None
-      rows[k].append(unit)
-      if unit is not None:
-        ran.append(units.pop(0))
-    if not ran:
-      raise RuntimeError(f"the schedule deadlocks at K={stages}, M={microbatches}, v={virtual}")
-    done.update(dict.fromkeys(ran))
-  return rows
-
-
-def draw(stages: int, microbatches: int, virtual: int = 1) -> str:
-  """The timetable as the module docstring shows it ("F21": chunk 2's forward of micro-batch 1)."""
-  return "\n".join(f"  dev {k} " + " ".join(" . " if u is None else f"{u[0]}{u[1]}{u[2]}"
-                                             for u in row).rstrip(" .")
-                   for k, row in enumerate(timetable(stages, microbatches, virtual)))
 
 
 def dense_on_devices(grads, variables) -> list:

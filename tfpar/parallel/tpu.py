@@ -33,7 +33,7 @@ from urllib.parse import urlparse
 
 import tensorflow as tf
 
-from tfpar.config import ConfigError, DistConfig
+from tfpar.config.schema import ConfigError, DistConfig
 
 # Seconds to wait for a grpc:// TPU worker to accept a TCP connection.
 CONNECT_TIMEOUT = 10.0

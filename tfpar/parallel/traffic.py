@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from tfpar.config import CompressionConfig
+from tfpar.config.schema import CompressionConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from tfpar.config import ModelConfig
+from tfpar.config.schema import ModelConfig
 from tfpar.planner import clusters, cost
 
 

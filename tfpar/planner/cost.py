@@ -65,9 +65,10 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from tfpar import partitioning
-from tfpar import schema
-from tfpar.config import ModelConfig
-from tfpar.parallel import plan as plan_lib
+from tfpar.config import schema
+from tfpar.config.schema import ModelConfig
+from tfpar.layout import placement as plan_lib
+from tfpar.layout import schedule as schedule_lib
 from tfpar.planner.clusters import Cluster
 
 # --remat's modes (tfpar.schema.REMAT's order: a bool True is full) and --optimizer_sharding's.
@@ -77,11 +78,6 @@ SHARDINGS = ("none", "zero1", "zero2")
 
 COMPUTE_DTYPE = {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
 ACTIVATION_BYTES = plan_lib.ACTIVATION_BYTES
-
-
-# Pipeline schedules, by the names of --pipeline_schedule: a plan holds the index.
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-GPIPE, ONE_F_ONE_B, INTERLEAVED = range(len(SCHEDULES))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +131,7 @@ class System:
 
 _FP32 = plan_lib.BYTES_PER_PARAM
 TFPAR = System(
-    name="tfpar", schedules=SCHEDULES, vocab_parallel=False, uniform_stages=False,
+    name="tfpar", schedules=schedule_lib.SCHEDULES, vocab_parallel=False, uniform_stages=False,
     scatter_gather=False,
     # Variables stay float32 under every policy; their gradients are float32 too.
     weight_bytes={p: _FP32 for p in COMPUTE_DTYPE}, grad_bytes={p: _FP32 for p in COMPUTE_DTYPE},
@@ -148,7 +144,7 @@ TFPAR = System(
     zero2_gradient_shards=2,
     sharding_all_reduces=True, activation_counts="tfpar")
 MEGATRON = System(
-    name="megatron", schedules=SCHEDULES[1:], vocab_parallel=True, uniform_stages=True,
+    name="megatron", schedules=schedule_lib.SCHEDULES[1:], vocab_parallel=True, uniform_stages=True,
     scatter_gather=True,
     # Mixed precision: 16-bit weights, float32 main gradients, float32 master + Adam m, v.
     weight_bytes={"float32": 4, "mixed_bfloat16": 2, "mixed_float16": 2},
@@ -280,7 +276,7 @@ class Plans:
   T: np.ndarray
   b: np.ndarray  # micro-batch size (sequences)
   remat: np.ndarray  # index into REMATS (a bool array: False none, True full)
-  schedule: Optional[np.ndarray] = None  # index into SCHEDULES; None: the System's first
+  schedule: Optional[np.ndarray] = None  # index into tfpar.layout.schedule.SCHEDULES; None: the first
   v: Optional[np.ndarray] = None  # virtual stages per device (interleaved), else 1
   sharding: Optional[np.ndarray] = None  # index into SHARDINGS; None: none
   sp: Optional[np.ndarray] = None  # sequence parallelism (bool, T > 1); None: off
@@ -318,7 +314,7 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   r, q = (rm == FULL).astype(float), (rm == SELECTIVE).astype(float)
   z = np.zeros(n, dtype=int) if plans.sharding is None else np.asarray(plans.sharding, dtype=int)
   sp = np.zeros(n, dtype=bool) if plans.sp is None else np.asarray(plans.sp, dtype=bool)
-  sched = (np.full(n, SCHEDULES.index(system.schedules[0])) if plans.schedule is None
+  sched = (np.full(n, schedule_lib.SCHEDULES.index(system.schedules[0])) if plans.schedule is None
            else np.asarray(plans.schedule, dtype=int))
   v = np.ones(n) if plans.v is None else np.asarray(plans.v, dtype=float)
   M = global_batch / (D * b)
@@ -343,7 +339,7 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   placed = copies_in_one_program(system, cluster, D, K, T)
   grad_share = np.where(placed, in_program_gradients(D, z), grad_share)
   slot = np.zeros(n)
-  interleaved = sched == INTERLEAVED
+  interleaved = sched == schedule_lib.INTERLEAVED
   for k, t, uniform in set(zip(plans.K.tolist(), plans.T.tolist(), interleaved.tolist())):
     idx = np.flatnonzero((plans.K == k) & (plans.T == t) & (interleaved == uniform))
     st = stages(m, int(k), int(t), system, uniform=uniform)
@@ -378,9 +374,9 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
       slot[idx] = (compute + ops + tp)[rows, busiest]
     # Memory of each stage's first device; the plan needs the largest.
     # The block whose backward runs holds what its recompute rebuilt, on top.
-    in_flight = micro_batches_in_flight(sched[idx, None], mi, v[idx, None], k)
+    in_flight = schedule_lib.in_flight(sched[idx, None], mi, v[idx, None], k)
     acts = in_flight * st.blocks * kept + ri * touched + qi * core
-    logits_in_flight = np.where(sched[idx, None] == GPIPE, mi, 1.0)
+    logits_in_flight = np.where(sched[idx, None] == schedule_lib.GPIPE, mi, 1.0)
     acts = acts + st.logits * head_activation_bytes(m, bi, precision, system.activation_counts,
                                                     tv) * logits_in_flight
     state = st.params * (per_param[0] + per_param[1] * grad_share[idx, None] +
@@ -421,7 +417,7 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   # A shared host's devices take turns at its peak: the host is the unit of utilisation.
   units = 1 if cluster.shared else devices
   out["mfu"] = float(step_flops(m, global_batch, False)) / out["step_seconds"] / units / peak
-  out["bubble_fraction"] = bubble_fraction(K, M, v)
+  out["bubble_fraction"] = schedule_lib.bubble(K, M, v)
   return out
 
 
@@ -473,26 +469,6 @@ def in_program_gradients(D, z):
   (D chunks of 1/D: 1)."""
   D = np.asarray(D, dtype=float)
   return np.where(np.asarray(z) == 2, 1.0, 2 + (D - 1) / D)
-
-
-def bubble_fraction(K, M, v=1):
-  """Idle share of a step: (K-1)/(vM + K-1), i.e. (K-1)/(vM) of the ideal time (v = 1: GPipe, 1F1B)."""
-  return (K - 1) / (v * M + K - 1)
-
-
-def micro_batches_in_flight(schedule, M, v, K: int):
-  """Micro-batches whose activations stage k = 0..K-1 keeps at once, by schedule ([P, K]).
-
-  GPipe: all M (Huang et al. 2019). 1F1B: K - k warm-up forwards before the
-  first backward (Narayanan et al. 2021, section 2.2.1). Interleaved: stage k runs
-  2(K-k-1) + (v-1)K + 1 chunk forwards before its first backward, a chunk being
-  1/v of the stage (Megatron-LM's interleaved schedule; on stage 0 this is
-  K (1 + (K-1)/(K v)) micro-batches, Korthikanti et al. 2022).
-  """
-  k = np.arange(K)
-  return np.select([schedule == GPIPE, schedule == ONE_F_ONE_B],
-                   [M + 0 * k, np.minimum(M, K - k)],
-                   np.minimum(M * v, 2 * (K - k - 1) + (v - 1) * K + 1) / v)
 
 
 def stage_send_seconds(nbytes, K, T, cluster: Cluster, system: System):

@@ -16,7 +16,7 @@ interleaved with --num-layers-per-virtual-pipeline-stage 5, 5, 3 and 1 (v = 3,
 import dataclasses
 from typing import List
 
-from tfpar.config import ModelConfig
+from tfpar.config.schema import ModelConfig
 from tfpar.planner import clusters, cost, report, search
 
 SEQ_LEN, VOCAB = 2048, 51200

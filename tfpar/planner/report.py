@@ -3,7 +3,7 @@
 import numpy as np
 
 from tfpar.console import count
-from tfpar.parallel import plan as plan_lib
+from tfpar.layout import placement as plan_lib
 from tfpar.planner import cost, search
 
 GIB = 2 ** 30

@@ -20,7 +20,8 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from tfpar.config import ModelConfig
+from tfpar.config.schema import ModelConfig
+from tfpar.layout import schedule as schedule_lib
 from tfpar.planner import cost
 from tfpar.planner.clusters import Cluster
 
@@ -44,14 +45,14 @@ def schedules(m: ModelConfig, k: int, mb: int, system: cost.System,
   for name in names:
     if name != "interleaved":
       if virtual_stages in (None, 1):
-        out.append((cost.SCHEDULES.index(name), 1))
+        out.append((schedule_lib.SCHEDULES.index(name), 1))
       continue
     if k == 1 or m.num_layers % k or mb % k:
       continue
     chunks = [v for v in divisors(m.num_layers // k) if v > 1]
     for v in chunks if virtual_stages is None else [virtual_stages] if virtual_stages in chunks \
         else []:
-      out.append((cost.INTERLEAVED, v))
+      out.append((schedule_lib.INTERLEAVED, v))
   return out
 
 
@@ -146,7 +147,7 @@ class Ranked:
            "microbatches": int(round(r["M"][i])), "remat": cost.REMATS[int(r["remat"][i])],
            "optimizer_sharding": cost.SHARDINGS[int(r["sharding"][i])],
            "sequence_parallel": bool(r["sequence_parallel"][i]),
-           "pipeline_schedule": cost.SCHEDULES[int(r["schedule"][i])],
+           "pipeline_schedule": schedule_lib.SCHEDULES[int(r["schedule"][i])],
            "virtual_stages": int(r["v"][i]),
            "fits": bool(r["fits"][i]), "memory_bytes_per_device": float(r["memory_bytes"][i]),
            "memory": {k: float(r[k][i]) for k in cost.MEMORY_PARTS},

@@ -9,7 +9,7 @@ rule raises ConfigError with one line naming the flag and the fix.
 """
 
 from tfpar.console import count
-from tfpar.schema import ConfigError
+from tfpar.config.schema import ConfigError
 
 # The built-in data of the vision tasks, scikit-learn's digits: 8x8 greyscale scans of 0-9.
 DIGITS_IMAGE_SIZE, DIGITS_CHANNELS, DIGITS_CLASSES = 8, 1, 10

@@ -25,7 +25,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tfpar.config import Config
+from tfpar.config.schema import Config
 from tfpar.console import count as _count
 from tfpar.training import memory, preemption
 from tfpar.training.checkpoint import CanonicalCheckpointer, assign_canonical

@@ -23,7 +23,7 @@ import keras
 import tensorflow as tf
 
 from tfpar import partitioning
-from tfpar.config import OptimConfig
+from tfpar.config.schema import OptimConfig
 
 # Decoupled weight decay applies to matrices and embeddings, not to biases or
 # LayerNorm scales (GPT-2/nanoGPT practice): the no-decay rules of every

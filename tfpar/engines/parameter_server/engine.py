@@ -9,14 +9,14 @@ from typing import Dict, List
 import numpy as np
 import tensorflow as tf
 
-from tfpar.cluster import PeerError
-from tfpar.config import Config
+from tfpar.config.cluster import PeerError
+from tfpar.config.schema import Config
 from tfpar.data import pipeline
 from tfpar.engines.base import Engine, build_model
-from tfpar.engines.ps_step import RemoteVariableTrainStep
-from tfpar.engines.ps_step_log import StepLog
-from tfpar.parallel.parameter_server import keras_patches
-from tfpar.parallel.parameter_server.server import reachable
+from tfpar.engines.parameter_server.step import RemoteVariableTrainStep
+from tfpar.engines.parameter_server.step_log import StepLog
+from tfpar.engines.parameter_server import keras_patches
+from tfpar.parallel.servers import reachable
 from tfpar.training.checkpoint import model_layout
 from tfpar.training.optimizer import inner_optimizer
 

@@ -1,0 +1,5 @@
+"""`python -m tfpar.generate`: the command's name. Its code is tfpar.cli.generate (docs/design.md, "Layers")."""
+
+import runpy
+
+runpy.run_module("tfpar.cli.generate", run_name="__main__", alter_sys=True)

@@ -1,0 +1,5 @@
+"""`python -m tfpar.launch`: the command's name. Its code is tfpar.cli.launch (docs/design.md, "Layers")."""
+
+import runpy
+
+runpy.run_module("tfpar.cli.launch", run_name="__main__", alter_sys=True)

@@ -1,0 +1,5 @@
+"""`python -m tfpar.plan`: the command's name. Its code is tfpar.cli.plan (docs/design.md, "Layers")."""
+
+import runpy
+
+runpy.run_module("tfpar.cli.plan", run_name="__main__", alter_sys=True)

@@ -1,0 +1,5 @@
+"""`python -m tfpar.predict`: the command's name. Its code is tfpar.cli.predict (docs/design.md, "Layers")."""
+
+import runpy
+
+runpy.run_module("tfpar.cli.predict", run_name="__main__", alter_sys=True)

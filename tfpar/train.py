@@ -1,0 +1,5 @@
+"""`python -m tfpar.train`: the command's name. Its code is tfpar.cli.train (docs/design.md, "Layers")."""
+
+import runpy
+
+runpy.run_module("tfpar.cli.train", run_name="__main__", alter_sys=True)
