@@ -85,35 +85,6 @@ def import_tensorflow_quietly(verbosity: Optional[int] = None) -> None:
       os.close(saved)
 
 
-HELP = ("-h", "--help", "-help", "--helpshort")  # What asks a tool (not tfpar.train) for help.
-
-
-def parse_tool_args(fv, argv, fail, *, doc: Optional[str] = None,
-                    command: Optional[str] = None, usage: str = "") -> bool:
-  """Parses a tool's command line into the absl FlagValues `fv`; True where it asked for help.
-
-  doc: the tool's docstring, printed with the flags' help for any of HELP (None:
-    the tool has no help flag). command: the one positional word the tool takes
-    (`train`, `prepare`; anything else goes to `fail` as `usage`), or None for
-    none at all. A flag absl refuses and a stray argument go to `fail` (which
-    prints one line and exits 2).
-  """
-  if doc is not None and any(a in HELP for a in argv[1:]):
-    print(doc + "\n" + fv.get_help())
-    return True
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  try:
-    rest = fv(list(argv))
-  except flags.Error as e:
-    fail(str(e))
-  if command is not None:
-    if rest[1:] != [command]:
-      fail(usage)
-  elif len(rest) > 1:
-    fail(f"unexpected arguments {rest[1:]}: flags are written --name=value")
-  return False
-
-
 def count(n: int, noun: str, plural: str = "") -> str:
   """'1 replica', '2 replicas', '1,000 steps'; `plural` where adding an s is wrong ('boxes')."""
   return f"{n:,} {noun}" if n == 1 else f"{n:,} {plural or noun + 's'}"

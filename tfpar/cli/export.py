@@ -4,7 +4,7 @@
 
 then, anywhere keras-hub runs: `keras_hub.models.LlamaCausalLM.from_preset("presets/llama_tiny")`
 (GPT2CausalLM for --architecture=gpt). Wiring only: the run is found and its
-latest checkpoint restored as tfpar.generate does (any parallel plan may
+latest checkpoint restored as every tool does (tfpar.cli.tool.load_run) (any parallel plan may
 have written it), its canonical weights mapped to the backbone's
 (tfpar.hub), and keras-hub's `save_to_preset` writes the directory. The
 CausalLM's preprocessor holds the run's tokenizer as keras-hub's
@@ -14,6 +14,7 @@ byte-level tokenizer with the same ids. Bad input ends with one line on
 stderr and exit status 2, before anything is written.
 """
 
+import functools
 import os
 import sys
 from typing import Sequence
@@ -21,7 +22,7 @@ from typing import Sequence
 from absl import flags
 
 from tfpar import console, tokenizer
-from tfpar.cli import generate
+from tfpar.cli import generate, tool
 from tfpar.config.schema import ConfigError
 
 FORMATS = ("keras_hub",)
@@ -39,9 +40,7 @@ def define_flags() -> flags.FlagValues:
   return fv
 
 
-def fail(message: str) -> None:
-  print(f"tfpar.export: error: {message}", file=sys.stderr, flush=True)
-  sys.exit(2)
+fail = functools.partial(tool.fail, "export")
 
 
 def check_out(out) -> None:
@@ -56,7 +55,7 @@ def export(model_dir: str, out: str) -> str:
   """Writes the run's latest weights to the preset `out`; returns the CausalLM class to load it."""
   from tfpar.hub import preset  # pylint: disable=import-outside-toplevel
   from tfpar.training import checkpoint  # pylint: disable=import-outside-toplevel
-  model, _ = generate.load_model(model_dir)
+  _, model = tool.load_run(model_dir)
   m = model.config
   hub_tokenizer = tokenizer.for_run(m.tokenizer, model_dir).to_keras_hub()
   weights = checkpoint.read_canonical(checkpoint.model_layout(model))
@@ -65,7 +64,7 @@ def export(model_dir: str, out: str) -> str:
 
 def main(argv: Sequence[str]) -> None:
   fv = define_flags()
-  if console.parse_tool_args(fv, argv, fail, doc=__doc__):
+  if tool.parse_args(fv, argv, fail, doc=__doc__):
     return
   console.import_tensorflow_quietly()
   from tfpar.training.checkpoint import CheckpointMismatchError  # pylint: disable=import-outside-toplevel
@@ -73,7 +72,7 @@ def main(argv: Sequence[str]) -> None:
     generate.check_run_dir(fv.model_dir)
     check_out(fv.out)
     task = export(fv.model_dir, fv.out)
-  except (generate.GenerateError, ConfigError, CheckpointMismatchError,
+  except (generate.GenerateError, tool.RunError, ConfigError, CheckpointMismatchError,
           tokenizer.TokenizerError) as e:
     fail(str(e))
   print(f"tfpar.export: wrote {os.path.join(fv.out, '')} (keras_hub.models.{task}.from_preset)",

@@ -11,6 +11,7 @@ and exit status 2. These few flags belong to this tool alone, so they live
 here, on their own FlagValues, not among the training flags.
 """
 
+import functools
 import math
 import os
 import sys
@@ -20,6 +21,7 @@ import numpy as np
 from absl import flags
 
 from tfpar import console
+from tfpar.cli import tool
 from tfpar.config import rundir
 from tfpar import tasks
 from tfpar import tokenizer
@@ -110,27 +112,11 @@ def sample(next_logits: Callable[[List[int]], np.ndarray], prompt: Sequence[int]
 
 
 def load_model(model_dir: str):
-  """Rebuilds the run's language model (GPT or Llama) from config.json and restores the latest checkpoint's weights.
-
-  Returns (model, next_logits) for `sample`. Sets the float32 policy (sampling
-  needs no mixed precision).
-  """
-  import keras  # pylint: disable=import-outside-toplevel
+  """The run's language model (GPT or Llama) and its next-token logits, for `sample`:
+  (model, next_logits), the weights of the latest checkpoint restored (tfpar.cli.tool.load_run)."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tfpar import tasks  # pylint: disable=import-outside-toplevel
-  from tfpar.training import checkpoint  # pylint: disable=import-outside-toplevel
-
-  saved = rundir.load(model_dir)
-  keras.mixed_precision.set_global_policy("float32")
-  # Without dropout the model has no RNG state: only weights are restored.
-  saved = saved.replace(model={"dropout": 0.0})
-  config = saved.model
-  model = tasks.make(saved).build_model()
-  model.build_all()
-  if checkpoint.load_weights(model, model_dir) is None:
-    raise GenerateError(f"--model_dir={model_dir} has no readable checkpoint: train into it first")
-
-  seq_len = config.seq_len
+  _, model = tool.load_run(model_dir)
+  seq_len = model.config.seq_len
 
   @tf.function(input_signature=[tf.TensorSpec([1, seq_len], tf.int32), tf.TensorSpec([], tf.int32)])
   def logits_at(tokens, last):
@@ -146,18 +132,13 @@ def load_model(model_dir: str):
   return model, next_logits
 
 
-def fail(message: str) -> None:
-  print(f"tfpar.generate: error: {message}", file=sys.stderr, flush=True)
-  sys.exit(2)
-
-
-def warn(message: str) -> None:
-  print(f"tfpar.generate: warning: {message}", file=sys.stderr, flush=True)
+fail = functools.partial(tool.fail, "generate")
+warn = functools.partial(tool.warn, "generate")
 
 
 def main(argv: Sequence[str]) -> None:
   fv = define_flags()
-  if console.parse_tool_args(fv, argv, fail, doc=__doc__):
+  if tool.parse_args(fv, argv, fail, doc=__doc__):
     return
   console.import_tensorflow_quietly()
   try:
@@ -168,7 +149,8 @@ def main(argv: Sequence[str]) -> None:
   try:
     model, next_logits = load_model(fv.model_dir)
     tok = tokenizer.for_run(model.config.tokenizer, fv.model_dir)  # 'bytes' for older runs.
-  except (GenerateError, ConfigError, CheckpointMismatchError, tokenizer.TokenizerError) as e:
+  except (GenerateError, tool.RunError, ConfigError, CheckpointMismatchError,
+          tokenizer.TokenizerError) as e:
     fail(str(e))
   new = sample(next_logits, tok.encode(fv.prompt), fv.max_new_tokens,
                seq_len=model.config.seq_len, temperature=fv.temperature, top_k=fv.top_k,

@@ -15,6 +15,7 @@ from typing import Sequence
 import yaml
 from absl import flags as absl_flags
 
+from tfpar.cli import tool
 from tfpar.config import cluster as cluster_lib
 from tfpar.config import config as config_lib
 from tfpar.config import flags as tfpar_flags
@@ -167,15 +168,14 @@ def to_yaml(job: manifests.Job, argv: Sequence[str]) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-  if argv and argv[0] in ("-h", "--help", "help"):
+  if argv and argv[0] in tool.HELP + ("help",):
     print(f"usage: {USAGE}\n\n{manifests.__doc__}")
     print(tfpar_flags.define_render_flags(absl_flags.FlagValues()).get_help())
     return 0
   try:
     job = parse(argv)
   except RenderError as e:
-    print(f"tfpar.k8s: error: {e}", file=sys.stderr, flush=True)
-    return 2
+    return tool.error("k8s", str(e))
   sys.stdout.write(to_yaml(job, argv))
   return 0
 

@@ -67,6 +67,7 @@ from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Un
 
 from tfpar.config import cluster as cluster_lib
 from tfpar import status
+from tfpar.cli import tool
 from tfpar.console import count
 
 USAGE = ("python -m tfpar.launch --num_workers=N [--num_ps=P] [--max_restarts=R] "
@@ -624,14 +625,13 @@ def launch(cfg: LaunchConfig) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-  if argv and argv[0] in ("-h", "--help"):
+  if argv and argv[0] in tool.HELP:
     print(f"usage: {USAGE}\n{__doc__}")
     return 0
   try:
     cfg = parse_args(argv)
   except LaunchError as e:
-    print(f"tfpar.launch: error: {e}", file=sys.stderr, flush=True)
-    return status.BAD_INPUT
+    return tool.error("launch", str(e))
   return launch(cfg)
 
 

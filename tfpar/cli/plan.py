@@ -21,6 +21,7 @@ The cost model is tfpar.planner.cost (formulas and sources in docs/planner.md).
 Bad input ends with one line on stderr and exit status 2.
 """
 
+import functools
 import json
 import os
 import sys
@@ -30,6 +31,7 @@ from absl import app, flags
 
 from tfpar.config import config as config_lib
 from tfpar import console
+from tfpar.cli import tool
 from tfpar.config import flags as tfpar_flags
 from tfpar.config.schema import ConfigError
 from tfpar.planner import clusters, cost, report, search
@@ -47,9 +49,7 @@ class PlanError(ValueError):
   """Input the planner cannot plan for; the message says what would work."""
 
 
-def fail(message: str) -> None:
-  print(f"tfpar.plan: error: {message}", file=sys.stderr, flush=True)
-  sys.exit(2)
+fail = functools.partial(tool.fail, "plan")
 
 
 def fixed_degrees(fv) -> dict:

@@ -23,6 +23,7 @@ in colour, or the class, drawn on the image. Bad input ends with one line on
 stderr and exit status 2. These flags belong to this tool alone.
 """
 
+import functools
 import os
 import sys
 from typing import List, Sequence
@@ -31,6 +32,7 @@ import numpy as np
 from absl import flags
 
 from tfpar import console
+from tfpar.cli import tool
 from tfpar.config import rundir
 from tfpar import tasks
 from tfpar.config.schema import ConfigError
@@ -82,29 +84,9 @@ def check(fv: flags.FlagValues) -> None:
     raise PredictError(f"--score_threshold={fv.score_threshold} must be in [0, 1]")
 
 
-def read_config(model_dir: str):
-  """The run's Config from model_dir/config.json (dropout off: nothing random at inference)."""
-  return rundir.load(model_dir).replace(model={"dropout": 0.0})
-
-
 def class_names(model_dir: str):
   """The run's class names in id order (config.json), or () where its data had none."""
   return rundir.saved_class_names(rundir.read_saved(model_dir))
-
-
-def load_model(model_dir: str):
-  """(task, model) of the run, its weights restored from the latest checkpoint."""
-  import keras  # pylint: disable=import-outside-toplevel
-  from tfpar.training import checkpoint  # pylint: disable=import-outside-toplevel
-  cfg = read_config(model_dir)  # check() refused a language model.
-  keras.mixed_precision.set_global_policy("float32")
-  task = tasks.make(cfg)
-  model = task.build_model()
-  model.build_all()
-  if checkpoint.load_weights(model, model_dir) is None:
-    raise PredictError(f"--model_dir={model_dir} has no readable checkpoint yet: train into it "
-                       "first")
-  return task, model
 
 
 def _original(path: str):
@@ -157,18 +139,13 @@ def predict(task, model, paths: Sequence[str], *, output_dir: str, overlay: bool
   return lines
 
 
-def fail(message: str) -> None:
-  print(f"tfpar.predict: error: {message}", file=sys.stderr, flush=True)
-  sys.exit(2)
-
-
-def warn(message: str) -> None:
-  print(f"tfpar.predict: warning: {message}", file=sys.stderr, flush=True)
+fail = functools.partial(tool.fail, "predict")
+warn = functools.partial(tool.warn, "predict")
 
 
 def main(argv: Sequence[str]) -> None:
   fv = define_flags()
-  if console.parse_tool_args(fv, argv, fail, doc=__doc__):
+  if tool.parse_args(fv, argv, fail, doc=__doc__):
     return
   console.import_tensorflow_quietly()  # check() reads --model_dir through tf.io.gfile.
   try:
@@ -179,11 +156,11 @@ def main(argv: Sequence[str]) -> None:
   from tfpar.training.checkpoint import CheckpointMismatchError  # pylint: disable=import-outside-toplevel
   try:
     paths = list_images(fv.image)
-    task, model = load_model(fv.model_dir)
+    task, model = tool.load_run(fv.model_dir)  # check() refused a language model.
     output_dir = fv.output_dir or os.path.join(fv.model_dir, "predictions")
     lines = predict(task, model, paths, output_dir=output_dir, overlay=fv.overlay,
                     score_threshold=fv.score_threshold, names=class_names(fv.model_dir))
-  except (PredictError, ConfigError, DataError, CheckpointMismatchError) as e:
+  except (PredictError, tool.RunError, ConfigError, DataError, CheckpointMismatchError) as e:
     fail(str(e))
   print("\n".join(lines), flush=True)
 

@@ -18,6 +18,7 @@ Ctrl-C, after saving (start it again to resume; a second Ctrl-C aborts with
 # make the strategy, build the engine under it, run the loop. TensorFlow's C++
 # start-up lines are silenced; absl's --verbosity=0 shows them.
 
+import functools
 import sys
 
 from absl import app, flags
@@ -25,6 +26,7 @@ from absl import app, flags
 from tfpar.config import cluster as cluster_lib
 from tfpar.config import config as config_lib
 from tfpar import console
+from tfpar.cli import tool
 from tfpar.config import flags as tfpar_flags
 from tfpar.config.schema import ConfigError
 from tfpar.config import rundir
@@ -34,12 +36,7 @@ from tfpar.training import preemption
 
 tfpar_flags.define_flags()
 FLAGS = flags.FLAGS
-HELP = ("-h", "--help", "-help", "--helpshort", "-?")
-
-
-def fail(message: str, code: int = status.BAD_INPUT) -> None:
-  print(f"tfpar.train: error: {message}", file=sys.stderr, flush=True)
-  sys.exit(code)
+fail = functools.partial(tool.fail, "train")
 
 
 def main(argv):
@@ -47,16 +44,14 @@ def main(argv):
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}: flags are written --name=value")
   try:
-    cfg = config_lib.from_flags(
-        FLAGS, warn=lambda text: print(f"tfpar.train: warning: {text}", file=sys.stderr, flush=True))
+    cfg = config_lib.from_flags(FLAGS, warn=functools.partial(tool.warn, "train"))
     cluster = cluster_lib.from_env()
     if cluster.spec:  # TF_CONFIG against --strategy: before TensorFlow starts.
       cluster_lib.check_cluster(cfg, cluster)
   except (ConfigError, cluster_lib.ClusterError) as e:
     fail(str(e))
   except cluster_lib.PeersNotFound as e:  # Not bad input: a restart may find them.
-    print(f"tfpar.train: error: {e}", file=sys.stderr, flush=True)
-    sys.exit(status.CRASH)
+    fail(str(e), status.CRASH)
   console.set_xla_auto_clustering(cfg.train.xla_auto_clustering)  # Before XLA reads its flags.
   console.import_tensorflow_quietly(FLAGS.verbosity if FLAGS["verbosity"].present else None)
   try:
@@ -76,8 +71,7 @@ def main(argv):
     preemption.stand_down()  # Saved: no later signal may turn 75 into a kill during teardown.
     sys.exit(status.PREEMPTED)
   except cluster_lib.PeerError as e:  # Not bad input: a restart may well succeed.
-    print(f"tfpar.train: error: {e}", file=sys.stderr, flush=True)
-    sys.exit(status.CRASH)
+    fail(str(e), status.CRASH)
   except runner.WRITE_ERRORS as e:
     line = storage.disk_full(e)
     if line is None:  # Any other error: the traceback, as for every crash.
@@ -91,7 +85,7 @@ def parse_flags(argv):
   --help prints how to run it and tfpar's flags, and exits 0 (absl's own
   --help lists only the main module's flags, which are none here, and exits 1).
   """
-  if any(a in HELP for a in argv[1:]):
+  if any(a in tool.HELP for a in argv[1:]):
     print(__doc__ + "\n" + FLAGS.module_help(tfpar_flags))
     sys.exit(status.OK)
   try:

@@ -1,8 +1,5 @@
-"""python -m tfpar.data prepare: tokenize a corpus once into TFRecords (tfpar.data.prepared)."""
+"""`python -m tfpar.data prepare`: the command's name. Its code is tfpar.cli.data (docs/design.md, "Layers")."""
 
-import sys
+import runpy
 
-from tfpar.data import prepared
-
-if __name__ == "__main__":
-  prepared.main(sys.argv)
+runpy.run_module("tfpar.cli.data", run_name="__main__", alter_sys=True)

@@ -1,4 +1,5 @@
-"""Finding and reading text: the embedded default corpus, text files, globs, TFRecords.
+"""Finding and reading text: the embedded default corpus, text files, globs, TFRecords, and
+the ids of shards tfpar.data.prepared wrote.
 
 Text becomes bytes (byte-level tokens 0..255, no vocabulary to download);
 documents are joined with a NUL byte, which plain text never contains, so the
@@ -6,14 +7,20 @@ model sees where one document ends and the next begins.
 """
 
 import glob
+import json
 import os
 import sysconfig
 from typing import List, Optional, Sequence
 
 import numpy as np
 
+from tfpar import storage
+
 DOC_SEPARATOR = b"\x00"
 TFRECORD_SUFFIXES = (".tfrecord", ".tfrecords", ".tfrec")
+# A prepared shard (tfpar.data.prepared): each record's int64 feature, and the file beside it.
+IDS = "ids"
+META = "tokenizer.json"
 
 
 class DataError(ValueError):
@@ -83,13 +90,12 @@ def read_tokens(files: Sequence[str], tfrecord_key: str = "text", tokenizer=None
   DOC_SEPARATOR between documents; else the tokenizer's int32 ids, its separator_id
   between them. Shards of tfpar.data.prepared are read as the ids they hold.
   """
-  from tfpar.data import prepared  # pylint: disable=import-outside-toplevel
   if tokenizer is not None and (tokenizer.spec != "bytes" or
-                                any(prepared.is_prepared(f) for f in files)):
+                                any(is_prepared(f) for f in files)):
     ids = []
     for path in files:
-      if prepared.is_prepared(path):  # Tokenized once by python -m tfpar.data prepare.
-        docs = [d for d in prepared.read_ids(path, tokenizer) if len(d)]
+      if is_prepared(path):  # Tokenized once by python -m tfpar.data prepare.
+        docs = [d for d in read_ids(path, tokenizer) if len(d)]
       else:
         docs = [tokenizer.encode(d.replace(DOC_SEPARATOR, b"").decode("utf-8", "replace"))
                 for d in read_documents(path, tfrecord_key) if d]
@@ -104,6 +110,24 @@ def read_tokens(files: Sequence[str], tfrecord_key: str = "text", tokenizer=None
         pieces.append(doc.replace(DOC_SEPARATOR, b""))
         pieces.append(DOC_SEPARATOR)
   return np.frombuffer(b"".join(pieces), dtype=np.uint8)
+
+
+def is_prepared(path: str) -> bool:
+  """Is `path` a shard tfpar.data.prepared wrote (its directory holds tokenizer.json)?"""
+  return path.endswith(TFRECORD_SUFFIXES) and storage.exists(
+      os.path.join(os.path.dirname(path), META))
+
+
+def read_ids(path: str, tok) -> List[np.ndarray]:
+  """A shard's documents as int32 ids; DataError if another tokenizer wrote it."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  meta = json.loads(storage.read_text(os.path.join(os.path.dirname(path), META)))
+  if meta["tokenizer"] != tok.spec:
+    raise DataError(f"{path} was prepared with --tokenizer={meta['tokenizer']}, not "
+                    f"--tokenizer={tok.spec}: pass --tokenizer={meta['tokenizer']} or "
+                    "prepare the corpus again with python -m tfpar.data prepare")
+  return [np.asarray(tf.train.Example.FromString(r).features.feature[IDS].int64_list.value,
+                     np.int32) for r in tf.data.TFRecordDataset(path).as_numpy_iterator()]
 
 
 def encode(text: str) -> List[int]:

@@ -13,7 +13,8 @@ Detection API and DeepLab, so existing converters' output reads as is:
 
 `classify_example`, `detect_example` and `segment_example` build them;
 `read_tfrecords` reads shards (a list of files) into an `ImageSet`, with the
-labels' `Format` (CLASSES, BOXES, MASKS) that the task's spec names.
+labels' `Format` (CLASSES, BOXES, MASKS) that the task's spec names;
+`read_layout` reads --data with these or the spec's own readers (tfpar.data.images).
 """
 
 import dataclasses
@@ -22,7 +23,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tfpar.console import count
-from tfpar.data.corpus import DataError
+from tfpar.data.corpus import TFRECORD_SUFFIXES, DataError
 from tfpar.data.images import ImageSet, check_num_classes, decode_images, decode_mask, pad_boxes
 from tfpar.data.images import resize_mask
 
@@ -162,3 +163,22 @@ def read_tfrecords(files: Sequence[str], labels: Format, *, image_size: int, cha
                                 names=names, are_files=False)
   return labels.image_set(images, records, names, sizes, image_size=image_size,
                           num_classes=num_classes)
+
+
+def read_layout(data: str, spec, **kwargs) -> ImageSet:
+  """Reads --data in the layout of a task's spec (tfpar.tasks.specs.VisionSpec): a directory,
+  TFRecord shards, or the one file its layout has (a COCO JSON)."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  if tf.io.gfile.isdir(data):
+    return spec.read_directory(data, **kwargs)
+  files = sorted(tf.io.gfile.glob(data))
+  if not files:
+    raise DataError(f"--data={data} matches no file or directory: pass an image folder, "
+                    "a COCO JSON or TFRecord shards")
+  if all(f.endswith(TFRECORD_SUFFIXES) for f in files):
+    return read_tfrecords(files, spec.records(), **kwargs)
+  found = spec.read_file(files[0], **kwargs) if len(files) == 1 else None
+  if found is not None:
+    return found
+  raise DataError(f"--data={data} is not {spec.layout} or TFRecord shards (*.tfrecord): "
+                  f"see tfpar/data/images.py for the layouts --task={spec.name} reads")

@@ -363,23 +363,3 @@ def pad_boxes(boxes: List[np.ndarray], classes: List[np.ndarray]) -> Tuple[np.nd
   for n, (b, c) in enumerate(zip(boxes, classes)):
     out_boxes[n, :len(c)], out_classes[n, :len(c)] = np.reshape(b, (-1, 4)), c
   return out_boxes, out_classes
-
-
-def read_layout(data: str, spec, **kwargs) -> ImageSet:
-  """Reads --data in the layout of a task's spec (tfpar.tasks.specs.VisionSpec): a directory,
-  TFRecord shards, or the one file its layout has (a COCO JSON)."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tfpar.data import corpus, image_records  # pylint: disable=import-outside-toplevel
-  if tf.io.gfile.isdir(data):
-    return spec.read_directory(data, **kwargs)
-  files = sorted(tf.io.gfile.glob(data))
-  if not files:
-    raise DataError(f"--data={data} matches no file or directory: pass an image folder, "
-                    "a COCO JSON or TFRecord shards")
-  if all(f.endswith(corpus.TFRECORD_SUFFIXES) for f in files):
-    return image_records.read_tfrecords(files, spec.records(), **kwargs)
-  found = spec.read_file(files[0], **kwargs) if len(files) == 1 else None
-  if found is not None:
-    return found
-  raise DataError(f"--data={data} is not {spec.layout} or TFRecord shards (*.tfrecord): "
-                  f"see tfpar/data/images.py for the layouts --task={spec.name} reads")

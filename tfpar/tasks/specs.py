@@ -113,8 +113,8 @@ class VisionSpec(TaskSpec):
   def read_images(self, data: str, **kwargs):
     """--data as an ImageSet, with the reader its layout needs (kwargs: image_size, channels,
     num_classes)."""
-    from tfpar.data import images  # pylint: disable=import-outside-toplevel
-    return images.read_layout(data, self, **kwargs)
+    from tfpar.data import image_records  # pylint: disable=import-outside-toplevel
+    return image_records.read_layout(data, self, **kwargs)
 
 
 class ClassifySpec(VisionSpec):

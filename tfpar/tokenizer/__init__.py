@@ -24,12 +24,10 @@ per token into one per byte.
 
 import io
 import os
-import sys
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from tfpar import console
 from tfpar import storage
 from tfpar.data import corpus
 
@@ -250,42 +248,3 @@ def train(files: Sequence[str], *, vocab_size: int, out: str,
                          "text") from None
   storage.write_atomically(out, model.getvalue())
   return SentencePieceTokenizer(f"sentencepiece:{out}", model.getvalue())
-
-
-def main(argv: Sequence[str]) -> None:
-  """python -m tfpar.tokenizer train --data=... --vocab_size=N --out=PATH."""
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  fv = flags.FlagValues()
-  flags.DEFINE_string("data", None, "Text to train on, as tfpar.train's --data (default: the "
-                      "embedded standard library source).", flag_values=fv)
-  flags.DEFINE_string("tfrecord_key", "text", "The bytes feature of TFRecord examples.",
-                      flag_values=fv)
-  flags.DEFINE_integer("vocab_size", 2000, "Pieces in the vocabulary (>= 260: the 256 byte "
-                       "fallbacks and the control ids).", flag_values=fv)
-  flags.DEFINE_string("out", None, "Where the .model file goes (gs:// works).", flag_values=fv)
-
-  def fail(message):
-    print(f"tfpar.tokenizer: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-  console.parse_tool_args(
-      fv, argv, fail, command="train",
-      usage="usage: python -m tfpar.tokenizer train --data=... --vocab_size=N --out=PATH")
-  if not fv.out:
-    fail("--out=PATH is required: where the trained .model file goes")
-  if fv.vocab_size < 260:
-    fail(f"--vocab_size={fv.vocab_size} is below 260, the 256 byte pieces and 4 control ids: "
-         "pass a larger --vocab_size")
-  console.import_tensorflow_quietly()
-  try:
-    files = corpus.list_files(fv.data)
-    tok = train(files, vocab_size=fv.vocab_size, out=fv.out, tfrecord_key=fv.tfrecord_key)
-  except (TokenizerError, corpus.DataError) as e:
-    fail(str(e))
-  sample = [d.decode("utf-8", "replace") for d in corpus.read_documents(files[-1], fv.tfrecord_key)]
-  print(f"wrote {fv.out}: {tok.vocab_size} pieces, {tok.bytes_per_token(sample):.2f} bytes per "
-        f"token on {files[-1]}", flush=True)
-
-
-if __name__ == "__main__":
-  main(sys.argv)
