@@ -21,7 +21,7 @@ are the tensors' requested bytes; ops run one at a time (one inter-op
 thread), so the order is TensorFlow's own and the count repeats.
 
 Beside it: plan.json's predicted activations for the device (the plan's
-prediction is for each stage's first device, the busiest: tfpar.parallel.plan
+prediction is for each stage's first device, the busiest: tfpar.layout.placement
 `tfpar_kept_per_position` and `head_activation_bytes`). The measurement is
 of the ops Grappler left, so it shows what the prediction must model: the
 buffers TensorFlow forwards in place, the gradients of constants Grappler

@@ -149,7 +149,7 @@ def tfpar_args(shape: dict, precision: str, total_steps: int, extra_flags: List[
 class TfparSystem:
   """tfpar's own engine for these flags (as tfpar.runner builds it), fed by its own pipeline.
 
-  Under TF_CONFIG, with stages on other workers (tfpar.rules.stages_across_workers),
+  Under TF_CONFIG, with stages on other workers (tfpar.config.rules.stages_across_workers),
   this process is the chief and places them there (tfpar.parallel.remote), as the runner does.
   """
 

@@ -32,9 +32,9 @@ and measures, in this order:
         weights and optimizer slots (allocated before the step).
   * all stages: the allocator's peak during one untraced step above its
     level before it (`tf.config.experimental.get_memory_info`).
-  * the plan's prediction beside it (tfpar.parallel.plan.activation_bytes:
+  * the plan's prediction beside it (tfpar.layout.placement.activation_bytes:
     tfpar's bytes per block of one micro-batch, plus the head's, from
-    tfpar.parallel.plan.tfpar_kept_per_position, measured by
+    tfpar.layout.placement.tfpar_kept_per_position, measured by
     scripts/activation_memory.py, replayed in each device's order of
     forwards and backwards; GPipe's order is the executor's, so for it the
     plan gives a bound, all M micro-batches, printed "<=").

@@ -8,7 +8,7 @@
 - Where the projects' full CRD schemas are present (TFPAR_K8S_SCHEMAS=DIR, or
   ../shared/k8s-schemas beside the checkout when TFPAR_K8S_SCHEMAS is unset),
   TFJob and JobSet objects also validate against them (jsonschema).
-- Every pod of a JobSet or Indexed Job builds its TF_CONFIG with tfpar.cluster
+- Every pod of a JobSet or Indexed Job builds its TF_CONFIG with tfpar.config.cluster
   from the rendered environment, and together they form one cluster; two
   pods of a rendered Indexed Job (hostnames mapped to 127.0.0.1) train a real
   multi_worker_mirrored job; two pods of a rendered JobSet train with pipeline

@@ -332,7 +332,7 @@ def test_optimizer_sharding_divides_the_optimizer_state_over_d(precision, megatr
 
 
 def test_the_search_shards_the_optimizer_only_where_the_runtime_does():
-  """tfpar: D > 1, not mixed_float16 (tfpar.rules), a replica inside one node or across nodes,
+  """tfpar: D > 1, not mixed_float16 (tfpar.config.rules), a replica inside one node or across nodes,
   any recompute and micro-batches; Megatron's distributed optimizer: wherever D > 1, zero1
   only."""
   m = SHAPES[0]
@@ -378,7 +378,7 @@ def test_copies_across_nodes_cost_the_sums_placed_in_one_program():
 
 def test_every_plan_across_nodes_passes_tfpars_rules():
   """Each plan the planner offers for replicas spanning nodes (zero1 and zero2 among them),
-  as the flags it emits, is a config tfpar.rules accepts and a worker job it starts
+  as the flags it emits, is a config tfpar.config.rules accepts and a worker job it starts
   (check_worker_job: stages on different workers, a replica on whole workers: none of 12
   devices over nodes of 8); no sharding under mixed_float16, which tfpar.train refuses."""
   from tfpar.config import rules  # pylint: disable=import-outside-toplevel
@@ -503,11 +503,11 @@ def test_flags_of_a_plan_across_nodes():
 
 
 def test_schedule_flags_are_the_training_flags_once_defined():
-  """If tfpar.schema defines --pipeline_schedule (the runtime), the planner reads that one."""
+  """If tfpar.config.schema defines --pipeline_schedule (the runtime), the planner reads that one."""
   from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
   from tfpar.config import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
   fv = tfpar_flags.define_flags(absl_flags.FlagValues())
-  if "pipeline_schedule" not in fv:  # As tfpar.schema will define them for the runtime.
+  if "pipeline_schedule" not in fv:  # As tfpar.config.schema will define them for the runtime.
     absl_flags.DEFINE_enum("pipeline_schedule", "gpipe", list(schedule_lib.SCHEDULES), "", flag_values=fv)
     absl_flags.DEFINE_integer("virtual_stages", 1, "", flag_values=fv)
   tfpar_flags.define_plan_flags(fv)  # No DuplicateFlagError.
@@ -650,7 +650,7 @@ BAD_INPUT = [
 
 
 def test_tfpar_plans_for_a_model_with_dropout_recompute_no_whole_block():
-  """tfpar.rules refuses --remat=full with dropout (new masks in the recompute): the planner
+  """tfpar.config.rules refuses --remat=full with dropout (new masks in the recompute): the planner
   proposes only what tfpar.train runs; Megatron's system keeps full recompute."""
   dropout = dataclasses.replace(GPT_SMALL, dropout=0.1)
   cluster = clusters.parse("a100-80gb:8")

@@ -26,7 +26,7 @@ weight of a matrix per sequence, plus attention's 4 s^2 h).
 
 Everything reads these tables: checkpoint canonical names and the gather /
 split axis (tfpar.training.checkpoint), parameter and optimizer bytes per
-device (tfpar.parallel.plan), the no-decay set (tfpar.training.optimizer),
+device (tfpar.layout.placement), the no-decay set (tfpar.training.optimizer),
 FLOPs (tfpar.planner.cost). A new family (tests/test_model_family.py adds one)
 registers its table and three shapes functions with `register`; nothing else
 changes. Patterns are full

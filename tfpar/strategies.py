@@ -63,7 +63,7 @@ def devices_per_worker(cfg, environ=os.environ) -> int:
 
 
 def stages_across_workers(cfg, environ=os.environ) -> bool:
-  """tfpar.rules.stages_across_workers on this worker's devices (`devices_per_worker`)."""
+  """tfpar.config.rules.stages_across_workers on this worker's devices (`devices_per_worker`)."""
   return rules.stages_across_workers(cfg, devices_per_worker(cfg, environ))
 
 

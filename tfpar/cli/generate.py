@@ -3,7 +3,7 @@
     python -m tfpar.generate --model_dir=runs/gpt_tiny --prompt="def " --max_new_tokens=200
 
 Wiring only: read the model flags from DIR/config.json of a --task=lm run of
-`python -m tfpar.train` (through tfpar.rundir, as tfpar.predict and a resume
+`python -m tfpar.train` (through tfpar.config.rundir, as tfpar.predict and a resume
 read it), rebuild the GPT, restore the weights of the latest
 canonical checkpoint (no optimizer state; any parallel plan may have written
 it), then sample bytes one at a time. Bad input ends with one line on stderr

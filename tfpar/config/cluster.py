@@ -265,7 +265,7 @@ def check_cluster(cfg, cluster: Cluster) -> None:
                 flag=f"{cluster.num_workers} workers in TF_CONFIG")
   if s.strategy == "multi_worker_mirrored" and p.model_parallel:
     # Each worker's device count (GPUs, or --num_cpu_devices) is known once TensorFlow
-    # starts: tfpar.parallel.plan applies rules.worker_layout then. Here, what holds for any.
+    # starts: tfpar.layout.placement applies rules.worker_layout then. Here, what holds for any.
     workers = cluster.num_workers
     if p.data_parallel is not None and workers % p.data_parallel:
       raise rules.ConfigError(f"--data_parallel={p.data_parallel} does not divide the {workers} "

@@ -89,11 +89,9 @@ def model_from_flags(f) -> ModelConfig:
 def jit_compile_default(precision: str, strategy: str) -> bool:
   """--jit_compile when not passed: XLA, except for bfloat16 off TPUs.
 
-  XLA's CPU backend (TensorFlow 2.21) turns a bfloat16 dot into converts around
-  a float32 dot, so under mixed_bfloat16 it runs slower than float32; TensorFlow's
-  own kernels without XLA reach oneDNN's AVX512_BF16 matmuls, 1.5-2.6x its float32
-  ones here, and the whole step ran at 1.14x float32 with XLA on a nearly idle
-  machine (scripts/bf16.py, docs/benchmarks.md). TPUs compile everything with XLA.
+  XLA's CPU backend turns a bfloat16 dot into converts around a float32 dot,
+  while TensorFlow's own kernels reach oneDNN's bfloat16 matmuls; TPUs compile
+  everything with XLA. The measurements: docs/benchmarks.md (scripts/bf16.py).
   """
   return precision != "mixed_bfloat16" or strategy == "tpu"
 
@@ -108,9 +106,8 @@ def auto_clustering_default(precision: str, jit_compile: bool, strategy: str) ->
   """--xla_auto_clustering when not passed: 'fusible' for a mixed_bfloat16 step not compiled
   whole on this process's devices (AUTO_CLUSTERING_STRATEGIES), else 'none'.
 
-  The matmuls stay on oneDNN's bfloat16 kernels and XLA fuses the elementwise ops
-  around them: the step ran at 1.33x float32 with XLA near idle, against 1.14x with
-  no XLA at all (scripts/bf16.py, docs/benchmarks.md).
+  The matmuls stay on oneDNN's bfloat16 kernels and XLA fuses the elementwise
+  ops around them (docs/benchmarks.md, scripts/bf16.py).
   """
   return ("fusible" if precision == "mixed_bfloat16" and not jit_compile and
           strategy in AUTO_CLUSTERING_STRATEGIES else "none")

@@ -4,9 +4,9 @@ Every rule raises ConfigError with one line naming the flag and the fix.
 `validate(cfg)` (called by tfpar.config.from_flags) checks the flags alone;
 what differs by task is asked of the task's spec (tfpar.tasks.specs); the
 rules a model-parallel plan must obey (`check_batch`, `check_model_split`) are
-called again by tfpar.parallel.plan with the real devices, not a second copy.
+called again by tfpar.layout.placement with the real devices, not a second copy.
 What the flags meet on the machine is checked elsewhere, with the same
-ConfigError: the run directory by tfpar.rundir, TF_CONFIG by tfpar.cluster.
+ConfigError: the run directory by tfpar.config.rundir, TF_CONFIG by tfpar.config.cluster.
 Nothing here imports TensorFlow (tests/test_config.py checks it).
 """
 

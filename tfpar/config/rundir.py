@@ -129,7 +129,7 @@ def saved_class_names(saved: dict) -> Tuple[str, ...]:
 
 
 def check_run(cfg: Config, cluster=None) -> None:
-  """The run directory and the job (tfpar.cluster.Cluster), before TensorFlow starts.
+  """The run directory and the job (tfpar.config.cluster.Cluster), before TensorFlow starts.
 
   Reads (never writes) --model_dir: the chief writes config.json only once
   the data has been read, so bad input leaves the directory as it was.

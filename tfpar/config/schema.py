@@ -3,11 +3,11 @@
 A field is a setting. Its metadata carries what the command line needs (the
 help text, the flag's name where it differs, the default the flag shows
 where it differs from the resolved one, the enum's choices), so that
-tfpar.flags defines every training flag from these fields and
+tfpar.config.flags defines every training flag from these fields and
 tfpar.config.from_flags reads them back without listing any by hand.
 
-No TensorFlow and no absl here: tfpar.rules validates these values before
-TensorFlow starts, and tfpar.rundir reads them back from a run's config.json.
+No TensorFlow and no absl here: tfpar.config.rules validates these values before
+TensorFlow starts, and tfpar.config.rundir reads them back from a run's config.json.
 """
 
 import dataclasses

@@ -13,13 +13,9 @@ exchange sits between the compiled gradients and the update, so under
 (`AdamW.compile_update`, or ZeroUpdate's for its shard).
 """
 
-import json
-import os
-
 import numpy as np
 import tensorflow as tf
 
-from tfpar import storage
 from tfpar.config.schema import Config
 from tfpar.config.rules import check_batch
 from tfpar.engines.base import Engine, build_model
@@ -124,7 +120,7 @@ class DataParallelEngine(Engine):
   def predicted_memory(self):
     """Per local replica: the state above, its own gradient (and the summed one beside it when
     replicas sum), and the activations its backward keeps at G/D sequences: the plan of
-    one device holding the whole model (tfpar.parallel.plan)."""
+    one device holding the whole model (tfpar.layout.placement)."""
     cfg, d = self.cfg, self.num_replicas
     state = self.predicted_bytes()
     one = plan_lib.make_plan(
@@ -143,8 +139,7 @@ class DataParallelEngine(Engine):
             "optimizer_sharding": self.cfg.parallel.optimizer_sharding,
             "bytes_per_replica": {"measured": self.measured_bytes(),
                                   "predicted": self.predicted_bytes()}}
-    storage.makedirs(model_dir)
-    storage.write_atomically(os.path.join(model_dir, "plan.json"), json.dumps(plan, indent=2))
+    plan_lib.write_plan_json(model_dir, plan)
 
   def bytes_report(self) -> str:
     measured, predicted = self.measured_bytes(), self.predicted_bytes()

@@ -4,7 +4,7 @@ Placement. `MirroredStrategy` creates every variable on all of its own devices
 and ignores `tf.device`, so model-parallel weights are NOT created under any
 strategy scope. Instead this engine builds one copy of the task's model per
 data-parallel replica, outside every scope, each stage's (and shard's) weights under
-`tf.device` of its device in the plan (tfpar.parallel.plan), and one AdamW per
+`tf.device` of its device in the plan (tfpar.layout.placement), and one AdamW per
 copy beside it (its slots are created colocated with their variables; its step
 counter on the replica's first device, the "anchor"). Every copy starts from
 the weights one device would initialise (built once on the host, then split

@@ -11,7 +11,7 @@ them, reading the ids of the preset's tokenizer (`tokenizer_of`: what
 --tokenizer defaults to); `python -m tfpar.export --format=keras_hub` writes a
 run back as a preset that keras-hub's CausalLM loads.
 
-This module is TF-free (tfpar.rules calls `check` before TensorFlow starts);
+This module is TF-free (tfpar.config.rules calls `check` before TensorFlow starts);
 tfpar.hub.preset reads and writes weights with keras-hub.
 """
 

@@ -14,14 +14,14 @@ on every interface. What differs is who writes TF_CONFIG and who restarts:
   failed Job restarts the whole JobSet (`failurePolicy.maxRestarts`), except
   exit status 2 (bad input), which fails it at once, and 75 (preempted, every
   worker saved), which restarts it without using up a restart. Pods build
-  TF_CONFIG with `tfpar.cluster` from their index and the hostnames in
+  TF_CONFIG with `tfpar.config.cluster` from their index and the hostnames in
   `TFPAR_CLUSTER`.
 - Indexed Job + headless Service: one Job of every task (chief, workers, ps by
   completion index); a failure fails the Job (no group restarts). With
   parameter servers the Job succeeds when the chief (index 0) does.
 
 Pipeline stages across workers (`stage_servers`: multi_worker_mirrored with a
-replica's K x T devices more than a worker's G, tfpar.rules.worker_layout):
+replica's K x T devices more than a worker's G, tfpar.config.rules.worker_layout):
 worker 0 is the only client and the other workers serve its stages. The job
 follows worker 0, as parameter-server jobs follow their chief: the workers'
 Indexed Job succeeds when index 0 does (a Job success policy; in a JobSet, the
@@ -29,7 +29,7 @@ Indexed Job succeeds when index 0 does (a Job success policy; in a JobSet, the
 a failed server fails its Job, which restarts the JobSet (or fails the Indexed
 Job or TFJob). Servers also exit 0 by themselves within seconds of worker 0's
 success (tfpar.parallel.remote). Pods of model-parallel multi-worker jobs get
-the GPU count they were rendered with (tfpar.cluster.GPUS_ENV), which each
+the GPU count they were rendered with (tfpar.config.cluster.GPUS_ENV), which each
 decides on (and checks) exactly as the render did.
 """
 
@@ -75,7 +75,7 @@ class Job:
 
   @property
   def roles(self) -> List[Tuple[str, int]]:
-    """(task type, pods) in TF's order, as tfpar.cluster.job_roles shapes every job."""
+    """(task type, pods) in TF's order, as tfpar.config.cluster.job_roles shapes every job."""
     return cluster_lib.job_roles(self.workers, self.ps)
 
   @property

@@ -6,7 +6,7 @@ shards. Device (d, k, t) is the flat index d*K*T + k*T + t of the devices the
 run may use; across N workers of G devices, the flat index into the workers'
 devices in worker order: local device k*T + t of worker d when a replica fits
 one worker (K x T <= G), else a replica spans W = K x T / G whole workers and
-stage k of replica d sits on worker d*W + k*T // G (tfpar.rules.worker_layout:
+stage k of replica d sits on worker d*W + k*T // G (tfpar.config.rules.worker_layout:
 a tensor-parallel group never leaves its worker).
 
 Stages hold contiguous blocks. By default the blocks are balanced by parameter
@@ -388,13 +388,31 @@ class ParallelPlan:
   def write(self, model_dir: str, measured: Optional[Dict[str, Dict[str, int]]] = None) -> str:
     """plan.json; `measured`: {device: {"parameters": bytes, "optimizer": bytes}} of the real
     variables, written beside the prediction (`measured_bytes_per_device`)."""
-    storage.makedirs(model_dir)
-    path = os.path.join(model_dir, "plan.json")
     plan = self.to_dict()
     if measured is not None:
       plan["measured_bytes_per_device"] = measured
-    storage.write_atomically(path, json.dumps(plan, indent=2))
-    return path
+    return write_plan_json(model_dir, plan)
+
+
+PLAN_JSON = "plan.json"
+
+
+def write_plan_json(model_dir: str, record: dict) -> str:
+  """Writes `record` as model_dir/plan.json (atomically; gs:// works); returns its path.
+
+  The one writer of plan.json: the engines write their plan and its bytes at
+  start-up, tfpar.training.memory adds what the allocator measured.
+  """
+  storage.makedirs(model_dir)
+  path = os.path.join(model_dir, PLAN_JSON)
+  storage.write_atomically(path, json.dumps(record, indent=2))
+  return path
+
+
+def read_plan_json(model_dir: str) -> Optional[dict]:
+  """model_dir/plan.json, or None where no engine wrote one."""
+  path = os.path.join(model_dir, PLAN_JSON)
+  return json.loads(storage.read_text(path)) if storage.exists(path) else None
 
 
 def device_key(device: str) -> str:

@@ -1,7 +1,7 @@
 """Pipeline parallelism: a model copy's stages over micro-batches, in one tf.function graph.
 
 K stages hold contiguous blocks (stage 0 also the embedding, stage K-1 the
-head and the loss; see tfpar.parallel.plan). A replica's batch of B sequences
+head and the loss; see tfpar.layout.placement). A replica's batch of B sequences
 is cut into M micro-batches of B/M. A `Pipeline` is the forward of each
 micro-batch through the stages, every stage's ops placed on its device
 (`tf.device`; activations move between stages by send/recv); the order in

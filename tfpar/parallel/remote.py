@@ -1,7 +1,7 @@
 """Pipeline stages on other workers: one client places every stage, the other workers serve.
 
 Under `--strategy=multi_worker_mirrored`, when a replica's K x T devices are
-more than a worker holds (tfpar.rules.worker_layout: W = K x T / G workers per
+more than a worker holds (tfpar.config.rules.worker_layout: W = K x T / G workers per
 replica), the chief (worker 0) connects to the whole cluster
 (`tf.config.experimental_connect_to_cluster`) and every other worker only
 starts its gRPC server (`serve`). The chief's device list then names the other

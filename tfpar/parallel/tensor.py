@@ -36,7 +36,7 @@ Which variable splits along which axis is tfpar.partitioning's table.
 This module only decides *where* and *how* each shard runs: a
 `DevicePlacement`, handed to the block by its typed `place()` hook, which the
 block also uses while building, so shard t's weights are created on dev_t
-(see tfpar.parallel.plan for the bytes). Under --jit_compile each shard's
+(see tfpar.layout.placement for the bytes). Under --jit_compile each shard's
 attention and MLP partial is one XLA program on its own device (a compiled
 cluster lives on one device); TensorFlow differentiates a compiled function
 into a compiled forward (which also returns what the backward needs) and a
@@ -68,7 +68,7 @@ memory: the LayerNorm inputs, dropout masks and residual of a block now take
 each block's gathered Y stays whole on every dev_t until the backward (as in
 plain tensor parallelism); Megatron-LM keeps only its slice and gathers again
 in the backward. Per block and micro-batch, in 16-bit values
-(tfpar.parallel.plan.activation_bytes_per_block):
+(tfpar.layout.placement.activation_bytes_per_block):
 
   tensor parallel               s b h (10 + 24/T) + 5 a s^2 b / T  (on dev_0)
   + sequence parallel, tfpar    s b h (4 + 30/T)  + 5 a s^2 b / T  (on every dev_t)

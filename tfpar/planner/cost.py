@@ -24,7 +24,7 @@ selective recompute q (0 or 1), optimizer sharding none, zero1 or zero2:
                                 s b (N + 2 a s / T), N = 2 (3h + c) + 4h/T + 7f/T (GPT);
                                 with sequence parallelism 2h + 2 (2h + c)/T + 4h/T + 7f/T;
                                 selective drops the 2 a s / T, full keeps s b h
-                                (tfpar.parallel.plan.tfpar_kept_per_position; Llama too)
+                                (tfpar.layout.placement.tfpar_kept_per_position; Llama too)
   micro-batches in flight on stage k (activations kept for the backward):
                                 gpipe M; 1f1b min(M, K - k);
                                 interleaved (2(K-k-1) + (v-1)K + 1) / v  (Narayanan et al. 2021)
@@ -71,7 +71,7 @@ from tfpar.layout import placement as plan_lib
 from tfpar.layout import schedule as schedule_lib
 from tfpar.planner.clusters import Cluster
 
-# --remat's modes (tfpar.schema.REMAT's order: a bool True is full) and --optimizer_sharding's.
+# --remat's modes (tfpar.config.schema.REMAT's order: a bool True is full) and --optimizer_sharding's.
 REMATS = schema.REMAT
 NO_REMAT, FULL, SELECTIVE = plan_lib.NO_REMAT, plan_lib.FULL_REMAT, plan_lib.SELECTIVE_REMAT
 SHARDINGS = ("none", "zero1", "zero2")
@@ -106,11 +106,11 @@ class System:
       the new weights (tfpar: ReplicaContext has no reduce-scatter); else it
       reduce-scatters and all-gathers, the bytes of one all-reduce.
     activation_counts: whose count of the activations a block and the head keep
-      (tfpar.parallel.plan.activation_bytes_per_block: "paper", Korthikanti et al.'s
+      (tfpar.layout.placement.activation_bytes_per_block: "paper", Korthikanti et al.'s
       count of Megatron-LM's; "tfpar", what tfpar's backward reads, measured).
     regather: under sequence parallelism each shard keeps only its slice of the gathered
       input of the column-parallel matmuls and gathers it again in the backward
-      (Megatron-LM); else it keeps it whole (tfpar). tfpar.parallel.plan has the counts.
+      (Megatron-LM); else it keeps it whole (tfpar). tfpar.layout.placement has the counts.
   """
   name: str
   schedules: Tuple[str, ...]
@@ -235,7 +235,7 @@ class Stages:
 
 
 def stages(m: ModelConfig, k: int, t: int, system: System, uniform: bool = False) -> Stages:
-  """Blocks and per-device parameters of each stage, from tfpar.parallel.plan's counts.
+  """Blocks and per-device parameters of each stage, from tfpar.layout.placement's counts.
 
   `uniform` (an interleaved schedule's chunks) gives L/K blocks per stage whatever the System.
   """

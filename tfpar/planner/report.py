@@ -127,7 +127,7 @@ def to_json(m, cluster, ranked: search.Ranked, top: int, precision: str, system)
 
 
 def _tfpar_activations(m, p, act) -> str:
-  """The tfpar count of one block's activations (tfpar.parallel.plan) with the plan's numbers."""
+  """The tfpar count of one block's activations (tfpar.layout.placement) with the plan's numbers."""
   s, b, h, a, T = m.seq_len, p["microbatch_size"], m.d_model, m.num_heads, p["tensor_parallel"]
   n = float(plan_lib.tfpar_kept_per_position(m, T, p["sequence_parallel"]))
   core = {"none": f" + {a}*{s}/{T}", "selective": "", "full": None}[p["remat"]]

@@ -10,7 +10,7 @@ each schedule the System runs: GPipe, 1F1B, and interleaved with v virtual
 stages where K v divides L and K divides M (Megatron-LM's conditions); with
 D > 1 each optimizer sharding the System runs (tfpar: zero1 and zero2, a
 replica inside one node or spanning nodes, not under mixed_float16, as
-tfpar.rules allows; Megatron: zero1, its distributed optimizer); with T > 1
+tfpar.config.rules allows; Megatron: zero1, its distributed optimizer); with T > 1
 sequence parallelism off and on (both Systems run it). With tfpar on TPUs only data parallelism runs. The candidates of
 4,096 devices number a few thousand: one vectorised pass.
 """
@@ -74,7 +74,7 @@ def candidates(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost
   of modes to try, or None for all (the System's shardings). `sequence_parallel`:
   True or False fixes it (True only where T > 1), None tries both where T > 1.
   `precision` rules out tfpar's sharding under mixed_float16. tfpar refuses full
-  recompute with dropout (tfpar.rules), so its plans for a model with dropout do not use it.
+  recompute with dropout (tfpar.config.rules), so its plans for a model with dropout do not use it.
   """
   remats = [cost.remat_index(x) for x in _options(remat, cost.REMATS)]
   if system is cost.TFPAR and m.dropout > 0:  # Its recomputed blocks would draw new masks.
@@ -97,7 +97,7 @@ def candidates(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost
       if system is cost.TFPAR and cluster.kind == "tpu" and k * t > 1:
         continue  # tfpar's TPUStrategy path is data parallel only.
       if system is cost.TFPAR and k * t > dpn and (k * t) % dpn:
-        continue  # tfpar.rules.worker_layout: a replica spanning workers fills whole ones.
+        continue  # tfpar.config.rules.worker_layout: a replica spanning workers fills whole ones.
       if global_batch % d:
         continue
       per_replica = global_batch // d
@@ -127,7 +127,7 @@ def sequence_parallels(t: int, given: Optional[bool]) -> tuple:
 
 def shards_optimizer(system: cost.System, d: int, precision: Optional[str]) -> bool:
   """Whether the System can shard the optimizer of this plan: D > 1, and for tfpar no
-  mixed_float16 (tfpar.rules' conditions; a replica may span nodes)."""
+  mixed_float16 (tfpar.config.rules' conditions; a replica may span nodes)."""
   return d > 1 and (system.sharding_with_float16 or precision != "mixed_float16")
 
 

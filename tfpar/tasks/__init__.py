@@ -4,7 +4,7 @@ A task (tfpar.tasks.task.Task) holds everything the engines must not know:
 the model, the loss and its global normaliser, the data, the held-out
 metrics, the throughput unit and what tfpar.predict prints. The engines
 (tfpar.training.engine, tfpar.parallel.hybrid,
-tfpar.parallel.parameter_server), tfpar.parallel and the loop only run what a
+tfpar.engines.parameter_server), tfpar.parallel and the loop only run what a
 task gives them. Its TF-free half (tfpar.tasks.specs: validation, the
 start-up line's words, the reader of --data) is `spec(name)`.
 

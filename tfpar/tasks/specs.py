@@ -1,6 +1,6 @@
 """What each task asks of the flags and of its data's layout, without TensorFlow.
 
-The TF-free half of a task (tfpar.tasks.task.Task is the other): tfpar.rules
+The TF-free half of a task (tfpar.tasks.task.Task is the other): tfpar.config.rules
 calls `check_model` and `check_data` before TensorFlow starts (tfpar.plan calls
 `check_model` with no data); tfpar.console says what is trained in the task's
 own words (`model`, `batch`); `tool` names what runs a trained model; and
@@ -31,7 +31,7 @@ class TaskSpec:
   splits_sequence = False  # Runs under --sequence_parallel (its blocks' sequence is --seq_len).
 
   def check_model(self, m) -> None:
-    """The model flags (a tfpar.schema.ModelConfig) this task cannot build."""
+    """The model flags (a tfpar.config.schema.ModelConfig) this task cannot build."""
 
   def check_data(self, m, d) -> None:
     """What --data (a DataConfig), or the built-in data where it is None, needs of the model."""

@@ -21,13 +21,12 @@ logged beside the prediction for the same devices (`Engine.predicted_memory`:
 weights and optimizer state, held before; gradients and activations, added).
 """
 
-import json
 import os
 from typing import Dict, List, Sequence
 
 import tensorflow as tf
 
-from tfpar import storage
+from tfpar.layout import placement
 
 KINDS = ("weights", "gradients", "optimizer", "activations")
 
@@ -98,11 +97,10 @@ def record(model_dir: str, steps, groups: Dict[str, List[str]], held: Dict[str, 
     parts.append(f"{name}{shared} held {_mib(held[name])} (weights + optimizer predicted "
                  f"{_mib(sum(kinds[k] for k in HELD))}), added {_mib(added)} (gradients + "
                  f"activations predicted {_mib(entries[name]['predicted_added_bytes'])})")
-  path = os.path.join(model_dir, "plan.json")
-  if storage.exists(path):
-    plan = json.loads(storage.read_text(path))
+  plan = placement.read_plan_json(model_dir)
+  if plan is not None:
     plan["allocator_peak"] = {"steps": list(steps), "allocators": entries}
-    storage.write_atomically(path, json.dumps(plan, indent=2))
+    placement.write_plan_json(model_dir, plan)
   first, last = steps
   during = f"step {first}" if first == last else f"steps {first}-{last}"
   return f"memory during {during}, allocator: " + "; ".join(parts)

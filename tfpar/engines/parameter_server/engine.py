@@ -1,6 +1,6 @@
 """The coordinator's engine: asynchronous steps scheduled on the workers.
 
-What lives where, staleness and batches: tfpar.parallel.parameter_server.
+What lives where, staleness and batches: tfpar.engines.parameter_server.
 """
 
 import time
