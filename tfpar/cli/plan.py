@@ -241,13 +241,5 @@ def main(argv):
     print(f"wrote {path}: python -m tfpar.train --flagfile={path}", file=sys.stderr)
 
 
-def parse_flags(argv):
-  """absl's own parse errors (unknown flag, bad enum or int) get the same one line and exit 2."""
-  try:
-    return FLAGS(argv)
-  except flags.Error as e:
-    fail(str(e))
-
-
 if __name__ == "__main__":
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=tool.app_flags_parser(fail))

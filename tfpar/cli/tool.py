@@ -7,7 +7,7 @@ Each tool binds its name once: `fail = functools.partial(tool.fail, "generate")`
 """
 
 import sys
-from typing import NoReturn, Optional
+from typing import Callable, NoReturn, Optional
 
 from tfpar import status
 from tfpar.config import rundir
@@ -60,6 +60,23 @@ def parse_args(fv, argv, fail, *, doc: Optional[str] = None,
   elif len(rest) > 1:
     fail(f"unexpected arguments {rest[1:]}: flags are written --name=value")
   return False
+
+
+def app_flags_parser(fail, help_text: Optional[Callable[[], str]] = None):
+  """A `flags_parser` for absl.app.run over absl's FLAGS: absl's own parse errors (an unknown
+  flag, a bad enum or int) go to `fail`; any of HELP prints `help_text()` and exits 0 (absl's
+  own --help lists only the main module's flags, and exits 1)."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+
+  def parse(argv):
+    if help_text is not None and any(a in HELP for a in argv[1:]):
+      print(help_text())
+      sys.exit(status.OK)
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as e:
+      fail(str(e))
+  return parse
 
 
 def load_run(model_dir: str):

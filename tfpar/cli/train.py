@@ -79,20 +79,6 @@ def main(argv):
     fail(line, status.DISK_FULL)
 
 
-def parse_flags(argv):
-  """absl's own parse errors (unknown flag, bad enum or int) get the same one line and exit 2.
-
-  --help prints how to run it and tfpar's flags, and exits 0 (absl's own
-  --help lists only the main module's flags, which are none here, and exits 1).
-  """
-  if any(a in tool.HELP for a in argv[1:]):
-    print(__doc__ + "\n" + FLAGS.module_help(tfpar_flags))
-    sys.exit(status.OK)
-  try:
-    return FLAGS(argv)
-  except flags.Error as e:
-    fail(str(e))
-
-
 if __name__ == "__main__":
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=tool.app_flags_parser(
+      fail, lambda: __doc__ + "\n" + FLAGS.module_help(tfpar_flags)))
