@@ -9,7 +9,7 @@ three share is tfpar.engines.base.
 """
 
 from tfpar.config.schema import Config
-from tfpar.engines.base import Engine, build_model
+from tfpar.engines.base import Engine
 
 
 def make(cfg: Config, strategy, data, *, sharding: str = "data", task=None) -> Engine:
@@ -25,4 +25,4 @@ def make(cfg: Config, strategy, data, *, sharding: str = "data", task=None) -> E
   return DataParallelEngine(cfg, strategy, data, sharding=sharding, task=task)
 
 
-__all__ = ["Engine", "build_model", "make"]
+__all__ = ["make"]

@@ -35,7 +35,7 @@ counts="tfpar", also the planner's for --system=tfpar; Korthikanti et al.
 2022's count is Megatron-LM's; sequence parallelism splits part of it over
 the T shards; and what the head keeps on the last chunk,
 `head_activation_bytes`), replayed in the device's order of forwards and
-backwards (`Schedule.held`): 1F1B holds K-k micro-batches on stage k
+backwards (tfpar.layout.schedule.held): 1F1B holds K-k micro-batches on stage k
 (`in_flight`), interleaved 1F1B its warm-up's chunks. GPipe's order is the
 executor's, so for it the prediction is a bound, all M micro-batches
 (tfpar.layout.schedule). scripts/activation_memory.py measures, from the
