@@ -1,9 +1,10 @@
-"""The package's import arrows go one way (docs/design.md, "Layers").
+"""The package's import arrows go one way, and never round (docs/design.md, "Layers").
 
 Every import statement in tfpar (module level or inside a function: a lazy
 import is an arrow too) is parsed with `ast`, its target placed in a layer,
-and no module may import from a layer above its own. Engines and the
-training machinery import no model, loss or reader: the task brings them.
+and no module may import from a layer above its own, nor sit on a cycle of
+imports. The planner imports no runtime module; engines and the training
+machinery import no model, loss or reader: the task brings them.
 Runs no TensorFlow.
 """
 
