@@ -113,3 +113,24 @@ def test_readme_links_every_docs_page():
             for l in _links(_read(README)) if l.startswith("docs/")}
   pages = set(glob.glob(os.path.join(REPO, "docs", "*.md")))
   assert not pages - linked, f"docs pages README does not link: {sorted(pages - linked)}"
+
+
+def _commands(text: str, prefix: str):
+  """The shell commands starting with `prefix` in text's code blocks, continuations joined."""
+  return [l.strip() for l in text.replace("\\\n", " ").splitlines()
+          if l.strip().startswith(prefix)]
+
+
+def test_readmes_training_commands_give_valid_configs(monkeypatch):
+  """Every `python -m tfpar.train` and `tfpar.launch ... --` command README shows is read into a
+  validated Config by tfpar.train's own parser (flagfiles relative to the repo, as README runs)."""
+  from tfpar import config  # pylint: disable=import-outside-toplevel
+  monkeypatch.chdir(REPO)
+  readme = _read(README)
+  argvs = [c.split("&&")[-1].split()[3:] for c in _commands(readme, "pip install -e . &&")]
+  argvs += [c.split()[3:] for c in _commands(readme, "python -m tfpar.train ")]
+  argvs += [c.split(" -- ", 1)[1].split() for c in _commands(readme, "python -m tfpar.launch ")]
+  assert len(argvs) >= 4, argvs
+  for argv in argvs:
+    cfg = config.from_flags(tfpar_flags.parse(argv))
+    assert cfg.train.train_steps > 0, argv
