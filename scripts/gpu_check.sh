@@ -19,7 +19,7 @@
 #              its own process, float32 and mixed_bfloat16, medians and ratios).
 # The lent device machine of this project's sessions has no TensorFlow, and its
 # wheels are far over what may travel there, so this script has not run on a GPU
-# yet (README, "What has and has not run where").
+# yet (docs/operations.md, "What has and has not run where").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}

@@ -8,7 +8,7 @@
 - segment: every pixel background, `mean_iou` and `pixel_accuracy`.
 
 The canvases are the ones --task=detect and --task=segment hold out
-(tfpar.tasks.dense_vision), so the numbers sit beside the trained models' in README.
+(tfpar.tasks.dense_vision), so the numbers sit beside the trained models' in docs/vision.md.
 """
 
 import argparse

@@ -571,9 +571,9 @@ def test_the_dockerfile_installs_the_package_and_runs_tini_as_pid_1():
 
 
 def documented_commands():
-  """Every `python -m tfpar.k8s render` command in README.md and docs/kubernetes.md."""
+  """Every `python -m tfpar.k8s render` command in README.md, docs/kubernetes.md and docs/operations.md."""
   commands = []
-  for doc in ("README.md", "docs/kubernetes.md"):
+  for doc in ("README.md", "docs/kubernetes.md", "docs/operations.md"):
     with open(os.path.join(REPO, doc)) as f:
       text = f.read().replace("\\\n", " ")
     for line in text.splitlines():

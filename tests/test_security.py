@@ -1,6 +1,6 @@
 """What TensorFlow's servers expose, and what the local launcher does about it.
 
-README's security section rests on these: a `tf.distribute.Server` given
+docs/operations.md's security section rests on these: a `tf.distribute.Server` given
 127.0.0.1 in its cluster listens on every interface, and the launcher refuses
 to start a job on a port something (here: such a server) already holds.
 """
