@@ -11,8 +11,8 @@ import re
 
 from absl import flags as absl_flags
 
-from tfpar import flags as tfpar_flags
-from tfpar import schema
+from tfpar.config import flags as tfpar_flags
+from tfpar.config import schema
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
@@ -124,7 +124,7 @@ def _commands(text: str, prefix: str):
 def test_readmes_training_commands_give_valid_configs(monkeypatch):
   """Every `python -m tfpar.train` and `tfpar.launch ... --` command README shows is read into a
   validated Config by tfpar.train's own parser (flagfiles relative to the repo, as README runs)."""
-  from tfpar import config  # pylint: disable=import-outside-toplevel
+  from tfpar.config import config  # pylint: disable=import-outside-toplevel
   monkeypatch.chdir(REPO)
   readme = _read(README)
   argvs = [c.split("&&")[-1].split()[3:] for c in _commands(readme, "pip install -e . &&")]
