@@ -17,7 +17,7 @@ PACKAGE = os.path.join(REPO, "tfpar")
 # Lowest first. A module may import its own layer and those below.
 LAYERS = [
     ("foundation", ["tfpar", "tfpar.storage", "tfpar.status", "tfpar.console",
-                    "tfpar.partitioning"]),
+                    "tfpar.partitioning", "tfpar.families"]),
     ("data", ["tfpar.data", "tfpar.vision", "tfpar.tokenizer"]),
     ("settings", ["tfpar.config", "tfpar.schema", "tfpar.rules", "tfpar.rundir", "tfpar.cluster",
                   "tfpar.tasks.specs", "tfpar.hub"]),

@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from tfpar import tasks
 from tfpar.data import augment, digit_canvas, images, pipeline
-from tfpar.models import ViT
+from tfpar.models.vit.model import ViT
 from tfpar.tasks.task import Task, cross_entropy
 
 DIGITS_SPLIT_SEED = 0  # The digits' held-out split never moves.
