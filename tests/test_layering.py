@@ -27,7 +27,7 @@ LAYERS = [
     ("tasks", ["tfpar.tasks"]),
     ("parallel", ["tfpar.parallel", "tfpar.strategies"]),
     ("engines", ["tfpar.engines", "tfpar.planner"]),
-    ("runner", ["tfpar.runner"]),
+    ("runner", ["tfpar.runner", "tfpar.trainer"]),
     ("cli", ["tfpar.flags", "tfpar.train", "tfpar.generate", "tfpar.predict", "tfpar.launch",
              "tfpar.plan", "tfpar.k8s", "tfpar.export"]),
 ]

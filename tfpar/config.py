@@ -21,7 +21,8 @@ one line and exit status 2.
 import dataclasses
 from typing import Tuple
 
-from tfpar import console, families, hub, tokenizer
+from tfpar import console, hub, tokenizer
+from tfpar import rules as rules_lib
 # pylint: disable=unused-import  # The names other modules import from here.
 from tfpar.cluster import check_cluster
 from tfpar.rules import (MAX_COLLECTIVE_TIMEOUT, MAX_CPU_DEVICES, MAX_INT, MAX_SEED, check_batch,
@@ -97,14 +98,11 @@ def _vocab_size(f, spec: str) -> int:
 
 def model_from_flags(f) -> ModelConfig:
   """The validated model shape alone (tfpar.plan needs no model_dir or data)."""
-  try:
-    family = families.get(f.architecture)
-  except KeyError as e:
-    raise ConfigError(f"--architecture={f.architecture}: {e.args[0]}") from None
+  family = rules_lib.family_of(f)
   spec = _tokenizer(f)
   m = _section(ModelConfig, f, d_ff=f.d_ff if f.d_ff is not None else 4 * f.d_model,
                tokenizer=spec, vocab_size=_vocab_size(f, spec),
-               positions=f.positions or family.positions[0])
+               positions=f.positions or (family.positions or (ModelConfig.positions,))[0])
   validate_model(m)
   return m
 

@@ -37,7 +37,8 @@ class Family:
     task: the task it is trained on ("lm": a language model, the only task whose
       model --architecture picks).
     title: what the start-up line calls the model ("GPT").
-    positions: the --positions it computes; the first is the default.
+    positions: the --positions it computes, the first by default (empty: it has its own
+      way, and ignores the setting).
     grouped_query: whether it takes --num_kv_heads below --num_heads.
     default: the family a task builds when --architecture is not passed.
     tables: other tables of the same variables (a ViT's per-task heads), by name.
@@ -74,8 +75,12 @@ class Family:
     return getattr(importlib.import_module(module), attr)
 
   def build(self, model_config, *, tensor_shards: int = 1, seed: int = 0):
-    """A model of this family for `model_config` (a tfpar.Config's `model` section)."""
-    return self.model_class()(model_config, tensor_shards=tensor_shards, seed=seed)
+    """A model of this family for `model_config` (a tfpar.Config's `model` section), holding
+    the family's rules as `rules` where its class names none."""
+    model = self.model_class()(model_config, tensor_shards=tensor_shards, seed=seed)
+    if getattr(model, "rules", None) is None:
+      model.rules = self.rules
+    return model
 
 
 def _load_builtin() -> None:
