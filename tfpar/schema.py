@@ -60,8 +60,9 @@ def setting(default, text: str, *, flag: str = "", flag_default=UNSET,
 class ModelConfig:
   # What is learned (tfpar.tasks): it decides the model, data and loss.
   task: str = setting(
-      "lm", "What to train: 'lm' a byte-level GPT on text; with a ViT on images, 'classify' "
-      "(a class per image), 'detect' (boxes and classes) or 'segment' (a class per pixel) "
+      "lm", "What to train: 'lm' a language model (--architecture) on text; with a ViT on "
+      "images, 'classify' (a class per image), 'detect' (boxes and classes) or 'segment' (a "
+      "class per pixel) "
       "(the model, data, loss and metrics come from tfpar.tasks).", choices=TASKS)
   # Tokens: the tokenizer (tfpar.tokenizer) fixes the ids the model embeds and predicts.
   tokenizer: str = setting(
@@ -94,7 +95,8 @@ class ModelConfig:
       "attention.")
   init_from: Optional[str] = setting(  # tfpar.hub: keras-hub presets in (tfpar.export: out).
       None, "--task=lm: start a new run from a keras-hub preset directory (what save_to_preset "
-      "writes, of a backbone a family of tfpar/models converts): its weights, mapped to tfpar's names, under any "
+      "writes, of a backbone a family of tfpar/models converts): its weights, mapped to "
+      "tfpar's names, under any "
       "parallel plan. The model flags must match its config; a resumed run restores its "
       "checkpoint instead.")
   # Vision tasks (a ViT on image patches; unused by --task=lm).

@@ -5,8 +5,8 @@ A keras-hub preset directory (what `save_to_preset` writes) holds config.json
 tokenizer.json with its assets. One module per backbone maps its config to
 tfpar's model flags and its weight paths to tfpar's canonical names
 (tfpar.training.checkpoint): each model family's folder holds its own
-(tfpar/models/<family>/hub.py, named by its tfpar.families registration). A run started with `--init_from=PRESET_DIR` assigns the
-preset's weights in the canonical layout, so any parallel plan fine-tunes
+(tfpar/models/<family>/hub.py, named by its tfpar.families registration).
+A run started with `--init_from=PRESET_DIR` assigns the preset's weights in the canonical layout, so any parallel plan fine-tunes
 them, reading the ids of the preset's tokenizer (`tokenizer_of`: what
 --tokenizer defaults to); `python -m tfpar.export --format=keras_hub` writes a
 run back as a preset that keras-hub's CausalLM loads.

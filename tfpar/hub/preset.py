@@ -37,9 +37,18 @@ def load_weights(preset: str, m) -> dict:
   return out
 
 
+def _conversion(m):
+  """The keras-hub conversion of m's family (its folder's hub.py), or ConfigError."""
+  module = families.get(m.architecture).hub
+  if module is None:
+    raise hub.ConfigError(f"--architecture={m.architecture} has no keras-hub conversion (its "
+                          "family registers no hub module): export a family that has one")
+  return module
+
+
 def backbone(m, weights: dict):
   """A keras-hub backbone of tfpar's model config m holding `weights` (canonical names)."""
-  module = families.get(m.architecture).hub
+  module = _conversion(m)
   model = getattr(keras_hub.models, module.CLASS)(**module.backbone_config(m))
   by_path = {w.path: w for w in model.weights}
   for name, path in _pairs(module, m.num_layers):
@@ -52,7 +61,7 @@ def save(m, weights: dict, out: str, tokenizer) -> str:
   """Writes a keras-hub CausalLM preset of `weights` and `tokenizer` (a keras-hub tokenizer)
   to `out`; returns the CausalLM class it loads as."""
   model = backbone(m, weights)
-  task, preprocessor = families.get(m.architecture).hub.CAUSAL_LM
+  task, preprocessor = _conversion(m).CAUSAL_LM
   lm = getattr(keras_hub.models, task)(
       backbone=model, preprocessor=getattr(keras_hub.models, preprocessor)(tokenizer))
   lm.save_to_preset(out)

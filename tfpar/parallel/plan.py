@@ -72,8 +72,8 @@ STEP_COUNTER_BYTES = 8  # AdamW's int64 iteration count.
 @dataclasses.dataclass(frozen=True)
 class ParamCounts:
   """Parameters of each part of the model, per tensor-parallel shard where split."""
-  embedding: int  # the model's embed part (GPT: token + position tables): stage 0, device t=0
-  head: int  # the model's head part (GPT: final LayerNorm): stage K-1, device t=0
+  embedding: int  # the model's embed part (e.g. token + position tables): stage 0, device t=0
+  head: int  # the model's head part (e.g. a final LayerNorm): stage K-1, device t=0
   block_unsplit: int  # a block's REPLICATED variables (LayerNorms, output biases): device t=0
   block_shard: int  # one shard of its COLUMN/ROW variables (H/T heads, d_ff/T columns)
   shards: int = 1  # T

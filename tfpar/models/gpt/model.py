@@ -53,7 +53,7 @@ class GPT(Transformer):
     c = self.config
     return Block(d_model=c.d_model, num_heads=c.num_heads, d_ff=c.d_ff, dropout=c.dropout,
                  rotary=c.positions == "rotary", tensor_shards=tensor_shards, seed=seed,
-                 gelu_approximate=True, name=f"block_{i}")  # GPT-2's GELU (tfpar/models/gpt/hub.py).
+                 gelu_approximate=True, name=f"block_{i}")  # GPT-2's GELU (hub.py).
 
   def build_embed(self):
     self.token_embedding.build((None, None))

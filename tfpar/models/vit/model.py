@@ -8,8 +8,9 @@ patches) -> logits [B, num_classes].
 
 Like the GPT, the parts are public (tfpar.models.base.ParallelModel) so that
 tfpar.parallel runs them on different devices; the model never names a
-device. How its variables split: tfpar/models/vit/rules.py. A task that needs other outputs (per-patch logits for detection or
-segmentation) subclasses ViT and replaces `build_head`/`head`.
+device. How its variables split: tfpar/models/vit/rules.py. A task that needs
+other outputs (per-patch logits for detection or segmentation) subclasses ViT
+and replaces `build_head`/`head`.
 """
 
 import keras
