@@ -131,3 +131,25 @@ def test_the_trainer_says_when_tensorflow_started_with_too_few_devices():
   cfg = tfpar.make_config(model_dir="unused", strategy="mirrored", num_cpu_devices=16)
   with pytest.raises(tfpar.ConfigError, match="TensorFlow already started with 8 CPU device"):
     tfpar.Trainer(cfg)
+
+
+def test_no_module_outside_a_family_folder_names_a_family():
+  """A family is its folder plus its registration: every other module asks tfpar.families."""
+  import ast  # pylint: disable=import-outside-toplevel
+  from tfpar import families  # pylint: disable=import-outside-toplevel
+  folders = {name for name in os.listdir(os.path.join(REPO, "tfpar", "models"))
+             if os.path.isdir(os.path.join(REPO, "tfpar", "models", name))
+             and not name.startswith("__")}
+  assert {"gpt", "llama", "vit"} <= folders and set(families.names()) >= folders
+  tables = {t.family for t in families.all_rules()} - {"alibi_lm"}  # The example's own.
+  found = []
+  for root, _, files in os.walk(os.path.join(REPO, "tfpar")):
+    rel = os.path.relpath(root, os.path.join(REPO, "tfpar")).split(os.sep)
+    if rel[0] == "models" and len(rel) > 1 and rel[1] in folders:
+      continue
+    for name in (f for f in files if f.endswith(".py")):
+      with open(os.path.join(root, name), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+      found += [f"{'/'.join(rel)}/{name}:{node.lineno} {node.value!r}" for node in ast.walk(tree)
+                if isinstance(node, ast.Constant) and node.value in tables]
+  assert not found, "family names outside their folders:\n" + "\n".join(found)
