@@ -22,7 +22,7 @@ _PUBLIC = {
     "ConfigError": "tfpar.schema",
     "make_config": "tfpar.trainer",
     "Trainer": "tfpar.trainer",
-    "train": "tfpar.trainer",
+    "fit": "tfpar.trainer",  # Not "train": that is the command's module, tfpar.train.
     # Model families (tfpar.families) and their partitioning rules (tfpar.partitioning).
     "Family": "tfpar.families",
     "register": "tfpar.families",

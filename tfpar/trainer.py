@@ -126,9 +126,9 @@ class Trainer:
     return runner.build(self.config, self.cluster).engine
 
 
-def train(config: Optional[schema.Config] = None, *, model=None, **settings) -> dict:
+def fit(config: Optional[schema.Config] = None, *, model=None, **settings) -> dict:
   """Trains `config`, or `make_config(**settings)`: `Trainer(...).fit()`; returns its records."""
   if config is not None and settings:
-    raise TypeError("tfpar.train takes a config or settings, not both: pass "
+    raise TypeError("tfpar.fit takes a config or settings, not both: pass "
                     "config.replace(section={...}) or make_config(**settings)")
   return Trainer(config if config is not None else make_config(**settings), model=model).fit()
