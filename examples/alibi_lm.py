@@ -14,9 +14,10 @@ the T partials sum to the block's attention.
 
 Everything here is tfpar's public API (tfpar.__all__): the layers, the
 partitioning rules as data, the family's registration, the config and the
-Trainer. Run it (4 logical CPU devices: 2 pipeline stages x 2 tensor shards):
+Trainer. Run it from the repository (or anywhere once `pip install -e .` has
+installed tfpar), on 4 logical CPU devices: 2 pipeline stages x 2 tensor shards:
 
-    python examples/alibi_lm.py --model_dir=runs/alibi
+    PYTHONPATH=. python examples/alibi_lm.py --model_dir=runs/alibi
 
 tests/test_api.py trains it under that plan and under ZeRO-1 over 2 replicas,
 against one device.
