@@ -153,3 +153,12 @@ def test_no_module_outside_a_family_folder_names_a_family():
       found += [f"{'/'.join(rel)}/{name}:{node.lineno} {node.value!r}" for node in ast.walk(tree)
                 if isinstance(node, ast.Constant) and node.value in tables]
   assert not found, "family names outside their folders:\n" + "\n".join(found)
+
+
+def test_the_trainer_takes_the_family_to_train(example):
+  cfg = tfpar.make_config(model_dir="unused")
+  assert tfpar.Trainer(cfg, model=example.FAMILY).config.model.architecture == "alibi_lm"
+  llama = tfpar.Trainer(cfg, model="llama").config.model  # Its own default positions.
+  assert (llama.architecture, llama.positions) == ("llama", "rotary")
+  with pytest.raises(tfpar.ConfigError, match="--architecture=gtp is not a registered"):
+    tfpar.Trainer(cfg, model="gtp")

@@ -77,9 +77,11 @@ def _with_family(cfg: schema.Config, model: Union[str, families.Family]) -> sche
   m = cfg.model
   if m.architecture == model:
     return cfg
-  positions, old, new = m.positions, families.get(m.architecture), families.get(model)
-  if new.positions and positions == (old.positions or (positions,))[0]:  # The old default.
-    positions = new.positions[0]
+  positions = m.positions
+  if model in families.names():  # Else validation names the families there are.
+    old, new = families.get(m.architecture), families.get(model)
+    if new.positions and positions == (old.positions or (positions,))[0]:  # The old default.
+      positions = new.positions[0]
   return cfg.replace(model={"architecture": model, "positions": positions})
 
 
