@@ -310,7 +310,9 @@ def train_twin(engine, steps):
   from tfpar.training.checkpoint import model_layout, read_canonical  # pylint: disable=import-outside-toplevel
   split = isinstance(engine, ModelParallelEngine)
   model = engine.copies[0].model if split else engine.model
-  layout = engine.layouts[0] if split else model_layout(model, engine.optimizer)
+  # A ZeRO engine's slots are its shards, which its own layout reads (tfpar.parallel.zero).
+  sharded = split or getattr(engine, "zero", None) is not None
+  layout = engine.layouts[0] if sharded else model_layout(model, engine.optimizer)
   initial = read_canonical(model_layout(model))
   iterator = engine.train_iterator(0)
   first = engine.train(iterator, 1)

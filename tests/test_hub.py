@@ -36,7 +36,8 @@ from tfpar.engines.model_parallel import ModelParallelEngine
 from tfpar.cli.export import export
 from tfpar.cli.generate import load_model
 from tfpar.hub import preset
-from tfpar.models import GPT, Llama
+from tfpar.models.gpt.model import GPT
+from tfpar.models.llama.model import Llama
 from tfpar.training import loop
 
 TEXT = inspect.getsource(textwrap)

@@ -18,7 +18,7 @@ PACKAGE = os.path.join(REPO, "tfpar")
 # Lowest first. A module may import its own layer and those below.
 LAYERS = [
     ("foundation", ["tfpar", "tfpar.storage", "tfpar.status", "tfpar.console",
-                    "tfpar.partitioning"]),
+                    "tfpar.partitioning", "tfpar.families"]),
     ("data", ["tfpar.data", "tfpar.vision", "tfpar.tokenizer"]),
     ("settings", ["tfpar.config", "tfpar.tasks.specs", "tfpar.hub"]),
     ("layout", ["tfpar.layout"]),  # TF-free arithmetic: the runtime and the planner read it.
@@ -29,7 +29,7 @@ LAYERS = [
     ("tasks", ["tfpar.tasks"]),
     ("parallel", ["tfpar.parallel"]),
     ("engines", ["tfpar.engines", "tfpar.strategies"]),
-    ("runner", ["tfpar.runner"]),
+    ("runner", ["tfpar.runner", "tfpar.trainer"]),
     # The command-line tools, and the modules that keep their `python -m` names.
     ("cli", ["tfpar.cli", "tfpar.train", "tfpar.generate", "tfpar.predict", "tfpar.launch",
              "tfpar.plan", "tfpar.export", "tfpar.k8s", "tfpar.data.__main__",

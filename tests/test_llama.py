@@ -9,7 +9,7 @@ its gradient norm per step too, its first gradient in full (read as AdamW's
 first moment after one step, (1 - beta_1) g, so that no plan traces a second
 function for it) and its weights and AdamW slots after the steps; its
 variables, their splits and its bytes per device come
-from tfpar.partitioning.LLAMA; flags that cannot split are refused in one line.
+tfpar/models/llama/rules.py; flags that cannot split are refused in one line.
 """
 
 import inspect
@@ -21,8 +21,10 @@ import pytest
 from conftest import TINY, assert_twin, build_engine, make_config, train_twin
 from tfpar import partitioning
 from tfpar.config.schema import ConfigError
-from tfpar.models import Llama, ParallelModel
 from tfpar.layout import placement as plan_lib
+from tfpar.models.base import ParallelModel
+from tfpar.models.llama import rules as llama_rules
+from tfpar.models.llama.model import Llama
 from tfpar.training.checkpoint import model_layout
 
 STEPS = 3
@@ -67,13 +69,13 @@ def test_its_variables_and_splits_come_from_its_rules(runs):
   m = engine.cfg.model
   assert (m.positions, m.num_heads, m.kv_heads) == ("rotary", 4, 2)
   layout = model_layout(engine.copies[0].model)
-  assert partitioning.check_disjoint(partitioning.LLAMA, sorted(layout)) == {}
+  assert partitioning.check_disjoint(llama_rules.RULES, sorted(layout)) == {}
   full = {**{f"block_{i}/{n}": s for i in range(m.num_layers)
-             for n, s in partitioning.llama_block_shapes(m).items()},
-          **partitioning.llama_embed_shapes(m), **partitioning.llama_head_shapes(m)}
+             for n, s in llama_rules.block_shapes(m).items()},
+          **llama_rules.embed_shapes(m), **llama_rules.head_shapes(m)}
   assert sorted(full) == sorted(n for n in layout if not n.startswith("dropout_rng/"))
   assert full["block_0/attn/key/kernel"] == (32, 16)  # 2 KV heads of 8: half the queries'.
-  want = partitioning.shard_shapes(partitioning.LLAMA, full, 2)
+  want = partitioning.shard_shapes(llama_rules.RULES, full, 2)
   for name, (axis, shards) in layout.items():
     if name in full:
       assert len(shards) == (1 if axis is None else 2), name
@@ -82,7 +84,7 @@ def test_its_variables_and_splits_come_from_its_rules(runs):
   assert {d: b["parameters"] for d, b in engine.plan.bytes_per_device().items()} == \
       {d: b["parameters"] for d, b in measured.items()}
   assert engine.plan.counts == plan_lib.count_params(m, 2)  # The plan reads the Llama's rules.
-  assert "scale" in partitioning.no_decay_names([partitioning.LLAMA])
+  assert "scale" in partitioning.no_decay_names([llama_rules.RULES])
 
 
 @pytest.mark.parametrize("flags, says", [

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tfpar.config.schema import ModelConfig
-from tfpar.models import GPT
+from tfpar.models.gpt.model import GPT
 
 SMALL = dict(seq_len=16, num_layers=2, d_model=32, num_heads=4, d_ff=64)
 

@@ -1,6 +1,6 @@
 """A new model family in one file: a gated-MLP block, its partitioning rules, and its twin.
 
-The family (defined here, registered through tfpar.partitioning.register; no
+The family (defined here, registered through tfpar.families.register; no
 tfpar module is edited for it) is the GPT with its block replaced by
 
   x + Attn(LN(x)),  then  x + s * (silu(x W_gate) * (x W_up)) W_down
@@ -20,11 +20,13 @@ import pytest
 import tensorflow as tf
 
 from conftest import TINY, canonical_grads, make_config
-from tfpar import partitioning, strategies
+from tfpar import families, partitioning, strategies
 from tfpar.config.cluster import Cluster
 from tfpar.data.pipeline import Corpus
 from tfpar.layers import ColumnParallelDense, RowParallelDense, SelfAttention, TensorParallel
-from tfpar.models import GPT, ParallelModel
+from tfpar.models.base import ParallelModel
+from tfpar.models.gpt import rules as gpt_rules
+from tfpar.models.gpt.model import GPT
 from tfpar.engines.model_parallel import ModelParallelEngine
 from tfpar.partitioning import COLUMN, REPLICATED, ROW, VOCAB, Rule
 from tfpar.tasks.lm import LanguageModeling
@@ -102,7 +104,7 @@ def toy_block_shapes(m):
   return shapes
 
 
-TOY = partitioning.register(partitioning.Rules("toy", (
+TOY = partitioning.Rules("toy", (
     Rule(r"wte/embeddings", VOCAB, decay=True),
     Rule(r"wpe/embeddings", decay=True),
     Rule(r"block_\d+/ln_(1|2)/(gamma|beta)"),
@@ -114,7 +116,7 @@ TOY = partitioning.register(partitioning.Rules("toy", (
     Rule(r"block_\d+/layer_scale", REPLICATED),
     Rule(r"ln_f/(gamma|beta)"),
     Rule(r"dropout_rng/\d+"),
-), toy_block_shapes, partitioning.gpt_embed_shapes, partitioning.final_norm_shapes))
+), toy_block_shapes, gpt_rules.embed_shapes, partitioning.final_norm_shapes)
 
 
 class ToyLM(GPT):
@@ -124,6 +126,9 @@ class ToyLM(GPT):
     c = self.config
     return GatedBlock(d_model=c.d_model, num_heads=c.num_heads, d_ff=c.d_ff,
                       tensor_shards=tensor_shards, name=f"block_{i}")
+
+
+families.register(families.Family(name="toy", model=ToyLM, rules=TOY))
 
 
 class ToyTask(LanguageModeling):
@@ -240,7 +245,7 @@ def test_its_plan_counts_its_own_parameters(runs):
 
 def test_its_no_decay_set_comes_from_its_rules(runs):
   assert "layer_scale" in partitioning.no_decay_names([TOY])
-  assert "layer_scale" not in partitioning.no_decay_names([partitioning.GPT, partitioning.VIT])
+  assert "layer_scale" not in partitioning.no_decay_names([families.rules("gpt"), families.rules("vit")])
   for run in runs.values():
     model, opt = run["model"], inner_optimizer(run["engine"].optimizer)
     decided = {}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import make_config
-from tfpar import partitioning, tasks
+from tfpar import families, partitioning, tasks
 from tfpar.config.schema import ModelConfig
 from tfpar.layout import placement as plan_lib
 from tfpar.training.checkpoint import model_layout
@@ -70,7 +70,7 @@ def test_each_shard_has_its_rules_slice_and_the_counts_are_the_variables(task_mo
 
 def test_the_no_decay_set_is_todays():
   today = {"bias", "gamma", "beta", "attn_bias", "mlp_bias"}
-  assert set(partitioning.no_decay_names([partitioning.GPT, partitioning.VIT])) == today
+  assert set(partitioning.no_decay_names([families.rules("gpt"), families.rules("vit")])) == today
   assert set(NO_DECAY) >= today
 
 
@@ -95,7 +95,9 @@ def test_the_planners_layer_flops_come_from_the_rules():
 
 def test_a_name_no_rule_matches_is_a_clear_error():
   with pytest.raises(KeyError, match="no partitioning rule of model family 'gpt' matches"):
-    partitioning.GPT.rule("block_0/attn/rotary/kernel")
+    families.rules("gpt").rule("block_0/attn/rotary/kernel")
+  with pytest.raises(KeyError, match="unknown model family 'gtp': registered are gpt, llama"):
+    families.get("gtp")
   with pytest.raises(ValueError, match="split 'diagonal'"):
     partitioning.Rule("x", "diagonal")
-  assert np.isscalar(partitioning.GPT.axis("block_3/mlp/fc_in/bias", 1))
+  assert np.isscalar(families.rules("gpt").axis("block_3/mlp/fc_in/bias", 1))

@@ -26,7 +26,7 @@ SHAPES = [
 @pytest.mark.parametrize("m", SHAPES)
 @pytest.mark.parametrize("t", [1, 2])
 def test_parameter_count_is_the_built_models(m, t):
-  from tfpar.models.gpt import GPT  # pylint: disable=import-outside-toplevel
+  from tfpar.models.gpt.model import GPT  # pylint: disable=import-outside-toplevel
   model = GPT(m, tensor_shards=t)
   model.build_all()
   built = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
@@ -60,7 +60,7 @@ def test_step_flops_are_a_count_of_the_models_matmuls(remat):
   """Forward, backward and (with --remat) the recomputed forward, as traced by TensorFlow;
   --remat=selective recomputes the attention core's 4 s^2 h per block and sequence."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tfpar.models.gpt import GPT  # pylint: disable=import-outside-toplevel
+  from tfpar.models.gpt.model import GPT  # pylint: disable=import-outside-toplevel
   from tfpar.parallel.pipeline import Pipeline  # pylint: disable=import-outside-toplevel
   from tfpar.tasks.task import cross_entropy  # pylint: disable=import-outside-toplevel
   m, batch = SHAPES[0], 8  # seq_len 32: one attention query block, the full square.

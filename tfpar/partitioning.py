@@ -27,9 +27,10 @@ weight of a matrix per sequence, plus attention's 4 s^2 h).
 Everything reads these tables: checkpoint canonical names and the gather /
 split axis (tfpar.training.checkpoint), parameter and optimizer bytes per
 device (tfpar.layout.placement), the no-decay set (tfpar.training.optimizer),
-FLOPs (tfpar.planner.cost). A new family (tests/test_model_family.py adds one)
-registers its table and three shapes functions with `register`; nothing else
-changes. Patterns are full
+FLOPs (tfpar.planner.cost). Each family's table and shapes functions live in
+its folder (tfpar/models/<family>/rules.py) and are registered with it
+(tfpar.families); this module holds the machinery and the rules of
+tfpar.layers' own parts (tfpar.layers.Block) that tables share. Patterns are full
 matches and a family's patterns are disjoint, so each variable has exactly one
 rule (the unit tests check it against every model's real variables).
 
@@ -134,40 +135,15 @@ class Rules:
     return sum(math.prod(s) for s in self.block_shapes(m).values() if len(s) == 2)
 
 
-_FAMILIES: Dict[str, Rules] = {}
-
-
-def register(rules: Rules) -> Rules:
-  """Adds (or replaces) a model family's table; returns it.
-
-  `rules` (a `Rules`) names the family, its ordered rules and three functions
-  of the ModelConfig giving full shapes: one block's variables (names inside
-  the block), the embedding's and the head's (canonical names). Every count
-  of the family's parameters (plan, planner) comes from them and the rules.
-  """
-  _FAMILIES[rules.family] = rules
-  return rules
-
-
-def get(family: str) -> Rules:
-  if family not in _FAMILIES:
-    raise KeyError(f"unknown model family {family!r}: registered are {', '.join(_FAMILIES)}")
-  return _FAMILIES[family]
-
-
-def families() -> Tuple[str, ...]:
-  return tuple(_FAMILIES)
-
-
-def no_decay_names(tables: Optional[Iterable[Rules]] = None) -> Tuple[str, ...]:
-  """The variable names (last path component) of every no-decay rule of `tables` (default all).
+def no_decay_names(tables: Iterable[Rules]) -> Tuple[str, ...]:
+  """The variable names (last path component) of every no-decay rule of `tables`.
 
   Keras's AdamW excludes variables by a regex search on that short name, so a
   family's no-decay rules must end in names its decaying variables do not
   contain (the unit tests check it for every registered family's variables).
   """
   names = []
-  for table in (_FAMILIES.values() if tables is None else tables):
+  for table in tables:
     for r in table.rules:
       leaf = r.pattern.rsplit("/", 1)[-1]
       for name in re.sub(r"^\((.*)\)$", r"\1", leaf).split("|"):
@@ -177,14 +153,14 @@ def no_decay_names(tables: Optional[Iterable[Rules]] = None) -> Tuple[str, ...]:
   return tuple(names)
 
 
-# --- the transformer block (tfpar.layers.Block), shared by GPT and ViT ---------------------
+# --- tfpar.layers' parts, for the families' tables (tfpar/models/<family>/rules.py) ----------
 
-def _norm(prefix: str) -> Tuple[Rule, ...]:
+def norm(prefix: str) -> Tuple[Rule, ...]:
   """A LayerNorm's scale and offset: whole, not decayed."""
   return (Rule(rf"{prefix}/(gamma|beta)"),)
 
 
-def _dense(prefix: str, split: str = REPLICATED, bias: bool = True) -> Tuple[Rule, ...]:
+def dense(prefix: str, split: str = REPLICATED, bias: bool = True) -> Tuple[Rule, ...]:
   """A Dense layer's kernel (decayed) and bias (not), split as the layer is."""
   return (Rule(rf"{prefix}/kernel", split, decay=True),) + (
       (Rule(rf"{prefix}/bias", split),) if bias else ())
@@ -192,14 +168,19 @@ def _dense(prefix: str, split: str = REPLICATED, bias: bool = True) -> Tuple[Rul
 
 BLOCK = r"block_\d+"
 BLOCK_RULES = (
-    *_norm(rf"{BLOCK}/ln_(1|2)"),
-    *_dense(rf"{BLOCK}/attn/(query|key|value)", COLUMN),  # Heads [t H/T, (t+1) H/T).
-    *_dense(rf"{BLOCK}/attn/output", ROW, bias=False),
-    *_dense(rf"{BLOCK}/mlp/fc_in", COLUMN),
-    *_dense(rf"{BLOCK}/mlp/fc_out", ROW, bias=False),
+    *norm(rf"{BLOCK}/ln_(1|2)"),
+    *dense(rf"{BLOCK}/attn/(query|key|value)", COLUMN),  # Heads [t H/T, (t+1) H/T).
+    *dense(rf"{BLOCK}/attn/output", ROW, bias=False),
+    *dense(rf"{BLOCK}/mlp/fc_in", COLUMN),
+    *dense(rf"{BLOCK}/mlp/fc_out", ROW, bias=False),
     Rule(rf"{BLOCK}/(attn_bias|mlp_bias)"),  # Added once, after the sum of the shards.
 )
 DROPOUT_RULES = (Rule(r"dropout_rng/\d+"),)  # Dropout's RNG state (tfpar.training.checkpoint).
+
+
+def final_norm_shapes(m) -> Dict[str, Shape]:
+  """A final LayerNorm after the blocks (ln_f)."""
+  return {"ln_f/gamma": (m.d_model,), "ln_f/beta": (m.d_model,)}
 
 
 def block_shapes(m) -> Dict[str, Shape]:
@@ -213,112 +194,6 @@ def block_shapes(m) -> Dict[str, Shape]:
                  "mlp/fc_in/bias": (f,), "mlp/fc_out/kernel": (f, d),
                  "attn_bias": (d,), "mlp_bias": (d,)})
   return shapes
-
-
-def gpt_embed_shapes(m) -> Dict[str, Shape]:
-  """tfpar.models.GPT's token table (tied: also the output projection) and learned positions."""
-  shapes = {"wte/embeddings": (m.vocab_size, m.d_model)}
-  if m.positions == "learned":
-    shapes["wpe/embeddings"] = (m.seq_len, m.d_model)
-  return shapes
-
-
-def final_norm_shapes(m) -> Dict[str, Shape]:
-  """The final LayerNorm: GPT's whole head (its output projection is the tied table)."""
-  return {"ln_f/gamma": (m.d_model,), "ln_f/beta": (m.d_model,)}
-
-
-def vit_embed_shapes(m) -> Dict[str, Shape]:
-  """tfpar.models.ViT's patch projection (a P x P convolution), positions, class token."""
-  d, p, cls = m.d_model, m.patch_size, m.pooling == "cls"
-  shapes = {"patch_embed/kernel": (p, p, m.num_channels, d), "patch_embed/bias": (d,),
-            "position_embedding": (m.num_patches + int(cls), d)}
-  if cls:
-    shapes["class_token"] = (d,)
-  return shapes
-
-
-def classifier_head_shapes(m) -> Dict[str, Shape]:
-  """The ViT classifier's head (--task=classify): final LayerNorm, then the classes."""
-  d, c = m.d_model, m.num_classes
-  return {**final_norm_shapes(m), "classifier/kernel": (d, c), "classifier/bias": (c,)}
-
-
-def detection_head_shapes(m) -> Dict[str, Shape]:
-  """tfpar.layers.dense_heads' detection head (--task=detect): classes + 4 box offsets per patch."""
-  d, c = m.d_model, m.num_classes
-  return {"detection_head/ln/gamma": (d,), "detection_head/ln/beta": (d,),
-          "detection_head/hidden/kernel": (d, d), "detection_head/hidden/bias": (d,),
-          "detection_head/out/kernel": (d, c + 4), "detection_head/out/bias": (c + 4,)}
-
-
-def segmentation_head_shapes(m) -> Dict[str, Shape]:
-  """tfpar.layers.dense_heads' segmentation head (--task=segment): P x P x classes per patch."""
-  d, out = m.d_model, m.patch_size * m.patch_size * m.num_classes
-  return {"segmentation_head/ln/gamma": (d,), "segmentation_head/ln/beta": (d,),
-          "segmentation_head/out/kernel": (d, out), "segmentation_head/out/bias": (out,)}
-
-
-GPT = register(Rules("gpt", (
-    Rule(r"wte/embeddings", VOCAB, decay=True),  # Tied: also the output projection.
-    Rule(r"wpe/embeddings", decay=True),
-    *BLOCK_RULES,
-    *_norm("ln_f"),
-    *DROPOUT_RULES,
-), block_shapes, gpt_embed_shapes, final_norm_shapes))
-
-# --- Llama (tfpar.models.Llama: tfpar.layers.LlamaBlock, untied output) -------------------
-
-def llama_block_shapes(m) -> Dict[str, Shape]:
-  """tfpar.layers.LlamaBlock's variables at full shape: no biases; K, V of kv_heads heads."""
-  d, f, head = m.d_model, m.d_ff, m.d_model // m.num_heads
-  return {"ln_1/scale": (d,), "ln_2/scale": (d,),
-          "attn/query/kernel": (d, m.num_heads * head),
-          "attn/key/kernel": (d, m.kv_heads * head), "attn/value/kernel": (d, m.kv_heads * head),
-          "attn/output/kernel": (m.num_heads * head, d),
-          "mlp/gate/kernel": (d, f), "mlp/up/kernel": (d, f), "mlp/down/kernel": (f, d)}
-
-
-def llama_embed_shapes(m) -> Dict[str, Shape]:
-  """The token table alone (positions are rotary, inside attention)."""
-  return {"wte/embeddings": (m.vocab_size, m.d_model)}
-
-
-def llama_head_shapes(m) -> Dict[str, Shape]:
-  """The final RMSNorm and the untied output projection."""
-  return {"ln_f/scale": (m.d_model,), "lm_head/kernel": (m.d_model, m.vocab_size)}
-
-
-LLAMA = register(Rules("llama", (
-    Rule(r"wte/embeddings", VOCAB, decay=True),
-    Rule(rf"{BLOCK}/ln_(1|2)/scale"),  # RMSNorm scales: whole, not decayed.
-    *_dense(rf"{BLOCK}/attn/(query|key|value)", COLUMN, bias=False),  # Heads and KV heads / T.
-    *_dense(rf"{BLOCK}/attn/output", ROW, bias=False),
-    *_dense(rf"{BLOCK}/mlp/(gate|up)", COLUMN, bias=False),
-    *_dense(rf"{BLOCK}/mlp/down", ROW, bias=False),
-    Rule(r"ln_f/scale"),
-    *_dense("lm_head", bias=False),  # Untied, whole on the last stage.
-    *DROPOUT_RULES,
-), llama_block_shapes, llama_embed_shapes, llama_head_shapes))
-
-# One table for every ViT (the checkpoint names of any of its heads); three
-# families, one per head, for the counts (the variables a task's model has).
-VIT_RULES = (
-    *_dense("patch_embed"),
-    Rule(r"(position_embedding|class_token)", decay=True),
-    *BLOCK_RULES,
-    *_norm("ln_f"),
-    *_dense("classifier"),
-    # The dense heads of tfpar.layers.dense_heads (tasks detect and segment).
-    *_norm("(detection_head|segmentation_head)/ln"),
-    *_dense("(detection_head/(hidden|out)|segmentation_head/out)"),
-    *DROPOUT_RULES,
-)
-VIT = register(Rules("vit", VIT_RULES, block_shapes, vit_embed_shapes, classifier_head_shapes))
-VIT_DETECT = register(Rules("vit_detect", VIT_RULES, block_shapes, vit_embed_shapes,
-                            detection_head_shapes))
-VIT_SEGMENT = register(Rules("vit_segment", VIT_RULES, block_shapes, vit_embed_shapes,
-                             segmentation_head_shapes))
 
 
 def shard_counts(rules: Rules, shapes: Dict[str, Shape], tensor_parallel: int, *,

@@ -2,6 +2,7 @@
 
 import os
 import re
+from typing import NamedTuple
 
 import keras
 from absl import logging as absl_logging
@@ -107,6 +108,41 @@ def _out_of_memory_message(cfg: Config, error) -> str:
           "--tensor_parallel, --remat, or a smaller --global_batch_size or model")
 
 
+class Built(NamedTuple):
+  """What `build` makes: the task, this worker's data, the engine holding model and optimizer."""
+  task: object
+  data: object
+  sharding: str  # 'data' or 'file' (tfpar.data.pipeline.choose_sharding).
+  engine: object
+  worker_index: int
+  num_workers: int  # Workers reading input (the parameter server's: its engine's).
+
+
+def build(cfg: Config, cluster: Cluster, *, across: bool = False) -> Built:
+  """The strategy, task, data and engine of this process, which drives the replicas (a
+  single process, a chief, or a multi_worker_mirrored worker); devices already set up.
+
+  Args:
+    across: pipeline stages on other workers (tfpar.parallel.remote; their
+      stage servers are up): the chief reads every replica's input.
+  """
+  keras.mixed_precision.set_global_policy(cfg.train.precision)
+  if across:
+    strategy = remote.connect(cfg.train.model_dir)
+  else:
+    strategy = strategies.make_strategy(cfg.dist, cluster)
+  preemption.watch()  # Again: multi-worker strategies install TF's own SIGTERM handler.
+  num_workers = cluster.num_workers if cfg.dist.strategy == "multi_worker_mirrored" else 1
+  worker_index = cluster.worker_index if num_workers > 1 else 0
+  task = tasks.make(cfg)
+  data, sharding = task.load_data(worker_index=worker_index,
+                                  num_workers=1 if across else num_workers)
+  engine = engines.make(cfg, strategy, data, sharding=sharding, task=task)
+  if cfg.dist.strategy == "parameter_server":
+    num_workers = engine.num_workers  # For the logs (the chief reads the data for all of them).
+  return Built(task, data, sharding, engine, worker_index, num_workers)
+
+
 def _run(cfg: Config, cluster: Cluster) -> dict:
   tf.get_logger().setLevel("WARNING")  # tf.distribute's per-call INFO lines drown the progress.
   absl_logging.set_verbosity(absl_logging.WARNING)  # so does the checkpoint saver, at every save
@@ -120,22 +156,9 @@ def _run(cfg: Config, cluster: Cluster) -> dict:
   if across and not cluster.is_chief:  # The chief places this worker's stages (parallel/remote).
     remote.serve(cluster, cfg.train.model_dir)
     return {}
-  keras.mixed_precision.set_global_policy(cfg.train.precision)
-  if across:
-    strategy = remote.connect(cfg.train.model_dir)
-  else:
-    strategy = strategies.make_strategy(cfg.dist, cluster)
-  preemption.watch()  # Again: multi-worker strategies install TF's own SIGTERM handler.
-  is_chief = cluster.is_chief
-  num_workers = cluster.num_workers if cfg.dist.strategy == "multi_worker_mirrored" else 1
-  worker_index = cluster.worker_index if num_workers > 1 else 0
-  task = tasks.make(cfg)
-  # Stages across workers: the chief reads every replica's input.
-  data, sharding = task.load_data(worker_index=worker_index,
-                                  num_workers=1 if across else num_workers)
-  engine = engines.make(cfg, strategy, data, sharding=sharding, task=task)
-  if cfg.dist.strategy == "parameter_server":
-    num_workers = engine.num_workers  # For the logs (the chief reads the data for all of them).
+  built = build(cfg, cluster, across=across)
+  task, data, sharding, engine = built.task, built.data, built.sharding, built.engine
+  is_chief, worker_index, num_workers = cluster.is_chief, built.worker_index, built.num_workers
   if is_chief:
     print(f"tfpar: {describe_run(cfg, engine.describe())} | "
           f"data: {task.describe_data(data)}, "

@@ -13,10 +13,11 @@ Ctrl-C, after saving (start it again to resume; a second Ctrl-C aborts with
 130, unsaved); 1 anything a restart may fix (tfpar/status.py says more).
 --helpfull lists absl's own flags too.
 """
-# This file only wires: parse flags into a validated config and check it
-# against the run directory and the cluster (all before TensorFlow starts),
-# make the strategy, build the engine under it, run the loop. TensorFlow's C++
-# start-up lines are silenced; absl's --verbosity=0 shows them.
+# This file only wires: parse flags into a validated config, hand it to
+# tfpar.trainer.Trainer (the Python API's path: the checks before TensorFlow
+# starts, the devices, the engine, the loop), and turn its errors into one line
+# and an exit status. TensorFlow's C++ start-up lines are silenced; absl's
+# --verbosity=0 shows them.
 
 import functools
 import sys
@@ -25,13 +26,12 @@ from absl import app, flags
 
 from tfpar.config import cluster as cluster_lib
 from tfpar.config import config as config_lib
-from tfpar import console
 from tfpar.cli import tool
 from tfpar.config import flags as tfpar_flags
 from tfpar.config.schema import ConfigError
-from tfpar.config import rundir
 from tfpar import status
 from tfpar import storage
+from tfpar import trainer as trainer_lib
 from tfpar.training import preemption
 
 tfpar_flags.define_flags()
@@ -43,40 +43,37 @@ def main(argv):
   preemption.watch(interrupt=True)  # Before TensorFlow: in a container, python may be PID 1.
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}: flags are written --name=value")
-  try:
+  try:  # The flags into a Config, then the same path as from Python (tfpar.trainer).
     cfg = config_lib.from_flags(FLAGS, warn=functools.partial(tool.warn, "train"))
-    cluster = cluster_lib.from_env()
-    if cluster.spec:  # TF_CONFIG against --strategy: before TensorFlow starts.
-      cluster_lib.check_cluster(cfg, cluster)
+    trainer = trainer_lib.Trainer(
+        cfg, verbosity=FLAGS.verbosity if FLAGS["verbosity"].present else None)
+    trainer.fit()
   except (ConfigError, cluster_lib.ClusterError) as e:
     fail(str(e))
   except cluster_lib.PeersNotFound as e:  # Not bad input: a restart may find them.
     fail(str(e), status.CRASH)
-  console.set_xla_auto_clustering(cfg.train.xla_auto_clustering)  # Before XLA reads its flags.
-  console.import_tensorflow_quietly(FLAGS.verbosity if FLAGS["verbosity"].present else None)
-  try:
-    rundir.check_run(cfg)  # Reads --model_dir through tf.io.gfile (TF_CONFIG: checked above).
-  except ConfigError as e:
-    fail(str(e))
   except storage.Unreachable as e:  # gs:// without network: a later start may well reach it.
     fail(str(e), status.CRASH)
-  from tfpar import runner  # pylint: disable=import-outside-toplevel
-  try:
-    runner.run(cfg, cluster)
-  except runner.USER_ERRORS as e:
+  except _runner().USER_ERRORS as e:
     fail(str(e))
-  except runner.NONFINITE_ERRORS as e:
+  except _runner().NONFINITE_ERRORS as e:
     fail(str(e), status.NONFINITE)
   except preemption.Preempted:
     preemption.stand_down()  # Saved: no later signal may turn 75 into a kill during teardown.
     sys.exit(status.PREEMPTED)
   except cluster_lib.PeerError as e:  # Not bad input: a restart may well succeed.
     fail(str(e), status.CRASH)
-  except runner.WRITE_ERRORS as e:
+  except _runner().WRITE_ERRORS as e:
     line = storage.disk_full(e)
     if line is None:  # Any other error: the traceback, as for every crash.
       raise
     fail(line, status.DISK_FULL)
+
+
+def _runner():
+  """tfpar.runner (TensorFlow), imported once an error past the checks needs its classes."""
+  from tfpar import runner  # pylint: disable=import-outside-toplevel
+  return runner
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Tuple
 
 from tfpar import console, hub, tokenizer
+from tfpar.config import rules as rules_lib
 from tfpar.config.rules import validate, validate_model
 from tfpar.config.schema import VOCAB_SIZE, Config, ConfigError, ModelConfig, settings
 
@@ -77,11 +78,11 @@ def _vocab_size(f, spec: str) -> int:
 
 def model_from_flags(f) -> ModelConfig:
   """The validated model shape alone (tfpar.plan needs no model_dir or data)."""
-  llama = f.architecture == "llama"
+  family = rules_lib.family_of(f)
   spec = _tokenizer(f)
   m = _section(ModelConfig, f, d_ff=f.d_ff if f.d_ff is not None else 4 * f.d_model,
                tokenizer=spec, vocab_size=_vocab_size(f, spec),
-               positions=f.positions or ("rotary" if llama else "learned"))
+               positions=f.positions or (family.positions or (ModelConfig.positions,))[0])
   validate_model(m)
   return m
 

@@ -15,7 +15,7 @@ import glob
 import math
 import os
 
-from tfpar import hub, tasks, tokenizer
+from tfpar import families, hub, tasks, tokenizer
 from tfpar.console import count
 from tfpar.config.schema import VOCAB_SIZE, COMPRESSIONS, ON_NONFINITE, Config, ConfigError, ModelConfig
 from tfpar.config.schema import ParallelConfig
@@ -73,6 +73,15 @@ def _bounded_ints(cfg: Config) -> None:
         raise ConfigError(f"--{field.name}={value} is too large: it must be below 2^31")
 
 
+def family_of(m: ModelConfig) -> "families.Family":
+  """The registered family --architecture names, or ConfigError listing the language models."""
+  if m.architecture not in families.names("lm"):
+    raise ConfigError(f"--architecture={m.architecture} is not a registered language model "
+                      f"family: use one of {', '.join(families.names('lm'))} (tfpar/models/), or "
+                      "register yours with tfpar.register")
+  return families.get(m.architecture)
+
+
 def validate_model(m: ModelConfig) -> None:
   """Raises ConfigError naming the first model flag that cannot work."""
   for value, flag in ((m.seq_len, "seq_len"), (m.num_layers, "num_layers"),
@@ -91,12 +100,15 @@ def validate_model(m: ModelConfig) -> None:
   if m.num_kv_heads is not None and (m.num_kv_heads <= 0 or m.num_heads % m.num_kv_heads):
     raise ConfigError(f"--num_kv_heads={m.num_kv_heads} does not divide --num_heads="
                       f"{m.num_heads}: pick a divisor of the head count (1: multi-query)")
-  if m.kv_heads != m.num_heads and m.architecture != "llama":
+  family = family_of(m)
+  if m.kv_heads != m.num_heads and not family.grouped_query:
+    grouped = [f.name for f in map(families.get, families.names("lm")) if f.grouped_query]
     raise ConfigError(f"--num_kv_heads={m.num_kv_heads} (grouped-query attention) is for "
-                      f"--architecture=llama: drop the flag, or pass --architecture=llama")
-  if m.architecture == "llama" and m.positions != "rotary":
-    raise ConfigError(f"--positions={m.positions} does not fit --architecture=llama, whose "
-                      "positions are rotary: drop the flag")
+                      f"--architecture={' or '.join(grouped)}, not {m.architecture}: drop the "
+                      f"flag, or pass --architecture={grouped[0]}")
+  if family.positions and m.positions not in family.positions:
+    raise ConfigError(f"--positions={m.positions} does not fit --architecture={m.architecture}, "
+                      f"whose positions are {' or '.join(family.positions)}: drop the flag")
   if m.positions == "rotary" and (m.d_model // m.num_heads) % 2:
     raise ConfigError(f"--positions=rotary needs an even head size, got "
                       f"d_model/num_heads={m.d_model // m.num_heads}: change --num_heads")

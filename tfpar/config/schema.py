@@ -14,7 +14,7 @@ import dataclasses
 import typing
 from typing import Optional, Tuple
 
-from tfpar import tasks
+from tfpar import families
 
 VOCAB_SIZE = 256  # Byte-level tokens: no vocabulary file, nothing to download.
 STRATEGIES = ("one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "tpu")
@@ -26,7 +26,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # tfpar.parallel.schedule
 CAUSAL_ATTENTION = ("query_blocks", "online_softmax")  # tfpar.layers.attention.CAUSAL_CORES.
 OPTIMIZER_SHARDING = ("none", "zero1", "zero2")  # tfpar.parallel.zero.
 XLA_AUTO_CLUSTERING = ("none", "fusible")  # tfpar.console.XLA_AUTO_CLUSTERING_FLAGS.
-ARCHITECTURES = ("gpt", "llama")  # --architecture: tfpar.models.GPT, tfpar.models.Llama.
+TASKS = ("lm", "classify", "detect", "segment")  # --task: tfpar.tasks.<name>.
 UNSET = object()  # A flag's default where it is the field's own.
 
 
@@ -60,9 +60,10 @@ def setting(default, text: str, *, flag: str = "", flag_default=UNSET,
 class ModelConfig:
   # What is learned (tfpar.tasks): it decides the model, data and loss.
   task: str = setting(
-      "lm", "What to train: 'lm' a byte-level GPT on text; with a ViT on images, 'classify' "
-      "(a class per image), 'detect' (boxes and classes) or 'segment' (a class per pixel) "
-      "(the model, data, loss and metrics come from tfpar.tasks).", choices=tasks.NAMES)
+      "lm", "What to train: 'lm' a language model (--architecture) on text; with a ViT on "
+      "images, 'classify' (a class per image), 'detect' (boxes and classes) or 'segment' (a "
+      "class per pixel) "
+      "(the model, data, loss and metrics come from tfpar.tasks).", choices=TASKS)
   # Tokens: the tokenizer (tfpar.tokenizer) fixes the ids the model embeds and predicts.
   tokenizer: str = setting(
       "bytes", "--task=lm: how text becomes ids: 'bytes' (256 byte values, no file), "
@@ -80,20 +81,22 @@ class ModelConfig:
   num_heads: int = setting(4, "Attention heads; must divide d_model.")
   d_ff: int = setting(512, "MLP hidden width (default 4 * d_model).", flag_default=None)
   dropout: float = setting(0.0, "Dropout rate (0 for pretraining-style runs, as nanoGPT).")
-  positions: str = setting("learned", "Position encoding (default: learned for "
-                           "--architecture=gpt, rotary for llama).",
+  positions: str = setting("learned", "Position encoding (default: the --architecture's "
+                           "own, the first its family lists in tfpar.families).",
                            choices=("learned", "rotary"), flag_default=None)
-  # The language model's architecture (tfpar.models; its tfpar.partitioning table has its name).
+  # The language model's family (tfpar.families: one folder of tfpar/models each).
   architecture: str = setting(
-      "gpt", "--task=lm: 'gpt' (GPT-2: LayerNorm, GELU MLP, biases, tied output) or 'llama' "
-      "(RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention, untied output, no "
-      "biases).", choices=ARCHITECTURES)
+      families.default("lm"), "--task=lm: the model family, one of tfpar/models/ ("
+      f"{', '.join(families.names('lm'))}; each folder's docstring says what it is), or one "
+      "registered with tfpar.register from Python (checked by tfpar.rules).")
   num_kv_heads: Optional[int] = setting(  # None: --num_heads (see kv_heads).
       None, "Key/value heads of grouped-query attention (default --num_heads; 1: multi-query); "
-      "must divide --num_heads; fewer than --num_heads is for --architecture=llama.")
+      "must divide --num_heads; fewer than --num_heads needs a family with grouped-query "
+      "attention.")
   init_from: Optional[str] = setting(  # tfpar.hub: keras-hub presets in (tfpar.export: out).
       None, "--task=lm: start a new run from a keras-hub preset directory (what save_to_preset "
-      "writes; GPT2Backbone or LlamaBackbone): its weights, mapped to tfpar's names, under any "
+      "writes, of a backbone a family of tfpar/models converts): its weights, mapped to "
+      "tfpar's names, under any "
       "parallel plan. The model flags must match its config; a resumed run restores its "
       "checkpoint instead.")
   # Vision tasks (a ViT on image patches; unused by --task=lm).

@@ -4,9 +4,9 @@ A keras-hub preset directory (what `save_to_preset` writes) holds config.json
 (the backbone's class and config), model.weights.h5 and, for a task,
 tokenizer.json with its assets. One module per backbone maps its config to
 tfpar's model flags and its weight paths to tfpar's canonical names
-(tfpar.training.checkpoint): tfpar.hub.llama (LlamaBackbone), tfpar.hub.gpt2
-(GPT2Backbone). A run started with `--init_from=PRESET_DIR` assigns the
-preset's weights in the canonical layout, so any parallel plan fine-tunes
+(tfpar.training.checkpoint): each model family's folder holds its own
+(tfpar/models/<family>/hub.py, named by its tfpar.families registration).
+A run started with `--init_from=PRESET_DIR` assigns the preset's weights in the canonical layout, so any parallel plan fine-tunes
 them, reading the ids of the preset's tokenizer (`tokenizer_of`: what
 --tokenizer defaults to); `python -m tfpar.export --format=keras_hub` writes a
 run back as a preset that keras-hub's CausalLM loads.
@@ -18,11 +18,9 @@ tfpar.hub.preset reads and writes weights with keras-hub.
 import json
 import os
 
-from tfpar.hub import gpt2, llama
+from tfpar import families
 from tfpar.config.schema import ConfigError
 
-BACKBONES = {m.CLASS: m for m in (gpt2, llama)}
-BY_ARCHITECTURE = {m.ARCHITECTURE: m for m in (gpt2, llama)}
 TOKENIZER_FILES = {"LlamaTokenizer": ("vocabulary.spm",),
                    "GPT2Tokenizer": ("vocabulary.json", "merges.txt")}
 
@@ -41,13 +39,14 @@ def read_json(preset: str, name: str, flag: str = "init_from") -> dict:
 
 
 def backbone_of(preset: str):
-  """(the tfpar.hub module of the preset's backbone class, its keras-hub config)."""
+  """(the tfpar.families.Family of the preset's backbone class, its keras-hub config)."""
   saved = read_json(preset, "config.json")
   name = saved.get("class_name")
-  if name not in BACKBONES:
+  by_class = {f.hub.CLASS: f for f in families.with_hub()}
+  if name not in by_class:
     raise ConfigError(f"--init_from={preset} holds a {name}, which tfpar cannot map: use a "
-                      f"preset of {' or '.join(BACKBONES)}")
-  return BACKBONES[name], saved.get("config", {})
+                      f"preset of {' or '.join(by_class)}")
+  return by_class[name], saved.get("config", {})
 
 
 def tokenizer_of(preset: str):
@@ -79,11 +78,12 @@ def check(m, preset: str) -> None:
   if not os.path.isdir(preset):
     raise ConfigError(f"--init_from={preset} is not a directory: pass a keras-hub preset "
                       "directory (what save_to_preset writes)")
-  module, config = backbone_of(preset)
+  family, config = backbone_of(preset)
+  module = family.hub
   for key, want in module.FIXED.items():
     if config.get(key, want) != want:
       raise ConfigError(f"--init_from={preset}: its {key}={config[key]} is not what tfpar's "
-                        f"{module.ARCHITECTURE} computes ({want}): use a preset with {want}")
+                        f"{family.name} computes ({want}): use a preset with {want}")
   own = tokenizer_of(preset)
   if own is not None and not _same_tokenizer(m.tokenizer, own):
     raise ConfigError(f"--tokenizer={m.tokenizer} is not the tokenizer of --init_from={preset}, "

@@ -1,18 +1,15 @@
 """Reading and writing keras-hub presets' weights (keras-hub itself does the files).
 
 `load_weights(preset, m)`: the preset's backbone weights under tfpar's
-canonical names, at tfpar's shapes (tfpar.hub.llama / gpt2 say which is
-which). `save(m, weights, out, tokenizer)`: a CausalLM preset of those
+canonical names, at tfpar's shapes (the family's hub.py, in its folder of
+tfpar/models, says which is which). `save(m, weights, out, tokenizer)`: a CausalLM preset of those
 weights with that keras-hub tokenizer (tfpar.tokenizer's `to_keras_hub`).
 """
 
 import keras_hub
 import numpy as np
 
-from tfpar import hub, partitioning
-
-CAUSAL_LM = {"LlamaBackbone": ("LlamaCausalLM", "LlamaCausalLMPreprocessor"),
-             "GPT2Backbone": ("GPT2CausalLM", "GPT2CausalLMPreprocessor")}
+from tfpar import families, hub
 
 
 def _pairs(module, num_layers: int):
@@ -24,10 +21,10 @@ def _pairs(module, num_layers: int):
 
 def load_weights(preset: str, m) -> dict:
   """{canonical name: array at tfpar's shape} of the preset's backbone (checked by hub.check)."""
-  module, _ = hub.backbone_of(preset)
+  family, _ = hub.backbone_of(preset)
+  module, rules = family.hub, family.rules
   model = keras_hub.models.Backbone.from_preset(preset)
   by_path = {w.path: np.asarray(w.numpy()) for w in model.weights}
-  rules = partitioning.get(module.ARCHITECTURE)
   shapes = {**rules.embed_shapes(m), **rules.head_shapes(m),
             **{f"block_{i}/{n}": s for i in range(m.num_layers)
                for n, s in rules.block_shapes(m).items()}}
@@ -40,9 +37,18 @@ def load_weights(preset: str, m) -> dict:
   return out
 
 
+def _conversion(m):
+  """The keras-hub conversion of m's family (its folder's hub.py), or ConfigError."""
+  module = families.get(m.architecture).hub
+  if module is None:
+    raise hub.ConfigError(f"--architecture={m.architecture} has no keras-hub conversion (its "
+                          "family registers no hub module): export a family that has one")
+  return module
+
+
 def backbone(m, weights: dict):
   """A keras-hub backbone of tfpar's model config m holding `weights` (canonical names)."""
-  module = hub.BY_ARCHITECTURE[m.architecture]
+  module = _conversion(m)
   model = getattr(keras_hub.models, module.CLASS)(**module.backbone_config(m))
   by_path = {w.path: w for w in model.weights}
   for name, path in _pairs(module, m.num_layers):
@@ -55,7 +61,7 @@ def save(m, weights: dict, out: str, tokenizer) -> str:
   """Writes a keras-hub CausalLM preset of `weights` and `tokenizer` (a keras-hub tokenizer)
   to `out`; returns the CausalLM class it loads as."""
   model = backbone(m, weights)
-  task, preprocessor = CAUSAL_LM[type(model).__name__]
+  task, preprocessor = _conversion(m).CAUSAL_LM
   lm = getattr(keras_hub.models, task)(
       backbone=model, preprocessor=getattr(keras_hub.models, preprocessor)(tokenizer))
   lm.save_to_preset(out)

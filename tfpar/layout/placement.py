@@ -52,6 +52,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from tfpar import families
 from tfpar.config import rules
 from tfpar import partitioning
 from tfpar.config import schema
@@ -71,8 +72,8 @@ STEP_COUNTER_BYTES = 8  # AdamW's int64 iteration count.
 @dataclasses.dataclass(frozen=True)
 class ParamCounts:
   """Parameters of each part of the model, per tensor-parallel shard where split."""
-  embedding: int  # the model's embed part (GPT: token + position tables): stage 0, device t=0
-  head: int  # the model's head part (GPT: final LayerNorm): stage K-1, device t=0
+  embedding: int  # the model's embed part (e.g. token + position tables): stage 0, device t=0
+  head: int  # the model's head part (e.g. a final LayerNorm): stage K-1, device t=0
   block_unsplit: int  # a block's REPLICATED variables (LayerNorms, output biases): device t=0
   block_shard: int  # one shard of its COLUMN/ROW variables (H/T heads, d_ff/T columns)
   shards: int = 1  # T
@@ -84,7 +85,7 @@ class ParamCounts:
 
 def rules_of(m: ModelConfig, family: Optional[str] = None) -> partitioning.Rules:
   """The partitioning rules of `family`, by default the family m's task builds."""
-  return partitioning.get(family or tasks.get(m.task).family_of(m))
+  return families.rules(family or tasks.get(m.task).family_of(m))
 
 
 def count_params(m: ModelConfig, tensor_parallel: int = 1, *,
@@ -191,9 +192,9 @@ def tfpar_kept_per_position(m: ModelConfig, t, sequence_parallel=False):
                parallelism inputs, products and statistics are on 1/T of the
                sequence and the outputs are gathered whole: 2h + 2 (2h + c) / T.
     attention  Q, K, V and the heads' output, 4h/T.
-    MLP        GPT: the pre-activation, the tanh GELU's three intermediates its
-               gradient reads and its output, 5f/T; Llama's SwiGLU: gate, up,
-               SiLU's output and the product, 4f/T.
+    MLP        a GELU MLP: the pre-activation, the tanh GELU's three intermediates its
+               gradient reads and its output, 5f/T; a SwiGLU: gate, up, SiLU's
+               output and the product, 4f/T (the family's `mlp_values`).
   The traced graph's gradient ops read more (the attention scores, GELU's two
   other intermediates and rotary's halves of Q and K): only the gradients of
   constants read those, Grappler prunes them, and the executor then writes the
@@ -204,10 +205,10 @@ def tfpar_kept_per_position(m: ModelConfig, t, sequence_parallel=False):
   """
   h, f = m.d_model, m.d_ff
   split = np.asarray(sequence_parallel, dtype=bool)
-  llama = m.architecture == "llama"
-  stats = 1 if llama else 3
+  family = families.get(m.architecture)
+  stats = family.norm_statistics
   norms = np.where(split, 2 * h + 2 * (2 * h + stats) / t, 2 * (3 * h + stats))
-  return norms + 4 * h / t + (4 if llama else 5) * f / t
+  return norms + 4 * h / t + family.mlp_values * f / t
 
 
 def head_activation_bytes(m: ModelConfig, b, precision: str, counts: str = "paper", tv=1):
@@ -224,8 +225,7 @@ def head_activation_bytes(m: ModelConfig, b, precision: str, counts: str = "pape
   if counts != "tfpar":
     return 8 * b * s * v / tv
   act = ACTIVATION_BYTES[precision]
-  llama = m.architecture == "llama"
-  norm = s * b * (3 * h + (1 if llama else 3)) * act
+  norm = s * b * (3 * h + families.get(m.architecture).norm_statistics) * act
   return 4 * b * s * v + norm
 
 

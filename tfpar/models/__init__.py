@@ -1,8 +1,3 @@
-"""Models built from tfpar.layers (GPT, Llama, ViT), and the protocol the engines use of them (tfpar.models.base)."""
-
-from tfpar.models.base import ParallelBlock, ParallelModel, Transformer
-from tfpar.models.gpt import GPT
-from tfpar.models.llama import Llama
-from tfpar.models.vit import ViT
-
-__all__ = ["GPT", "Llama", "ViT", "ParallelBlock", "ParallelModel", "Transformer"]
+"""Model families, one folder each (tfpar/models/<family>/: the model, its partitioning rules,
+its keras-hub conversion), each registering itself with tfpar.families; and the protocol the
+engines use of a model (tfpar.models.base). Importing this package imports no TensorFlow."""

@@ -3,7 +3,7 @@
 A task (tfpar.tasks.task.Task) holds everything the engines must not know:
 the model, the loss and its global normaliser, the data, the held-out
 metrics, the throughput unit and what tfpar.predict prints. The engines
-(tfpar.training.engine, tfpar.parallel.hybrid,
+(tfpar.engines.data_parallel, tfpar.engines.model_parallel,
 tfpar.engines.parameter_server), tfpar.parallel and the loop only run what a
 task gives them. Its TF-free half (tfpar.tasks.specs: validation, the
 start-up line's words, the reader of --data) is `spec(name)`.
@@ -16,25 +16,20 @@ the names and the specs) stay free of TensorFlow.
 
 import importlib
 
-# --task value -> module holding its Task subclass as `TASK`.
-_MODULES = {
-    "lm": "tfpar.tasks.lm",
-    "classify": "tfpar.tasks.classify",
-    "detect": "tfpar.tasks.detect",
-    "segment": "tfpar.tasks.segment",
-}
-NAMES = tuple(_MODULES)
+from tfpar.config.schema import TASKS
+
+NAMES = TASKS  # --task value NAME -> tfpar.tasks.NAME, holding its Task subclass as `TASK`.
 
 
 def _known(name: str) -> None:
-  if name not in _MODULES:
+  if name not in NAMES:
     raise ValueError(f"unknown task {name!r}: use one of {', '.join(NAMES)}")
 
 
 def get(name: str):
   """The Task class of --task=name."""
   _known(name)
-  return importlib.import_module(_MODULES[name]).TASK
+  return importlib.import_module(f"tfpar.tasks.{name}").TASK
 
 
 def spec(name: str):

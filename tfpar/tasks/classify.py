@@ -31,7 +31,8 @@ import tensorflow as tf
 
 from tfpar import tasks
 from tfpar.data import augment, digit_canvas, images, pipeline
-from tfpar.models import ViT
+from tfpar.models.vit import rules as vit_rules
+from tfpar.models.vit.model import ViT
 from tfpar.tasks.task import Task, cross_entropy
 
 DIGITS_SPLIT_SEED = 0  # The digits' held-out split never moves.
@@ -64,7 +65,7 @@ class Classification(Task):
   """
 
   unit = "images"
-  family = "vit"  # Its model's partitioning rules (tfpar.partitioning).
+  family = vit_rules.RULES.family  # Its model's partitioning rules (tfpar.partitioning).
 
   @property
   def units_per_step(self) -> int:

@@ -23,9 +23,9 @@ from typing import Dict, List
 
 import numpy as np
 
-from tfpar import partitioning, tasks
+from tfpar import families, tasks
 from tfpar.data import augment, digit_canvas, image_pipeline, images
-from tfpar.models import ViT
+from tfpar.models.vit.model import ViT
 from tfpar.tasks.task import Task
 
 SPLIT_SEED = 0  # As --task=classify's digits split: the same held-out scans.
@@ -87,7 +87,7 @@ class DenseVisionTask(Task):
 
   def build_model(self, *, tensor_shards: int = 1, seed: int = 0) -> DenseViT:
     return self.computing(DenseViT(self.cfg.model, head=self.make_head(),
-                                   rules=partitioning.get(self.family),
+                                   rules=families.rules(self.family),
                                    tensor_shards=tensor_shards, seed=seed))
 
   # --- data ---------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""--task=lm (the default): next-token prediction with the GPT or the Llama on packed text windows.
+"""--task=lm (the default): next-token prediction on packed text windows, with the model of
+--architecture's family (tfpar.families).
 
 Tokens are --tokenizer's (tfpar.tokenizer; bytes by default). The held-out
 loss is also reported per byte of text (loss per token / bytes per token of the
@@ -9,11 +10,10 @@ from typing import Dict, List
 
 import numpy as np
 
-from tfpar import console
+from tfpar import console, families
 from tfpar import tokenizer as tokenizer_lib
 from tfpar.data import corpus as corpus_lib
 from tfpar.data import pipeline
-from tfpar.models import GPT, Llama
 from tfpar.tasks.task import Task, cross_entropy
 from tfpar.training.metrics import perplexity
 
@@ -29,12 +29,10 @@ class LanguageModeling(Task):
   eval_bytes_per_token = 1.0  # Of the held-out stream; load_data measures it.
 
   unit = "tokens"
-  # --architecture -> the model; each architecture's tfpar.partitioning table bears its name.
-  MODELS = {"gpt": GPT, "llama": Llama}
 
   @classmethod
   def family_of(cls, m) -> str:
-    return m.architecture
+    return m.architecture  # The family's name, and its partitioning table's.
 
   @property
   def family(self) -> str:
@@ -49,7 +47,7 @@ class LanguageModeling(Task):
     return self.units_per_step  # Every token is labelled (by the next one).
 
   def build_model(self, *, tensor_shards: int = 1, seed: int = 0):
-    return self.computing(self.MODELS[self.cfg.model.architecture](
+    return self.computing(families.get(self.family).build(
         self.cfg.model, tensor_shards=tensor_shards, seed=seed))
 
   def load_data(self, *, worker_index: int = 0, num_workers: int = 1):

@@ -8,6 +8,7 @@ own words (`model`, `batch`); `tool` names what runs a trained model; and
 rule raises ConfigError with one line naming the flag and the fix.
 """
 
+from tfpar import families
 from tfpar.console import count
 from tfpar.config.schema import ConfigError
 
@@ -26,7 +27,7 @@ class TaskSpec:
   """The TF-free half of one --task; a subclass overrides what its task needs."""
 
   name = ""
-  model = ""  # What the start-up line calls the model ("GPT", "ViT classifier").
+  model = ""  # What the start-up line calls the model ("ViT classifier").
   tool = "tfpar.predict"  # What runs a trained model of this task (tfpar.generate, tfpar.predict).
   splits_sequence = False  # Runs under --sequence_parallel (its blocks' sequence is --seq_len).
 
@@ -47,11 +48,12 @@ class TaskSpec:
 
 
 class LanguageModelingSpec(TaskSpec):
-  name, model, tool = "lm", "GPT", "tfpar.generate"
+  name, tool = "lm", "tfpar.generate"
   splits_sequence = True
 
   def model_name(self, m):
-    return {"gpt": "GPT", "llama": "Llama"}[m.architecture]
+    family = families.get(m.architecture)
+    return family.title or family.name
 
   def batch(self, m, global_batch_size):
     return f"{count(global_batch_size, 'sequence')} x {count(m.seq_len, 'token')}"
@@ -71,9 +73,9 @@ class VisionSpec(TaskSpec):
                         f"{m.patch_size}: pick a patch size that divides the image size "
                         f"(e.g. --patch_size=2 for --image_size=8)")
     if m.init_from is not None:
-      raise ConfigError(f"--init_from={m.init_from} is for --task=lm (a GPT-2 or Llama "
+      raise ConfigError(f"--init_from={m.init_from} is for --task=lm (a language model's "
                         "preset): drop the flag")
-    if m.architecture != "gpt":
+    if m.architecture != families.default("lm"):
       raise ConfigError(f"--architecture={m.architecture} is for --task=lm: a ViT has its own "
                         "blocks; drop the flag")
     if m.positions != "learned":

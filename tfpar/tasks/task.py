@@ -26,7 +26,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 import tensorflow as tf
 
-from tfpar import partitioning
+from tfpar import families
 from tfpar.layers import set_compute
 
 
@@ -89,7 +89,7 @@ class Task:
   def embed_head_params(self, model_config) -> Tuple[int, int]:
     """(parameters of the embedding part, of the head part), from the config alone:
     the shapes and rules of the task's family (tfpar.partitioning), as the plan counts."""
-    return partitioning.get(self.family).embed_head_counts(model_config)
+    return families.rules(self.family).embed_head_counts(model_config)
 
   # --- data ---------------------------------------------------------------------
   def load_data(self, *, worker_index: int = 0, num_workers: int = 1):

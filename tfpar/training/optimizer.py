@@ -22,13 +22,13 @@ import functools
 import keras
 import tensorflow as tf
 
-from tfpar import partitioning
+from tfpar import families, partitioning
 from tfpar.config.schema import OptimConfig
 
 # Decoupled weight decay applies to matrices and embeddings, not to biases or
 # LayerNorm scales (GPT-2/nanoGPT practice): the no-decay rules of every
 # registered model family (tfpar.partitioning), by the short names Keras matches.
-NO_DECAY = list(partitioning.no_decay_names())
+NO_DECAY = list(partitioning.no_decay_names(families.all_rules()))
 
 
 class AdamW(keras.optimizers.AdamW):
@@ -69,7 +69,7 @@ def make_optimizer(optim: OptimConfig, train_steps: int, precision: str = "float
               weight_decay=optim.weight_decay, beta_1=0.9, beta_2=0.95, epsilon=1e-8,
               global_clipnorm=optim.clip_norm or None)
   # Read now, not at import: a family registered since (a test's toy) counts too.
-  opt.exclude_from_weight_decay(var_names=list(partitioning.no_decay_names()))
+  opt.exclude_from_weight_decay(var_names=list(partitioning.no_decay_names(families.all_rules())))
   if precision == "mixed_float16":
     opt = keras.optimizers.LossScaleOptimizer(opt)
   return opt

@@ -8,16 +8,16 @@ The numerics are keras-hub 0.32's LlamaBackbone + LlamaCausalLM (RMSNorm
 epsilon 1e-6, rotary over halves of each head with max wavelength 10000,
 K/V heads repeated in order), so weights map one to one (tfpar.hub). The
 parts are public (tfpar.models.base.ParallelModel) for tfpar.parallel; how
-the variables split: tfpar.partitioning.LLAMA.
+the variables split: tfpar/models/llama/rules.py.
 """
 
 import keras
 from keras import ops
 
-from tfpar import partitioning
 from tfpar.config.schema import ModelConfig
 from tfpar.layers import LlamaBlock
 from tfpar.models.base import Transformer
+from tfpar.models.llama import rules as rules_lib
 
 
 class Llama(Transformer):
@@ -33,7 +33,7 @@ class Llama(Transformer):
     >>> logits = model(tokens)  # [B, T] int32 -> [B, T, vocab_size]
   """
 
-  rules = partitioning.LLAMA
+  rules = rules_lib.RULES
 
   def __init__(self, config: ModelConfig, *, tensor_shards: int = 1, seed: int = 0, **kwargs):
     kwargs.setdefault("name", "llama")

@@ -4,16 +4,16 @@ tokens [B, T] -> embed (token + learned position, or rotary in attention)
 -> num_layers x Block -> final LayerNorm -> logits [B, T, V] through the tied
 token embedding. The parts are public (tfpar.models.base.ParallelModel) so
 that tfpar.parallel can run them on different devices; the model itself never
-names a device. How its variables split: tfpar.partitioning.GPT.
+names a device. How its variables split: tfpar/models/gpt/rules.py.
 """
 
 import keras
 from keras import ops
 
-from tfpar import partitioning
 from tfpar.config.schema import ModelConfig
 from tfpar.layers import Block
 from tfpar.models.base import Transformer
+from tfpar.models.gpt import rules as rules_lib
 
 
 class GPT(Transformer):
@@ -29,7 +29,7 @@ class GPT(Transformer):
     >>> logits = model(tokens)  # [B, T] int32 -> [B, T, 256]
   """
 
-  rules = partitioning.GPT
+  rules = rules_lib.RULES
 
   def __init__(self, config: ModelConfig, *, tensor_shards: int = 1, seed: int = 0, **kwargs):
     kwargs.setdefault("name", "gpt")
@@ -53,7 +53,7 @@ class GPT(Transformer):
     c = self.config
     return Block(d_model=c.d_model, num_heads=c.num_heads, d_ff=c.d_ff, dropout=c.dropout,
                  rotary=c.positions == "rotary", tensor_shards=tensor_shards, seed=seed,
-                 gelu_approximate=True, name=f"block_{i}")  # GPT-2's GELU (tfpar.hub.gpt2).
+                 gelu_approximate=True, name=f"block_{i}")  # GPT-2's GELU (hub.py).
 
   def build_embed(self):
     self.token_embedding.build((None, None))

@@ -11,7 +11,7 @@ row-major reshape each way. The untied output projection is keras-hub's
 """
 
 CLASS = "LlamaBackbone"
-ARCHITECTURE = "llama"
+CAUSAL_LM = ("LlamaCausalLM", "LlamaCausalLMPreprocessor")  # The task and its preprocessor.
 EPSILON = 1e-6  # tfpar.layers.LlamaBlock.EPSILON.
 
 # canonical name (inside block i: "{i}") -> keras-hub weight path.
@@ -37,7 +37,7 @@ FIXED = {"rope_max_wavelength": 10000, "rope_position_scaling_factor": 1.0,
 
 def flags_of(config: dict) -> dict:
   """The tfpar model flags a LlamaBackbone config stands for."""
-  return {"architecture": ARCHITECTURE, "vocab_size": config["vocabulary_size"],
+  return {"architecture": "llama", "vocab_size": config["vocabulary_size"],
           "num_layers": config["num_layers"], "d_model": config["hidden_dim"],
           "num_heads": config["num_query_heads"], "num_kv_heads": config["num_key_value_heads"],
           "d_ff": config["intermediate_dim"]}

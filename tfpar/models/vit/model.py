@@ -8,17 +8,18 @@ patches) -> logits [B, num_classes].
 
 Like the GPT, the parts are public (tfpar.models.base.ParallelModel) so that
 tfpar.parallel runs them on different devices; the model never names a
-device. How its variables split: tfpar.partitioning.VIT. A task that needs other outputs (per-patch logits for detection or
-segmentation) subclasses ViT and replaces `build_head`/`head`.
+device. How its variables split: tfpar/models/vit/rules.py. A task that needs
+other outputs (per-patch logits for detection or segmentation) subclasses ViT
+and replaces `build_head`/`head`.
 """
 
 import keras
 from keras import ops
 
-from tfpar import partitioning
 from tfpar.config.schema import ModelConfig
 from tfpar.layers import Block
 from tfpar.models.base import Transformer
+from tfpar.models.vit import rules as rules_lib
 
 
 class ViT(Transformer):
@@ -35,7 +36,7 @@ class ViT(Transformer):
     >>> logits = model(images)  # [B, 8, 8, 1] float -> [B, 10]
   """
 
-  rules = partitioning.VIT
+  rules = rules_lib.RULES
 
   def __init__(self, config: ModelConfig, *, tensor_shards: int = 1, seed: int = 0, **kwargs):
     kwargs.setdefault("name", "vit")

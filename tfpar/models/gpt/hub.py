@@ -12,7 +12,7 @@ not exceed it); an export writes a preset of max_sequence_length = seq_len.
 """
 
 CLASS = "GPT2Backbone"
-ARCHITECTURE = "gpt"
+CAUSAL_LM = ("GPT2CausalLM", "GPT2CausalLMPreprocessor")  # The task and its preprocessor.
 
 NAMES = {
     "wte/embeddings": "token_embedding/embeddings",
@@ -35,7 +35,7 @@ FIXED = {}
 
 def flags_of(config: dict) -> dict:
   """The tfpar model flags a GPT2Backbone config stands for (seq_len: at most its positions)."""
-  return {"architecture": ARCHITECTURE, "vocab_size": config["vocabulary_size"],
+  return {"architecture": "gpt", "vocab_size": config["vocabulary_size"],
           "num_layers": config["num_layers"], "d_model": config["hidden_dim"],
           "num_heads": config["num_heads"], "d_ff": config["intermediate_dim"],
           "positions": "learned"}
