@@ -15,10 +15,10 @@ from tfpar import storage
 from tfpar import strategies
 from tfpar import tasks
 from tfpar import tokenizer
-from tfpar.cluster import Cluster, ClusterError, PeerError
+from tfpar.cluster import Cluster, ClusterError, PeerError, tasks_in_order
 from tfpar.config import Config, ConfigError
 from tfpar.data import corpus as corpus_lib
-from tfpar.parallel import remote
+from tfpar.parallel import agreement, remote
 from tfpar.training import loop, preemption
 from tfpar.training.checkpoint import (CheckpointMismatchError, CheckpointUnreadableError,
                                        NonFiniteStateError)
@@ -125,6 +125,9 @@ def _run(cfg: Config, cluster: Cluster) -> dict:
     strategy = remote.connect(cfg.train.model_dir)
   else:
     strategy = strategies.make_strategy(cfg.dist, cluster)
+    if cfg.dist.strategy == "multi_worker_mirrored":  # Before any variable: the chief's config.
+      agreement.check(cfg, [t for t in tasks_in_order(cluster.spec) if t[0] != "ps"],
+                      (cluster.task_type, cluster.task_index), cfg.dist.collective_timeout)
   preemption.watch()  # Again: multi-worker strategies install TF's own SIGTERM handler.
   is_chief = cluster.is_chief
   num_workers = cluster.num_workers if cfg.dist.strategy == "multi_worker_mirrored" else 1
