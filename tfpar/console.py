@@ -45,7 +45,7 @@ def cpp_log_level(verbosity: Optional[int]) -> Optional[str]:
   return str(min(3, max(0, -verbosity)))
 
 
-def import_tensorflow_quietly(verbosity: Optional[int] = None) -> None:
+def import_tensorflow_quietly(verbosity: Optional[int] = None, cpu_devices: int = 1) -> None:
   """Imports TensorFlow with its C++ start-up lines silenced unless asked for.
 
   Level 3 also hides ERROR lines: errors that stop a run reach Python as
@@ -58,9 +58,21 @@ def import_tensorflow_quietly(verbosity: Optional[int] = None) -> None:
   Args:
     verbosity: absl's --verbosity when the user passed it, else None. An
       explicit TF_CPP_MIN_LOG_LEVEL in the environment is kept when it is None.
+    cpu_devices: split the host CPU into this many logical devices as TensorFlow
+      is imported, before anything can start its runtime (what --num_cpu_devices
+      asks for; a tokenizer read while the flags are validated may start it).
   """
   if "tensorflow" in sys.modules:
     return
+  _import_tensorflow(verbosity)
+  if cpu_devices > 1:
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * cpu_devices)
+
+
+def _import_tensorflow(verbosity: Optional[int]) -> None:
   level = cpp_log_level(verbosity)
   if level is not None:
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = level

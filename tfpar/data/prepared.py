@@ -85,9 +85,10 @@ def main(argv: Sequence[str]) -> None:
     print(f"tfpar.data: error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
-  console.parse_tool_args(
-      fv, argv, fail, command="prepare",
-      usage="usage: python -m tfpar.data prepare --data=... --tokenizer=... --out=DIR")
+  if console.parse_tool_args(
+      fv, argv, fail, doc=__doc__, command="prepare",
+      usage="usage: python -m tfpar.data prepare --data=... --tokenizer=... --out=DIR"):
+    return
   if not fv.out:
     fail("--out=DIR is required: where the TFRecord shards go")
   if fv.num_shards < 1:
