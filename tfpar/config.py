@@ -175,6 +175,10 @@ def from_flags(f, warn=None) -> Config:
   `warn(text)`, when given, hears of flags adjusted rather than refused
   (a --warmup_steps past the end of training).
   """
+  for s in settings():  # Before any of them is read as a path or a tokenizer.
+    line = console.not_utf8(s.flag, getattr(f, s.flag, None))
+    if line:
+      raise ConfigError(line)
   warmup = _warmup(f, warn)
   profile_steps = None
   if f.profile_steps:

@@ -126,6 +126,20 @@ def parse_tool_args(fv, argv, fail, *, doc: Optional[str] = None,
   return False
 
 
+def not_utf8(flag: str, value) -> Optional[str]:
+  """One line where a flag's value (a str, or a list of them) holds bytes that are not UTF-8
+  (Python hands them on as lone surrogates, which no file API or tokenizer accepts), else None."""
+  for text in value if isinstance(value, (list, tuple)) else [value]:
+    if isinstance(text, str):
+      try:
+        text.encode("utf-8")
+      except UnicodeEncodeError:
+        shown = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        return (f"--{flag}={shown} holds bytes that are not UTF-8: tfpar reads paths and text "
+                "as UTF-8; rename the file (or re-encode the text) to UTF-8")
+  return None
+
+
 def count(n: int, noun: str, plural: str = "") -> str:
   """'1 replica', '2 replicas', '1,000 steps'; `plural` where adding an s is wrong ('boxes')."""
   return f"{n:,} {noun}" if n == 1 else f"{n:,} {plural or noun + 's'}"

@@ -18,6 +18,9 @@ from tfpar import storage
 from tfpar.schema import Config, ConfigError, ModelConfig, remat_mode
 
 RUN_CONFIG = "config.json"  # In --model_dir: the run's flags (write_config).
+# The files a run writes in --model_dir beside its checkpoints (a directory there is refused).
+RUN_FILES = (RUN_CONFIG, "metrics.jsonl", "metrics.jsonl.superseded", "plan.json",
+             "tokenizer.model")
 CLASS_NAMES = "class_names"  # Beside the sections in config.json, where the data names classes.
 # Flags a resumed run must keep: the model, and what fixes the data order
 # (tfpar.data.pipeline reads position step * global_batch_size under seed).
@@ -150,6 +153,10 @@ def _check_local_model_dir(path: str) -> None:
       storage.check_output(checkpoints, "model_dir", directory=True)
   except storage.NotWritable as e:
     raise ConfigError(str(e)) from None
+  for name in RUN_FILES:
+    if os.path.isdir(os.path.join(path, name)):
+      raise ConfigError(f"--model_dir={path} holds a directory {name}, where the run writes its "
+                        f"file: move {os.path.join(path, name)} away, or use a new --model_dir")
 
 
 def _check_model_dir(cfg: Config) -> None:

@@ -310,6 +310,10 @@ def main(argv: Sequence[str]) -> None:
     return
   if not fv.out:
     fail("--out=PATH is required: where the trained .model file goes")
+  for flag in ("data", "out", "tfrecord_key"):
+    line = console.not_utf8(flag, fv[flag].value)
+    if line:
+      fail(line)
   if fv.vocab_size < 260:
     fail(f"--vocab_size={fv.vocab_size} is below 260, the 256 byte pieces and 4 control ids: "
          "pass a larger --vocab_size")
