@@ -100,6 +100,21 @@ def _import_tensorflow(verbosity: Optional[int]) -> None:
 HELP = ("-h", "--help", "-help", "--helpshort")  # What asks a tool (not tfpar.train) for help.
 
 
+def flagfile_with_bom(argv) -> Optional[str]:
+  """One line naming a --flagfile of `argv` that starts with a byte-order mark (absl would read
+  its first flag as a stray argument), else None."""
+  for arg in argv:
+    path = arg.partition("=")[2] if arg.startswith(("--flagfile=", "-flagfile=")) else None
+    try:
+      with open(path, "rb") as f:
+        if f.read(3) == b"\xef\xbb\xbf":
+          return (f"--flagfile={path} starts with a UTF-8 byte-order mark (BOM, what some "
+                  "editors write): save it as UTF-8 without one")
+    except (OSError, TypeError):  # None, or unreadable: absl says so.
+      continue
+  return None
+
+
 def parse_tool_args(fv, argv, fail, *, doc: Optional[str] = None,
                     command: Optional[str] = None, usage: str = "") -> bool:
   """Parses a tool's command line into the absl FlagValues `fv`; True where it asked for help.
@@ -113,6 +128,9 @@ def parse_tool_args(fv, argv, fail, *, doc: Optional[str] = None,
   if doc is not None and any(a in HELP for a in argv[1:]):
     print(doc + "\n" + fv.get_help())
     return True
+  bom = flagfile_with_bom(argv[1:])
+  if bom:
+    fail(bom)
   from absl import flags  # pylint: disable=import-outside-toplevel
   try:
     rest = fv(list(argv))

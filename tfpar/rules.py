@@ -185,7 +185,12 @@ def _validate_optimizer_sharding(cfg: Config) -> None:
          "parameter_server": "the optimizer state lives on the parameter servers, not on the "
                              "replicas",
          "tpu": "TPUStrategy's update is not wired to it"}.get(s.strategy)
-  if why and not p.model_parallel:  # A model-parallel plan shards over its own D copies.
+  if p.model_parallel and s.strategy != "multi_worker_mirrored" and (
+      p.data_parallel or s.num_cpu_devices // (p.pipeline_stages * p.tensor_parallel)) <= 1:
+    why = "this plan has one data-parallel copy (--data_parallel=1), nothing to share"
+  elif p.model_parallel:  # A model-parallel plan shards over its own D copies.
+    why = None
+  if why:
     raise ConfigError(f"--optimizer_sharding={z} shards over synchronous data-parallel "
                       f"replicas: --strategy=mirrored or multi_worker_mirrored, or a "
                       f"model-parallel plan's --data_parallel ({why}): use one of them, or "

@@ -19,7 +19,7 @@ from tfpar.cluster import Cluster, ClusterError, PeerError, tasks_in_order
 from tfpar.config import Config, ConfigError
 from tfpar.data import corpus as corpus_lib
 from tfpar.parallel import agreement, remote
-from tfpar.training import loop, preemption
+from tfpar.training import address_space, loop, preemption
 from tfpar.training.checkpoint import (CheckpointMismatchError, CheckpointUnreadableError,
                                        NonFiniteStateError)
 
@@ -82,10 +82,9 @@ def run(cfg: Config, cluster: Cluster) -> dict:
 
 def _host_memory() -> int:
   """This process's memory: the host's RAM, or less under a ulimit -v (RLIMIT_AS)."""
-  import resource  # pylint: disable=import-outside-toplevel
   total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-  return min(total, limit) if limit != resource.RLIM_INFINITY else total
+  cap = address_space.limit()
+  return total if cap is None else min(total, cap)
 
 
 def _out_of_memory_message(cfg: Config, error) -> str:

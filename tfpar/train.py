@@ -29,7 +29,7 @@ from tfpar import flags as tfpar_flags
 from tfpar import rundir
 from tfpar import status
 from tfpar import storage
-from tfpar.training import preemption
+from tfpar.training import address_space, preemption
 
 tfpar_flags.define_flags()
 FLAGS = flags.FLAGS
@@ -60,6 +60,7 @@ def main(argv):
   console.import_tensorflow_quietly(FLAGS.verbosity if FLAGS["verbosity"].present else None)
   try:
     rundir.check_run(cfg)  # Reads --model_dir through tf.io.gfile (TF_CONFIG: checked above).
+    address_space.check(cfg)  # ulimit -v: TensorFlow would segfault, not fail, below it.
   except config_lib.ConfigError as e:
     fail(str(e))
   except storage.Unreachable as e:  # gs:// without network: a later start may well reach it.
@@ -93,6 +94,9 @@ def parse_flags(argv):
   if any(a in HELP for a in argv[1:]):
     print(__doc__ + "\n" + FLAGS.module_help(tfpar_flags))
     sys.exit(status.OK)
+  bom = console.flagfile_with_bom(argv[1:])
+  if bom:
+    fail(bom)
   try:
     return FLAGS(argv)
   except flags.Error as e:
