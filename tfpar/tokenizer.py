@@ -320,13 +320,15 @@ def main(argv: Sequence[str]) -> None:
   if fv.vocab_size > MAX_VOCAB_SIZE:
     fail(f"--vocab_size={fv.vocab_size} is more than SentencePiece can count ({MAX_VOCAB_SIZE:,}): "
          "pass a vocabulary the text can fill, e.g. --vocab_size=8000")
-  console.import_tensorflow_quietly()
+  if "://" in fv.out:
+    console.import_tensorflow_quietly()  # Only a remote store's check needs tf.io.gfile.
   try:  # The output path first: a training that cannot be written is time lost.
     storage.check_output(fv.out, "out", directory=False)
   except storage.NotWritable as e:
     fail(str(e))
   except storage.Unreachable as e:  # A later try may reach it: not bad input (tfpar.status).
     fail(str(e), status.CRASH)
+  console.import_tensorflow_quietly()
   try:
     files = corpus.list_files(fv.data)
     tok = train(files, vocab_size=fv.vocab_size, out=fv.out, tfrecord_key=fv.tfrecord_key)
