@@ -499,3 +499,32 @@ def test_k8s_flags_are_refused_in_one_line_or_render_valid_manifests(values, kin
     return
   for obj in yaml.safe_load_all(k8s_cli.to_yaml(job, argv)):
     k8s_validate.validate_offline(obj)
+
+
+OUT_PATHS = ["/proc/sp.model", "/proc/1/sp.model", "{root}/a_file", "{root}/a_file/sp.model",
+             "{root}/texts", "{root}/new/dir/sp.model", "{root}/sp.model", "", "sp\udcff.model"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(vocab_size=some_ints, out=st.sampled_from(OUT_PATHS),
+       data=st.sampled_from([None, "{root}/texts", "{root}/\udcfe*.txt"]))
+def test_tokenizer_train_flags_are_refused_in_one_line_or_make_sense(vocab_size, out, data, files):
+  """tfpar.tokenizer train's checks (all made before any text is read): one line, or a vocabulary
+  SentencePiece can count and an --out where a new file can be written."""
+  from tfpar import tokenizer  # pylint: disable=import-outside-toplevel
+  fv = tokenizer.define_train_flags()
+  argv = ["tokenizer", f"--vocab_size={vocab_size}", f"--out={out.format(root=files)}"]
+  fv(argv + ([f"--data={data.format(root=files)}"] if data else []))
+  try:
+    tokenizer.check_train_flags(fv)
+  except tokenizer.TokenizerError as e:
+    assert "\n" not in str(e) and "--" in str(e)
+    return
+  assert 260 <= fv.vocab_size < 2 ** 31
+  assert not os.path.isdir(fv.out)
+  parent = os.path.dirname(os.path.abspath(fv.out))
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  assert os.path.isdir(parent) and not parent.startswith("/proc")
+  fv.out.encode("utf-8")
+  assert fv.data is None or fv.data.encode("utf-8")

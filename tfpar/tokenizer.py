@@ -288,8 +288,8 @@ def _train_failure(vocab_size: int, text: str) -> str:
   return f"cannot train a vocabulary of {vocab_size}: {line[:200]}"
 
 
-def main(argv: Sequence[str]) -> None:
-  """python -m tfpar.tokenizer train --data=... --vocab_size=N --out=PATH."""
+def define_train_flags():
+  """The flags of `python -m tfpar.tokenizer train`, on fresh absl FlagValues."""
   from absl import flags  # pylint: disable=import-outside-toplevel
   fv = flags.FlagValues()
   flags.DEFINE_string("data", None, "Text to train on, as tfpar.train's --data (default: the "
@@ -299,6 +299,40 @@ def main(argv: Sequence[str]) -> None:
   flags.DEFINE_integer("vocab_size", 2000, "Pieces in the vocabulary (>= 260: the 256 byte "
                        "fallbacks and the control ids).", flag_values=fv)
   flags.DEFINE_string("out", None, "Where the .model file goes (gs:// works).", flag_values=fv)
+  return fv
+
+
+def check_train_flags(fv) -> None:
+  """The flags of `train`, and --out, before any text is read.
+
+  Raises:
+    TokenizerError: bad input, in one line naming the flag.
+    storage.Unreachable: a remote --out (gs://) that does not answer now.
+  """
+  if not fv.out:
+    raise TokenizerError("--out=PATH is required: where the trained .model file goes")
+  for flag in ("data", "out", "tfrecord_key"):
+    line = console.not_utf8(flag, fv[flag].value)
+    if line:
+      raise TokenizerError(line)
+  if fv.vocab_size < 260:
+    raise TokenizerError(f"--vocab_size={fv.vocab_size} is below 260, the 256 byte pieces and 4 "
+                         "control ids: pass a larger --vocab_size")
+  if fv.vocab_size > MAX_VOCAB_SIZE:
+    raise TokenizerError(f"--vocab_size={fv.vocab_size} is more than SentencePiece can count "
+                         f"({MAX_VOCAB_SIZE:,}): pass a vocabulary the text can fill, e.g. "
+                         "--vocab_size=8000")
+  if "://" in fv.out:
+    console.import_tensorflow_quietly()  # Only a remote store's check needs tf.io.gfile.
+  try:  # The output path first: a training that cannot be written is time lost.
+    storage.check_output(fv.out, "out", directory=False)
+  except storage.NotWritable as e:
+    raise TokenizerError(str(e)) from None
+
+
+def main(argv: Sequence[str]) -> None:
+  """python -m tfpar.tokenizer train --data=... --vocab_size=N --out=PATH."""
+  fv = define_train_flags()
 
   def fail(message, code=status.BAD_INPUT):
     print(f"tfpar.tokenizer: error: {message}", file=sys.stderr, flush=True)
@@ -308,23 +342,9 @@ def main(argv: Sequence[str]) -> None:
       fv, argv, fail, doc=__doc__, command="train",
       usage="usage: python -m tfpar.tokenizer train --data=... --vocab_size=N --out=PATH"):
     return
-  if not fv.out:
-    fail("--out=PATH is required: where the trained .model file goes")
-  for flag in ("data", "out", "tfrecord_key"):
-    line = console.not_utf8(flag, fv[flag].value)
-    if line:
-      fail(line)
-  if fv.vocab_size < 260:
-    fail(f"--vocab_size={fv.vocab_size} is below 260, the 256 byte pieces and 4 control ids: "
-         "pass a larger --vocab_size")
-  if fv.vocab_size > MAX_VOCAB_SIZE:
-    fail(f"--vocab_size={fv.vocab_size} is more than SentencePiece can count ({MAX_VOCAB_SIZE:,}): "
-         "pass a vocabulary the text can fill, e.g. --vocab_size=8000")
-  if "://" in fv.out:
-    console.import_tensorflow_quietly()  # Only a remote store's check needs tf.io.gfile.
-  try:  # The output path first: a training that cannot be written is time lost.
-    storage.check_output(fv.out, "out", directory=False)
-  except storage.NotWritable as e:
+  try:
+    check_train_flags(fv)
+  except TokenizerError as e:
     fail(str(e))
   except storage.Unreachable as e:  # A later try may reach it: not bad input (tfpar.status).
     fail(str(e), status.CRASH)

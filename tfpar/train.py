@@ -18,6 +18,7 @@ Ctrl-C, after saving (start it again to resume; a second Ctrl-C aborts with
 # make the strategy, build the engine under it, run the loop. TensorFlow's C++
 # start-up lines are silenced; absl's --verbosity=0 shows them.
 
+import faulthandler
 import sys
 
 from absl import app, flags
@@ -42,6 +43,7 @@ def fail(message: str, code: int = status.BAD_INPUT) -> None:
 
 
 def main(argv):
+  faulthandler.enable()  # A native crash (SIGSEGV, abort) prints every thread's Python stack.
   preemption.watch(interrupt=True)  # Before TensorFlow: in a container, python may be PID 1.
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}: flags are written --name=value")
