@@ -267,7 +267,7 @@ def test_tfrecord_of_other_records_is_one_user_error(tmp_path):
 
 def test_cli_address_space_below_the_models_state_is_one_line_before_tensorflow_runs(cli):
   """A model too large for `ulimit -v`: bad input (a restart would fail alike), refused from the
-  plan's prediction before the runtime starts (tfpar.training.address_space), not a SIGSEGV."""
+  plan's prediction before the runtime starts (tfpar.parallel.address_space), not a SIGSEGV."""
   proc, _, _ = cli["oom"]
   assert_one_line(proc, "10.00 GiB (ulimit -v)", "weights, gradients and AdamW slots take",
                   "python -m tfpar.plan")

@@ -18,8 +18,8 @@ from tfpar import tokenizer
 from tfpar.cluster import Cluster, ClusterError, PeerError, tasks_in_order
 from tfpar.config import Config, ConfigError
 from tfpar.data import corpus as corpus_lib
-from tfpar.parallel import agreement, remote
-from tfpar.training import address_space, loop, preemption
+from tfpar.parallel import address_space, agreement, remote
+from tfpar.training import loop, preemption
 from tfpar.training.checkpoint import (CheckpointMismatchError, CheckpointUnreadableError,
                                        NonFiniteStateError)
 

@@ -30,7 +30,8 @@ from tfpar import flags as tfpar_flags
 from tfpar import rundir
 from tfpar import status
 from tfpar import storage
-from tfpar.training import address_space, preemption
+from tfpar.parallel import address_space
+from tfpar.training import preemption
 
 tfpar_flags.define_flags()
 FLAGS = flags.FLAGS
