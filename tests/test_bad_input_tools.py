@@ -312,3 +312,23 @@ def test_zero1_on_a_plan_of_one_data_parallel_copy_is_refused_like_one_device():
     with pytest.raises(ConfigError, match="--optimizer_sharding=zero1 shards over") as info:
       make_config(TINY + ["--model_dir=/tmp/unused", "--optimizer_sharding=zero1"] + extra)
     assert "nothing to share" in str(info.value) or "one device" in str(info.value)
+
+
+def test_a_corrupt_run_copy_of_the_tokenizer_is_named_not_the_original(tmp_path):
+  """generate and export decode with the run's copy (tokenizer.for_run): once a corrupt copy was
+  reported as "--tokenizer=sentencepiece:ORIGINAL: the file is not a SentencePiece model"."""
+  import sentencepiece  # pylint: disable=import-outside-toplevel
+  from tfpar import tokenizer  # pylint: disable=import-outside-toplevel
+  original = tmp_path / "sp.model"
+  sentencepiece.SentencePieceTrainer.train(
+      sentence_iterator=iter(TEXT.splitlines()), model_prefix=str(tmp_path / "sp"),
+      vocab_size=VOCAB, model_type="bpe", minloglevel=2)
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / tokenizer.RUN_COPY).write_bytes(b"cut short")
+  with pytest.raises(tokenizer.TokenizerError) as info:
+    tokenizer.for_run(f"sentencepiece:{original}", str(run))
+  message = str(info.value)
+  assert f"the run's own copy of its tokenizer, {run / tokenizer.RUN_COPY}, is not" in message
+  assert f"copy {original}" in message and "\n" not in message
+  assert tokenizer.load(f"sentencepiece:{original}").vocab_size == VOCAB  # The original is fine.

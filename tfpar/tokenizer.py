@@ -229,7 +229,12 @@ def for_run(spec: Optional[str], model_dir: str) -> Tokenizer:
   kind, _ = parse(spec)
   copy = os.path.join(model_dir, RUN_COPY)
   if kind == "sentencepiece" and storage.exists(copy):
-    return SentencePieceTokenizer(spec, storage.read_bytes(copy))
+    try:
+      return SentencePieceTokenizer(spec, storage.read_bytes(copy))
+    except TokenizerError:  # The run's copy, not the original (which may well be intact).
+      raise TokenizerError(f"--model_dir={model_dir}: the run's own copy of its tokenizer, "
+                           f"{copy}, is not a SentencePiece model: copy {parse(spec)[1]} (what "
+                           f"the run was started with, --tokenizer={spec}) over it") from None
   return load(spec, model_dir)
 
 
