@@ -149,9 +149,9 @@ OFFLINE = {"https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:
 
 
 def cap_memory():
-  """Caps the child's address space (RLIMIT_AS) below what a 200M-parameter model and its
-  AdamW slots need, so TensorFlow's CPU allocator refuses."""
-  resource.setrlimit(resource.RLIMIT_AS, (3 * 10 ** 9, 3 * 10 ** 9))
+  """Caps the child's address space (RLIMIT_AS, `ulimit -v 10G`) below what a 2.4B-parameter
+  model and its AdamW slots need: TensorFlow used to segfault in an initializer (exit 139)."""
+  resource.setrlimit(resource.RLIMIT_AS, (10 * 2 ** 30, 10 * 2 ** 30))
 
 
 OOM_MODEL_DIR = "/tmp/tfpar_oom_never_written"
@@ -164,7 +164,7 @@ def cli(tmp_path_factory):
   One run for each way train.main ends on bad input: refused by from_flags or against
   TF_CONFIG before TensorFlow starts (seed, tf_config, channels), by the run directory
   once TensorFlow reads it (batch), by unreachable storage (gs, exit 1), by the runner
-  when it reads the data (coco) or builds the model (oom). Other cases of those paths
+  when it reads the data (coco) or against `ulimit -v` (oom). Other cases of those paths
   run in this process through the same calls (the in-process tests among these).
   {case: (CompletedProcess, its directory, what the test compares after: a snapshot or a path)}.
   """
@@ -173,7 +173,7 @@ def cli(tmp_path_factory):
       "seed", "tf_config", "batch", "gs", "coco", "channels")}
   calls, kept = {}, {}
   # The two longest first: the short ones fill in beside them.
-  calls["oom"] = ("tfpar.train", ["--num_layers=4", "--d_model=2048", "--num_heads=16",
+  calls["oom"] = ("tfpar.train", ["--num_layers=12", "--d_model=4096", "--num_heads=16",
                                   "--seq_len=32", "--global_batch_size=2", "--train_steps=2",
                                   f"--model_dir={OOM_MODEL_DIR}"], {"preexec_fn": cap_memory})
 
@@ -265,13 +265,11 @@ def test_tfrecord_of_other_records_is_one_user_error(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
-def test_cli_out_of_memory_at_build_is_one_line_with_the_bytes_and_the_planner(cli):
-  """A model too large for memory: bad input (a restart would fail alike), not a 57-line traceback.
-
-  The child's address space is capped (cap_memory) below what the model needs.
-  """
+def test_cli_address_space_below_the_models_state_is_one_line_before_tensorflow_runs(cli):
+  """A model too large for `ulimit -v`: bad input (a restart would fail alike), refused from the
+  plan's prediction before the runtime starts (tfpar.parallel.address_space), not a SIGSEGV."""
   proc, _, _ = cli["oom"]
-  assert_one_line(proc, "out of memory", "OOM when allocating", "GiB on the busiest device",
+  assert_one_line(proc, "10.00 GiB (ulimit -v)", "weights, gradients and AdamW slots take",
                   "python -m tfpar.plan")
   assert not os.path.exists(OOM_MODEL_DIR)
 
@@ -501,3 +499,33 @@ def test_k8s_flags_are_refused_in_one_line_or_render_valid_manifests(values, kin
     return
   for obj in yaml.safe_load_all(k8s_cli.to_yaml(job, argv)):
     k8s_validate.validate_offline(obj)
+
+
+OUT_PATHS = ["/proc/sp.model", "/proc/1/sp.model", "{root}/a_file", "{root}/a_file/sp.model",
+             "{root}/texts", "{root}/new/dir/sp.model", "{root}/sp.model", "", "sp\udcff.model"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(vocab_size=some_ints, out=st.sampled_from(OUT_PATHS),
+       data=st.sampled_from([None, "{root}/texts", "{root}/\udcfe*.txt"]))
+def test_tokenizer_train_flags_are_refused_in_one_line_or_make_sense(vocab_size, out, data, files):
+  """tfpar.tokenizer train's checks (all made before any text is read): one line, or a vocabulary
+  SentencePiece can count and an --out where a new file can be written."""
+  from tfpar import tokenizer  # pylint: disable=import-outside-toplevel
+  from tfpar.cli import tokenizer as tokenizer_cli  # pylint: disable=import-outside-toplevel
+  fv = tokenizer_cli.define_train_flags()
+  argv = ["tokenizer", f"--vocab_size={vocab_size}", f"--out={out.format(root=files)}"]
+  fv(argv + ([f"--data={data.format(root=files)}"] if data else []))
+  try:
+    tokenizer_cli.check_train_flags(fv)
+  except tokenizer.TokenizerError as e:
+    assert "\n" not in str(e) and "--" in str(e)
+    return
+  assert 260 <= fv.vocab_size < 2 ** 31
+  assert not os.path.isdir(fv.out)
+  parent = os.path.dirname(os.path.abspath(fv.out))
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  assert os.path.isdir(parent) and not parent.startswith("/proc")
+  fv.out.encode("utf-8")
+  assert fv.data is None or fv.data.encode("utf-8")

@@ -358,15 +358,16 @@ def test_no_task_outlives_a_killed_launcher(launch, tmp_path):
 # Last in the file: its job runs from the first test on, beside all the others.
 
 def killed_and_restarted(model_dir):
-  """A two-worker job under --max_restarts=1 whose worker 1 is SIGKILLed once a checkpoint is
-  saved; waits for the job to end (its exit status in job.code)."""
+  """A two-worker job under --max_restarts=1 whose worker 1 dies of SIGSEGV (a native crash, as
+  TensorFlow's own would end it) once a checkpoint is saved; waits for the job to end (its exit
+  status in job.code)."""
   # --input_sharding=auto: the default corpus has >= 4 files per worker, so file-level.
   job = Launched(["--num_workers=2", "--max_restarts=1", "--restart_backoff=0.5", "--", *MWMS,
                   f"--model_dir={model_dir}", "--train_steps=200", "--checkpoint_every=50",
                   "--steps_per_call=10", "--log_every=10"])
   try:
     job.wait_for(r"^\[worker 0\] saved .*ckpt-50$", timeout=300)
-    os.kill(job.task_pids()["worker 1"][0], signal.SIGKILL)
+    os.kill(job.task_pids()["worker 1"][0], signal.SIGSEGV)
     job.code = job.finish(timeout=400)
   finally:
     job.cleanup()
@@ -394,8 +395,9 @@ def test_max_restarts_restarts_the_whole_job_which_resumes_from_its_checkpoint(r
   code = job.code
   assert code == 0, job.output[-3000:]
   out = job.output
-  assert "worker 1 was killed by SIGKILL: stopped every task; restarting the job " \
+  assert "worker 1 was killed by SIGSEGV: stopped every task; restarting the job " \
          "(restart 1 of 1, in 0.5 s)" in out  # --restart_backoff
+  assert "[worker 1] Fatal Python error: Segmentation fault" in out  # faulthandler's stacks
   resumed = re.search(r"^\[worker 0\] resumed from .*ckpt-(\d+) at step (\d+)$", out, re.M)
   assert resumed and resumed.group(1) == resumed.group(2) and int(resumed.group(1)) >= 50, out
   assert "tfpar.launch: job succeeded (2 tasks)" in out

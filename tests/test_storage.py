@@ -84,6 +84,19 @@ def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, 
   assert [s for s, _ in list_checkpoints(os.path.join(model_dir, "checkpoints"))] == [5, 4, 2]
 
 
+def test_a_newest_checkpoint_without_its_index_is_named_when_skipped(tmp_path, run_to_4, capsys):
+  """Its data files alone: once passed over for ckpt-2 without a word."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  model_dir = str(tmp_path / "run")
+  shutil.copytree(run_to_4, model_dir)
+  os.remove(os.path.join(model_dir, "checkpoints", "ckpt-4.index"))
+  train_in_process(FAST + ["--train_steps=4", "--checkpoint_every=2", "--eval_steps=0",
+                           "--min_lr_ratio=1.0", f"--model_dir={model_dir}"])
+  out = capsys.readouterr().out
+  [warning] = [line for line in out.splitlines() if "unreadable" in line]
+  assert "ckpt-4 (its ckpt-4.index is missing" in warning and "restored ckpt-2" in warning, out
+
+
 def test_every_checkpoint_unreadable_is_one_clear_error_not_a_restart(tmp_path, run_to_4):
   import shutil  # pylint: disable=import-outside-toplevel
   model_dir = str(tmp_path / "run")

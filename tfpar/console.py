@@ -45,7 +45,7 @@ def cpp_log_level(verbosity: Optional[int]) -> Optional[str]:
   return str(min(3, max(0, -verbosity)))
 
 
-def import_tensorflow_quietly(verbosity: Optional[int] = None) -> None:
+def import_tensorflow_quietly(verbosity: Optional[int] = None, cpu_devices: int = 1) -> None:
   """Imports TensorFlow with its C++ start-up lines silenced unless asked for.
 
   Level 3 also hides ERROR lines: errors that stop a run reach Python as
@@ -58,9 +58,21 @@ def import_tensorflow_quietly(verbosity: Optional[int] = None) -> None:
   Args:
     verbosity: absl's --verbosity when the user passed it, else None. An
       explicit TF_CPP_MIN_LOG_LEVEL in the environment is kept when it is None.
+    cpu_devices: split the host CPU into this many logical devices as TensorFlow
+      is imported, before anything can start its runtime (what --num_cpu_devices
+      asks for; a tokenizer read while the flags are validated may start it).
   """
   if "tensorflow" in sys.modules:
     return
+  _import_tensorflow(verbosity)
+  if cpu_devices > 1:
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * cpu_devices)
+
+
+def _import_tensorflow(verbosity: Optional[int]) -> None:
   level = cpp_log_level(verbosity)
   if level is not None:
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = level
@@ -83,6 +95,35 @@ def import_tensorflow_quietly(verbosity: Optional[int] = None) -> None:
     finally:
       os.dup2(saved, 2)
       os.close(saved)
+
+
+def flagfile_with_bom(argv) -> Optional[str]:
+  """One line naming a --flagfile of `argv` that starts with a byte-order mark (absl would read
+  its first flag as a stray argument), else None."""
+  for arg in argv:
+    path = arg.partition("=")[2] if arg.startswith(("--flagfile=", "-flagfile=")) else None
+    try:
+      with open(path, "rb") as f:
+        if f.read(3) == b"\xef\xbb\xbf":
+          return (f"--flagfile={path} starts with a UTF-8 byte-order mark (BOM, what some "
+                  "editors write): save it as UTF-8 without one")
+    except (OSError, TypeError):  # None, or unreadable: absl says so.
+      continue
+  return None
+
+
+def not_utf8(flag: str, value) -> Optional[str]:
+  """One line where a flag's value (a str, or a list of them) holds bytes that are not UTF-8
+  (Python hands them on as lone surrogates, which no file API or tokenizer accepts), else None."""
+  for text in value if isinstance(value, (list, tuple)) else [value]:
+    if isinstance(text, str):
+      try:
+        text.encode("utf-8")
+      except UnicodeEncodeError:
+        shown = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        return (f"--{flag}={shown} holds bytes that are not UTF-8: tfpar reads paths and text "
+                "as UTF-8; rename the file (or re-encode the text) to UTF-8")
+  return None
 
 
 def count(n: int, noun: str, plural: str = "") -> str:

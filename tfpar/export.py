@@ -2,4 +2,5 @@
 
 import runpy
 
-runpy.run_module("tfpar.cli.export", run_name="__main__", alter_sys=True)
+if __name__ == "__main__":  # Importing it runs nothing.
+  runpy.run_module("tfpar.cli.export", run_name="__main__", alter_sys=True)

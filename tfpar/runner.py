@@ -16,10 +16,10 @@ from tfpar import storage
 from tfpar import strategies
 from tfpar import tasks
 from tfpar import tokenizer
-from tfpar.config.cluster import Cluster, ClusterError, PeerError
+from tfpar.config.cluster import Cluster, ClusterError, PeerError, tasks_in_order
 from tfpar.config.schema import Config, ConfigError
 from tfpar.data import corpus as corpus_lib
-from tfpar.parallel import remote
+from tfpar.parallel import address_space, agreement, remote
 from tfpar.training import loop, preemption
 from tfpar.training.checkpoint import (CheckpointMismatchError, CheckpointUnreadableError,
                                        NonFiniteStateError)
@@ -83,10 +83,9 @@ def run(cfg: Config, cluster: Cluster) -> dict:
 
 def _host_memory() -> int:
   """This process's memory: the host's RAM, or less under a ulimit -v (RLIMIT_AS)."""
-  import resource  # pylint: disable=import-outside-toplevel
   total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-  return min(total, limit) if limit != resource.RLIM_INFINITY else total
+  cap = address_space.limit()
+  return total if cap is None else min(total, cap)
 
 
 def _out_of_memory_message(cfg: Config, error) -> str:
@@ -131,6 +130,9 @@ def build(cfg: Config, cluster: Cluster, *, across: bool = False) -> Built:
     strategy = remote.connect(cfg.train.model_dir)
   else:
     strategy = strategies.make_strategy(cfg.dist, cluster)
+    if cfg.dist.strategy == "multi_worker_mirrored":  # Before any variable: the chief's config.
+      agreement.check(cfg, [t for t in tasks_in_order(cluster.spec) if t[0] != "ps"],
+                      (cluster.task_type, cluster.task_index), cfg.dist.collective_timeout)
   preemption.watch()  # Again: multi-worker strategies install TF's own SIGTERM handler.
   num_workers = cluster.num_workers if cfg.dist.strategy == "multi_worker_mirrored" else 1
   worker_index = cluster.worker_index if num_workers > 1 else 0

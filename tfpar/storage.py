@@ -22,6 +22,7 @@ import contextlib
 import errno
 import os
 import re
+import tempfile
 from typing import Iterable, Optional
 
 # Why a write found no room, in libc's words (TensorFlow's messages quote them), and the fix.
@@ -97,6 +98,52 @@ def describe_unreachable(path: str, error) -> Unreachable:
   return Unreachable(f"{path} cannot be reached ({type(error).__name__}: {text[:240]}): check "
                      "the network, the bucket name and the credentials "
                      "(GOOGLE_APPLICATION_CREDENTIALS), then start the same command again")
+
+
+class NotWritable(ValueError):
+  """An output path that cannot take what is to be written there: bad input (one line, exit 2)."""
+
+
+def check_output(path: str, flag: str, *, directory: bool) -> None:
+  """--flag=path can take a new file (directory=False) or a directory of files (True), checked
+  before the work that makes it, which writes nothing here.
+
+  Local paths: the parent that exists must be a directory where this process can make an
+  entry, tried by making (and removing) one, since access() says yes to root anywhere, /proc
+  and an immutable directory included. A remote path (gs://): its store must answer.
+
+  Raises:
+    NotWritable: the path cannot work (the message names --flag and the fix).
+    Unreachable: a remote store that does not answer now.
+  """
+  what = "a directory (new or a run's)" if directory else "the path of a new file"
+  if "://" in path:
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    try:
+      if _gfile().exists(path) and not directory and _gfile().isdir(path):  # exists() asks the store.
+        raise NotWritable(f"--{flag}={path} is a directory: pass {what}")
+    except tf.errors.OpError as e:
+      raise describe_unreachable(f"--{flag}={path}", e) from None
+    return
+  if os.path.isdir(path) and not directory:
+    raise NotWritable(f"--{flag}={path} is a directory: pass {what}, e.g. "
+                      f"--{flag}={os.path.join(path, 'out')}")
+  if os.path.exists(path) and not os.path.isdir(path) and directory:
+    raise NotWritable(f"--{flag}={path} is a file: pass {what}")
+  existing = os.path.dirname(os.path.abspath(path)) if not directory else os.path.abspath(path)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise NotWritable(f"--{flag}={path}: {existing} is a file, not a directory: pass {what} "
+                      "in a directory")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise NotWritable(f"--{flag}={path} is not writable ({existing} refuses this user): "
+                      "pass a directory you can write to")
+  try:
+    os.rmdir(tempfile.mkdtemp(prefix=".tfpar_probe_", dir=existing))
+  except OSError as e:
+    raise NotWritable(f"--{flag}={path} cannot be created in {existing} ({e.strerror}): pass a "
+                      "path on a filesystem that holds files") from None
 
 
 def _gfile():

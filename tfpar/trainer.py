@@ -119,6 +119,8 @@ class Trainer:
     """Trains to train_steps (resuming from model_dir's newest checkpoint); returns the last
     records (tfpar.training.loop). Raises what tfpar.runner.run raises."""
     rundir.check_run(self.config)  # What model_dir already holds (tf.io.gfile).
+    from tfpar.parallel import address_space  # pylint: disable=import-outside-toplevel
+    address_space.check(self.config)  # ulimit -v: TensorFlow would segfault, not fail, below it.
     from tfpar import runner  # pylint: disable=import-outside-toplevel
     return runner.run(self.config, self.cluster)
 

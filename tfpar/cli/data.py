@@ -31,9 +31,10 @@ def main(argv: Sequence[str]) -> None:
                       flag_values=fv)
   flags.DEFINE_integer("num_shards", 4, "TFRecord files to write.", flag_values=fv)
 
-  tool.parse_args(
-      fv, argv, fail, command="prepare",
-      usage="usage: python -m tfpar.data prepare --data=... --tokenizer=... --out=DIR")
+  if tool.parse_args(
+      fv, argv, fail, doc=__doc__, command="prepare",
+      usage="usage: python -m tfpar.data prepare --data=... --tokenizer=... --out=DIR"):
+    return
   if not fv.out:
     fail("--out=DIR is required: where the TFRecord shards go")
   if fv.num_shards < 1:

@@ -21,7 +21,7 @@ from typing import Sequence
 
 from absl import flags
 
-from tfpar import console, tokenizer
+from tfpar import console, storage, tokenizer
 from tfpar.cli import generate, tool
 from tfpar.config.schema import ConfigError
 
@@ -49,6 +49,10 @@ def check_out(out) -> None:
     raise ConfigError("--out is not set: pass --out=DIR, the preset directory to write")
   if tf.io.gfile.exists(out) and (not tf.io.gfile.isdir(out) or tf.io.gfile.listdir(out)):
     raise ConfigError(f"--out={out} exists and is not an empty directory: pass a new one")
+  try:  # Before the weights are read: /proc, a path under a file.
+    storage.check_output(out, "out", directory=True)
+  except (storage.NotWritable, storage.Unreachable) as e:
+    raise ConfigError(str(e)) from None
 
 
 def export(model_dir: str, out: str) -> str:

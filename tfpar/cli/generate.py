@@ -63,6 +63,10 @@ def check_run_dir(d: str) -> None:
 
 def check(fv: flags.FlagValues) -> None:
   """Validates the flags and the run directory (through tf.io.gfile: gs:// works)."""
+  for flag in ("model_dir", "prompt"):
+    line = console.not_utf8(flag, fv[flag].value)
+    if line:
+      raise GenerateError(line)
   check_run_dir(fv.model_dir)
   if fv.max_new_tokens < 0:
     raise GenerateError(f"--max_new_tokens={fv.max_new_tokens} must be >= 0")

@@ -27,6 +27,13 @@ USAGE = ("python -m tfpar.k8s render --kind=tfjob|jobset|indexed-job --name=NAME
          "--image=IMAGE [--ps=P] [--gpus_per_worker=G] [--tpu_topology=AxB --tpu_accelerator=A] "
          "[--pvc=CLAIM] -- <tfpar.train flags>")
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# A container image reference, as the OCI distribution spec's grammar (docker/distribution
+# reference.go) writes it: [registry[:port]/]path[:tag][@digest], the path in lower case.
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_HOST = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*"
+IMAGE = re.compile(rf"^(?:{_HOST}(?::[0-9]+)?/)?{_COMPONENT}(?:/{_COMPONENT})*"
+                   r"(?::[\w][\w.-]{0,127})?(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*"
+                   r":[0-9a-fA-F]{32,})?$")
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 TOPOLOGY = re.compile(r"^[1-9][0-9]*(x[1-9][0-9]*){1,2}$")
 
@@ -55,6 +62,10 @@ def parse(argv: Sequence[str]) -> manifests.Job:
   if not DNS_LABEL.match(fv.name):
     raise RenderError(f"--name={fv.name} is not a DNS label: use lower-case letters, digits "
                       "and '-', starting with a letter")
+  if not IMAGE.match(fv.image):
+    raise RenderError(f"--image={fv.image} is not a container image reference: write "
+                      "[REGISTRY/]NAME[:TAG][@sha256:DIGEST] with NAME in lower case, e.g. "
+                      "--image=registry.example/tfpar:1")
   for flag in ("cpu", "memory"):
     if not QUANTITY.match(fv[flag].value):
       raise RenderError(f"--{flag}={fv[flag].value} is not a Kubernetes quantity: "

@@ -11,15 +11,15 @@ import functools
 import sys
 from typing import Sequence
 
-from tfpar import console, tokenizer
+from tfpar import console, status, storage, tokenizer
 from tfpar.cli import tool
 from tfpar.data import corpus
 
 fail = functools.partial(tool.fail, "tokenizer")
 
 
-def main(argv: Sequence[str]) -> None:
-  """python -m tfpar.tokenizer train --data=... --vocab_size=N --out=PATH."""
+def define_train_flags():
+  """The flags of `python -m tfpar.tokenizer train`, on fresh absl FlagValues."""
   from absl import flags  # pylint: disable=import-outside-toplevel
   fv = flags.FlagValues()
   flags.DEFINE_string("data", None, "Text to train on, as tfpar.train's --data (default: the "
@@ -29,15 +29,50 @@ def main(argv: Sequence[str]) -> None:
   flags.DEFINE_integer("vocab_size", 2000, "Pieces in the vocabulary (>= 260: the 256 byte "
                        "fallbacks and the control ids).", flag_values=fv)
   flags.DEFINE_string("out", None, "Where the .model file goes (gs:// works).", flag_values=fv)
+  return fv
 
-  tool.parse_args(
-      fv, argv, fail, command="train",
-      usage="usage: python -m tfpar.tokenizer train --data=... --vocab_size=N --out=PATH")
+
+def check_train_flags(fv) -> None:
+  """The flags of `train`, and --out, before any text is read.
+
+  Raises:
+    TokenizerError: bad input, in one line naming the flag.
+    storage.Unreachable: a remote --out (gs://) that does not answer now.
+  """
   if not fv.out:
-    fail("--out=PATH is required: where the trained .model file goes")
+    raise tokenizer.TokenizerError("--out=PATH is required: where the trained .model file goes")
+  for flag in ("data", "out", "tfrecord_key"):
+    line = console.not_utf8(flag, fv[flag].value)
+    if line:
+      raise tokenizer.TokenizerError(line)
   if fv.vocab_size < 260:
-    fail(f"--vocab_size={fv.vocab_size} is below 260, the 256 byte pieces and 4 control ids: "
-         "pass a larger --vocab_size")
+    raise tokenizer.TokenizerError(f"--vocab_size={fv.vocab_size} is below 260, the 256 byte pieces and 4 "
+                         "control ids: pass a larger --vocab_size")
+  if fv.vocab_size > tokenizer.MAX_VOCAB_SIZE:
+    raise tokenizer.TokenizerError(f"--vocab_size={fv.vocab_size} is more than SentencePiece can count "
+                         f"({tokenizer.MAX_VOCAB_SIZE:,}): pass a vocabulary the text can fill, e.g. "
+                         "--vocab_size=8000")
+  if "://" in fv.out:
+    console.import_tensorflow_quietly()  # Only a remote store's check needs tf.io.gfile.
+  try:  # The output path first: a training that cannot be written is time lost.
+    storage.check_output(fv.out, "out", directory=False)
+  except storage.NotWritable as e:
+    raise tokenizer.TokenizerError(str(e)) from None
+
+
+def main(argv: Sequence[str]) -> None:
+  """python -m tfpar.tokenizer train --data=... --vocab_size=N --out=PATH."""
+  fv = define_train_flags()
+  if tool.parse_args(
+      fv, argv, fail, doc=__doc__, command="train",
+      usage="usage: python -m tfpar.tokenizer train --data=... --vocab_size=N --out=PATH"):
+    return
+  try:
+    check_train_flags(fv)
+  except tokenizer.TokenizerError as e:
+    fail(str(e))
+  except storage.Unreachable as e:  # A later try may reach it: not bad input (tfpar.status).
+    fail(str(e), status.CRASH)
   console.import_tensorflow_quietly()
   try:
     files = corpus.list_files(fv.data)

@@ -9,7 +9,7 @@ Each tool binds its name once: `fail = functools.partial(tool.fail, "generate")`
 import sys
 from typing import Callable, NoReturn, Optional
 
-from tfpar import status
+from tfpar import console, status
 from tfpar.config import rundir
 
 
@@ -49,6 +49,9 @@ def parse_args(fv, argv, fail, *, doc: Optional[str] = None,
   if doc is not None and any(a in HELP for a in argv[1:]):
     print(doc + "\n" + fv.get_help())
     return True
+  bom = console.flagfile_with_bom(argv[1:])
+  if bom:
+    fail(bom)
   from absl import flags  # pylint: disable=import-outside-toplevel
   try:
     rest = fv(list(argv))
@@ -72,6 +75,9 @@ def app_flags_parser(fail, help_text: Optional[Callable[[], str]] = None):
     if help_text is not None and any(a in HELP for a in argv[1:]):
       print(help_text())
       sys.exit(status.OK)
+    bom = console.flagfile_with_bom(argv[1:])
+    if bom:
+      fail(bom)
     try:
       return flags.FLAGS(argv)
     except flags.Error as e:

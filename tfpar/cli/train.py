@@ -19,6 +19,7 @@ Ctrl-C, after saving (start it again to resume; a second Ctrl-C aborts with
 # and an exit status. TensorFlow's C++ start-up lines are silenced; absl's
 # --verbosity=0 shows them.
 
+import faulthandler
 import functools
 import sys
 
@@ -40,6 +41,7 @@ fail = functools.partial(tool.fail, "train")
 
 
 def main(argv):
+  faulthandler.enable()  # A native crash (SIGSEGV, abort) prints every thread's Python stack.
   preemption.watch(interrupt=True)  # Before TensorFlow: in a container, python may be PID 1.
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}: flags are written --name=value")

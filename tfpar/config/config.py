@@ -9,7 +9,9 @@ the flag and the fix.
 """
 
 import dataclasses
-from typing import Tuple
+import json
+import os
+from typing import Optional, Tuple
 
 from tfpar import console, hub, tokenizer
 from tfpar.config import rules as rules_lib
@@ -47,11 +49,37 @@ def _section(kind, f, **resolved):
                  for s in settings(kind)})
 
 
-def _tokenizer(f) -> str:
-  """--tokenizer, or the tokenizer of the --init_from preset where it holds one, or bytes."""
+def _resumed_preset(model_dir: Optional[str]) -> Optional[dict]:
+  """The model section of the run in a local --model_dir that started from a keras-hub preset
+  (--init_from), else None; read before TensorFlow starts (check_run reads it again, and
+  says what is wrong with a config.json that cannot be read)."""
+  if not model_dir or "://" in model_dir:
+    return None
+  try:
+    with open(os.path.join(model_dir, RUN_CONFIG), encoding="utf-8") as f:
+      model = json.load(f).get("model")
+  except (OSError, ValueError, AttributeError):
+    return None
+  return model if isinstance(model, dict) and isinstance(model.get("init_from"), str) else None
+
+
+def _init_from(f, resumed: Optional[dict]) -> Optional[str]:
+  """--init_from; on a resume of a run started from a preset, that preset, flag or no flag
+  (the checkpoint holds its weights: the preset is read no more and may have moved)."""
+  flag = getattr(f, "init_from", None)
+  if resumed is not None and flag in (None, resumed["init_from"]):
+    return resumed["init_from"]
+  return flag
+
+
+def _tokenizer(f, init_from: Optional[str], resumed: Optional[dict]) -> str:
+  """--tokenizer, or the tokenizer of the --init_from preset where it holds one, or bytes; on a
+  resume whose preset is gone, the tokenizer the run recorded (it keeps a copy)."""
   spec = getattr(f, "tokenizer", None)
-  if spec is None and getattr(f, "init_from", None):
-    spec = hub.tokenizer_of(f.init_from)
+  if spec is None and init_from:
+    if resumed is not None and init_from == resumed["init_from"] and not os.path.isdir(init_from):
+      return resumed.get("tokenizer") or tokenizer.BYTES
+    spec = hub.tokenizer_of(init_from)
   return spec or tokenizer.BYTES
 
 
@@ -65,8 +93,11 @@ def _vocab_size(f, spec: str) -> int:
     kind, _ = tokenizer.parse(spec)
     if kind == tokenizer.BYTES:
       return f.vocab_size if f.vocab_size is not None else VOCAB_SIZE
-    console.import_tensorflow_quietly()
-    size = tokenizer.load(spec).vocab_size
+    # Reading it may start TensorFlow's runtime: split the CPU first (a valid count only).
+    devices = getattr(f, "num_cpu_devices", 1)
+    console.import_tensorflow_quietly(
+        cpu_devices=devices if isinstance(devices, int) and devices <= MAX_CPU_DEVICES else 1)
+    size = tokenizer.load(spec, getattr(f, "model_dir", None)).vocab_size
   except tokenizer.TokenizerError as e:
     raise ConfigError(str(e)) from None
   if f.vocab_size is not None and f.vocab_size < size:
@@ -76,12 +107,14 @@ def _vocab_size(f, spec: str) -> int:
   return f.vocab_size if f.vocab_size is not None else size
 
 
-def model_from_flags(f) -> ModelConfig:
-  """The validated model shape alone (tfpar.plan needs no model_dir or data)."""
+def model_from_flags(f, resumed: Optional[dict] = None) -> ModelConfig:
+  """The validated model shape alone (tfpar.plan needs no model_dir or data); `resumed`: the
+  model section of the run resumed (_resumed_preset)."""
   family = rules_lib.family_of(f)
-  spec = _tokenizer(f)
+  init_from = _init_from(f, resumed)
+  spec = _tokenizer(f, init_from, resumed)
   m = _section(ModelConfig, f, d_ff=f.d_ff if f.d_ff is not None else 4 * f.d_model,
-               tokenizer=spec, vocab_size=_vocab_size(f, spec),
+               tokenizer=spec, vocab_size=_vocab_size(f, spec), init_from=init_from,
                positions=f.positions or (family.positions or (ModelConfig.positions,))[0])
   validate_model(m)
   return m
@@ -120,6 +153,10 @@ def from_flags(f, warn=None) -> Config:
   `warn(text)`, when given, hears of flags adjusted rather than refused
   (a --warmup_steps past the end of training).
   """
+  for s in settings():  # Before any of them is read as a path or a tokenizer.
+    line = console.not_utf8(s.flag, getattr(f, s.flag, None))
+    if line:
+      raise ConfigError(line)
   warmup = _warmup(f, warn)
   profile_steps = None
   if f.profile_steps:
@@ -142,6 +179,7 @@ def from_flags(f, warn=None) -> Config:
                   f.precision, jit, f.strategy)}
   sections = {s.name: _section(s.default.__class__, f, **resolved)
               for s in dataclasses.fields(Config) if s.name != "model"}
-  cfg = Config(model=model_from_flags(f), **sections)
-  validate(cfg)
+  resumed = _resumed_preset(f.model_dir)
+  cfg = Config(model=model_from_flags(f, resumed), **sections)
+  validate(cfg, resumed=resumed is not None)
   return cfg

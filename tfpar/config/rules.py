@@ -117,8 +117,12 @@ def validate_model(m: ModelConfig) -> None:
     raise ConfigError(f"--dropout={m.dropout} must be in [0, 1): e.g. --dropout=0.1")
 
 
-def validate(cfg: Config) -> None:
-  """Raises ConfigError naming the first flag that cannot work, and how to fix it."""
+def validate(cfg: Config, resumed: bool = False) -> None:
+  """Raises ConfigError naming the first flag that cannot work, and how to fix it.
+
+  resumed: --model_dir holds a run that started from --init_from, whose checkpoint holds the
+  preset's weights: a preset no longer there is not read.
+  """
   m, d, o, t, s, p = cfg.model, cfg.data, cfg.optim, cfg.train, cfg.dist, cfg.parallel
   _finite_floats(cfg)
   if not 0 <= t.seed <= MAX_SEED:
@@ -126,7 +130,7 @@ def validate(cfg: Config) -> None:
   _bounded_ints(cfg)
   validate_model(m)
   tasks.spec(m.task).check_data(m, d)
-  if m.init_from is not None:
+  if m.init_from is not None and not (resumed and not os.path.isdir(m.init_from)):
     hub.check(m, m.init_from)
   for value, flag in ((t.train_steps, "train_steps"), (t.global_batch_size, "global_batch_size"),
                       (t.log_every, "log_every"), (t.checkpoint_every, "checkpoint_every"),
@@ -193,7 +197,12 @@ def _validate_optimizer_sharding(cfg: Config) -> None:
          "parameter_server": "the optimizer state lives on the parameter servers, not on the "
                              "replicas",
          "tpu": "TPUStrategy's update is not wired to it"}.get(s.strategy)
-  if why and not p.model_parallel:  # A model-parallel plan shards over its own D copies.
+  if p.model_parallel and s.strategy != "multi_worker_mirrored" and (
+      p.data_parallel or s.num_cpu_devices // (p.pipeline_stages * p.tensor_parallel)) <= 1:
+    why = "this plan has one data-parallel copy (--data_parallel=1), nothing to share"
+  elif p.model_parallel:  # A model-parallel plan shards over its own D copies.
+    why = None
+  if why:
     raise ConfigError(f"--optimizer_sharding={z} shards over synchronous data-parallel "
                       f"replicas: --strategy=mirrored or multi_worker_mirrored, or a "
                       f"model-parallel plan's --data_parallel ({why}): use one of them, or "

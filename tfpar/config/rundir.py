@@ -12,13 +12,15 @@ ConfigError line naming --model_dir and the fix.
 import dataclasses
 import json
 import os
-import tempfile
 from typing import Sequence, Tuple
 
 from tfpar import storage
 from tfpar.config.schema import Config, ConfigError, ModelConfig, remat_mode
 
 RUN_CONFIG = "config.json"  # In --model_dir: the run's flags (write_config).
+# The files a run writes in --model_dir beside its checkpoints (a directory there is refused).
+RUN_FILES = (RUN_CONFIG, "metrics.jsonl", "metrics.jsonl.superseded", "plan.json",
+             "tokenizer.model")
 CLASS_NAMES = "class_names"  # Beside the sections in config.json, where the data names classes.
 # Flags a resumed run must keep: the model, and what fixes the data order
 # (tfpar.data.pipeline reads position step * global_batch_size under seed).
@@ -141,23 +143,20 @@ def check_run(cfg: Config, cluster=None) -> None:
 
 
 def _check_local_model_dir(path: str) -> None:
-  """A local --model_dir: a directory, or one that this user can create."""
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise ConfigError(f"--model_dir={path} is a file: pass a directory (new or a run's)")
-  existing = os.path.abspath(path)
-  while not os.path.exists(existing):
-    existing = os.path.dirname(existing)
-  if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-    raise ConfigError(f"--model_dir={path} is not writable ({existing} refuses this user): "
-                      "pass a directory you can write to")
-  if existing != os.path.abspath(path):
-    # access() says yes to root anywhere, /proc and /sys included: create (and remove) a
-    # directory where the run's would go, so that one that cannot be made fails here.
-    try:
-      os.rmdir(tempfile.mkdtemp(prefix=".tfpar_probe_", dir=existing))
-    except OSError as e:
-      raise ConfigError(f"--model_dir={path} cannot be created in {existing} ({e.strerror}): "
-                        "pass a directory on a filesystem that holds files") from None
+  """A local --model_dir: a directory, or one that this user can create, and its checkpoints/
+  (a link, a mount) one where checkpoints can be written: a save or restore that fails there
+  would fail again after any restart."""
+  try:
+    storage.check_output(path, "model_dir", directory=True)
+    checkpoints = os.path.join(path, "checkpoints")
+    if os.path.isdir(checkpoints):
+      storage.check_output(checkpoints, "model_dir", directory=True)
+  except storage.NotWritable as e:
+    raise ConfigError(str(e)) from None
+  for name in RUN_FILES:
+    if os.path.isdir(os.path.join(path, name)):
+      raise ConfigError(f"--model_dir={path} holds a directory {name}, where the run writes its "
+                        f"file: move {os.path.join(path, name)} away, or use a new --model_dir")
 
 
 def _check_model_dir(cfg: Config) -> None:

@@ -21,6 +21,7 @@ import os
 from tfpar import families
 from tfpar.config.schema import ConfigError
 
+WEIGHTS = "model.weights.h5"
 TOKENIZER_FILES = {"LlamaTokenizer": ("vocabulary.spm",),
                    "GPT2Tokenizer": ("vocabulary.json", "merges.txt")}
 
@@ -38,15 +39,34 @@ def read_json(preset: str, name: str, flag: str = "init_from") -> dict:
                       "directory (what save_to_preset writes)") from None
 
 
+def _object(preset: str, name: str, value, what: str = "") -> dict:
+  """`value` where it is a JSON object, else ConfigError naming the preset's file."""
+  if not isinstance(value, dict):
+    raise ConfigError(f"--init_from={preset}: its {name} holds {what or 'a'} "
+                      f"{type(value).__name__}, not an object: pass a keras-hub preset directory "
+                      "(what save_to_preset writes), or restore its files")
+  return value
+
+
 def backbone_of(preset: str):
   """(the tfpar.families.Family of the preset's backbone class, its keras-hub config)."""
-  saved = read_json(preset, "config.json")
+  saved = _object(preset, "config.json", read_json(preset, "config.json"))
   name = saved.get("class_name")
   by_class = {f.hub.CLASS: f for f in families.with_hub()}
   if name not in by_class:
     raise ConfigError(f"--init_from={preset} holds a {name}, which tfpar cannot map: use a "
                       f"preset of {' or '.join(by_class)}")
-  return by_class[name], saved.get("config", {})
+  return by_class[name], _object(preset, "config.json", saved.get("config", {}),
+                                 '"config": a')
+
+
+def model_flags(preset: str, module, config: dict) -> dict:
+  """module.flags_of(config), or ConfigError naming the key the preset's config.json lacks."""
+  try:
+    return module.flags_of(config)
+  except KeyError as e:
+    raise ConfigError(f"--init_from={preset}: its config.json lacks {e} of a {module.CLASS}: "
+                      "restore the preset's config.json (what save_to_preset writes)") from None
 
 
 def tokenizer_of(preset: str):
@@ -57,7 +77,7 @@ def tokenizer_of(preset: str):
   """
   if "://" in preset or not os.path.exists(os.path.join(preset, "tokenizer.json")):
     return None
-  kind = read_json(preset, "tokenizer.json").get("class_name")
+  kind = _object(preset, "tokenizer.json", read_json(preset, "tokenizer.json")).get("class_name")
   for name in TOKENIZER_FILES.get(kind, ()):
     path = os.path.join(preset, "assets", "tokenizer", name)
     if not os.path.isfile(path):
@@ -88,7 +108,17 @@ def check(m, preset: str) -> None:
   if own is not None and not _same_tokenizer(m.tokenizer, own):
     raise ConfigError(f"--tokenizer={m.tokenizer} is not the tokenizer of --init_from={preset}, "
                       f"whose weights read its ids: drop --tokenizer (it defaults to {own})")
-  flags = module.flags_of(config)
+  weights = os.path.join(preset, WEIGHTS)
+  if not os.path.isfile(weights):
+    raise ConfigError(f"--init_from={preset} has no {WEIGHTS}: copy the whole preset directory "
+                      "(what save_to_preset writes)")
+  import h5py  # pylint: disable=import-outside-toplevel  # keras' own reader of the file, TF-free.
+  try:
+    h5py.File(weights, "r").close()
+  except OSError as e:  # A copy cut short: "truncated file: eof = ...".
+    raise ConfigError(f"--init_from={preset}: its {WEIGHTS} cannot be read ({e}): restore it "
+                      "(what save_to_preset writes), or start from another preset") from None
+  flags = model_flags(preset, module, config)
   ours = {**{k: getattr(m, k) for k in flags}, "num_kv_heads": m.kv_heads}
   for key, value in flags.items():
     if ours[key] != value:

@@ -23,7 +23,12 @@ def load_weights(preset: str, m) -> dict:
   """{canonical name: array at tfpar's shape} of the preset's backbone (checked by hub.check)."""
   family, _ = hub.backbone_of(preset)
   module, rules = family.hub, family.rules
-  model = keras_hub.models.Backbone.from_preset(preset)
+  try:
+    model = keras_hub.models.Backbone.from_preset(preset)
+  except (OSError, ValueError, KeyError) as e:  # h5py's "truncated file", a missing weight.
+    raise hub.ConfigError(f"--init_from={preset}: keras-hub cannot read its weights "
+                          f"({' '.join(str(e).split())[:200]}): restore its {hub.WEIGHTS} (what "
+                          "save_to_preset writes), or start from another preset") from None
   by_path = {w.path: np.asarray(w.numpy()) for w in model.weights}
   shapes = {**rules.embed_shapes(m), **rules.head_shapes(m),
             **{f"block_{i}/{n}": s for i in range(m.num_layers)

@@ -4,6 +4,7 @@ import keras
 from keras import ops
 
 from tfpar.layers.attention import CAUSAL_CORES, SelfAttention
+from tfpar.layers.dropout import ReplicaDropout
 from tfpar.layers.mlp import MLP, GatedMLP
 from tfpar.layers.parallel import HERE, Placement
 
@@ -25,8 +26,8 @@ class PreNormBlock(keras.layers.Layer):
   placement: Placement = HERE
 
   def _residual_dropouts(self, dropout, seed) -> None:
-    self.drop_1 = keras.layers.Dropout(dropout, seed=seed, name="drop_1")
-    self.drop_2 = keras.layers.Dropout(dropout, seed=None if seed is None else seed + 1,
+    self.drop_1 = ReplicaDropout(dropout, seed=seed, name="drop_1")
+    self.drop_2 = ReplicaDropout(dropout, seed=None if seed is None else seed + 1,
                                        name="drop_2")
 
   def place(self, placement: Placement) -> None:

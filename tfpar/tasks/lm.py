@@ -54,7 +54,7 @@ class LanguageModeling(Task):
     d = self.cfg.data
     files = corpus_lib.list_files(d.data)
     sharding = pipeline.choose_sharding(d.input_sharding, len(files), num_workers)
-    tokenizer = tokenizer_lib.load(self.cfg.model.tokenizer)
+    tokenizer = tokenizer_lib.load(self.cfg.model.tokenizer, self.cfg.train.model_dir)
     corpus = pipeline.load_corpus(d.data, seq_len=self.cfg.model.seq_len,
                                   eval_fraction=d.eval_fraction, tfrecord_key=d.tfrecord_key,
                                   worker_index=worker_index, num_workers=num_workers,

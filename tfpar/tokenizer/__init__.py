@@ -24,6 +24,7 @@ per token into one per byte.
 
 import io
 import os
+import re
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -179,11 +180,16 @@ def parse(spec: Optional[str]):
   return kind, path
 
 
-def load(spec: Optional[str]) -> Tokenizer:
-  """The tokenizer a spec names (None or '' mean 'bytes', as in an older config.json)."""
+def load(spec: Optional[str], model_dir: Optional[str] = None) -> Tokenizer:
+  """The tokenizer a spec names (None or '' mean 'bytes', as in an older config.json); a
+  keras-hub preset that is gone, from the copy in the run `model_dir` (copy_into) where there."""
   kind, path = parse(spec)
   if kind == BYTES:
     return ByteTokenizer()
+  if kind == "keras_hub" and model_dir and not storage.exists(path):
+    preset = os.path.join(model_dir, RUN_PRESET)
+    if storage.exists(preset):
+      return KerasHubTokenizer(spec, preset)
   if not storage.exists(path):
     raise TokenizerError(f"--tokenizer={spec}: {path} does not exist: train one with python -m "
                          "tfpar.tokenizer train --out=PATH, or pass the path of yours")
@@ -193,23 +199,40 @@ def load(spec: Optional[str]) -> Tokenizer:
 
 
 RUN_COPY = "tokenizer.model"  # A run's own copy of its SentencePiece model, in --model_dir.
+RUN_PRESET = "tokenizer_preset"  # A run's own copy of its keras-hub tokenizer, in --model_dir.
 
 
 def copy_into(spec: str, model_dir: str) -> None:
-  """Copies a SentencePiece model into the run's directory, so that the run (moved, or its
-  tokenizer's original deleted) still decodes. A keras-hub preset stays referenced by path."""
+  """Copies the run's tokenizer into its directory, so that the run (moved, or its tokenizer's
+  original moved or deleted) still reads and decodes its ids: a SentencePiece model as
+  RUN_COPY, a keras-hub preset's tokenizer.json, assets/tokenizer/ and config.json under RUN_PRESET."""
   kind, path = parse(spec)
   if kind == "sentencepiece":
     storage.write_atomically(os.path.join(model_dir, RUN_COPY), storage.read_bytes(path))
+  elif kind == "keras_hub" and not storage.exists(os.path.join(model_dir, RUN_PRESET)):
+    # keras-hub reads config.json (and metadata.json) too to know it a preset.
+    names = [n for n in ("config.json", "metadata.json") if storage.exists(os.path.join(path, n))]
+    names += ["tokenizer.json"] + [os.path.join("assets", "tokenizer", os.path.basename(f))
+                                   for f in storage.glob(os.path.join(path, "assets", "tokenizer", "*"))]
+    for name in names:
+      storage.makedirs(os.path.dirname(os.path.join(model_dir, RUN_PRESET, name)))
+      storage.write_atomically(os.path.join(model_dir, RUN_PRESET, name),
+                               storage.read_bytes(os.path.join(path, name)))
 
 
 def for_run(spec: Optional[str], model_dir: str) -> Tokenizer:
-  """The tokenizer of the run in `model_dir` that recorded `spec`: its own copy where there."""
+  """The tokenizer of the run in `model_dir` that recorded `spec`: its own copy of a
+  SentencePiece model where there, of a keras-hub preset's where the preset is gone."""
   kind, _ = parse(spec)
   copy = os.path.join(model_dir, RUN_COPY)
   if kind == "sentencepiece" and storage.exists(copy):
-    return SentencePieceTokenizer(spec, storage.read_bytes(copy))
-  return load(spec)
+    try:
+      return SentencePieceTokenizer(spec, storage.read_bytes(copy))
+    except TokenizerError:  # The run's copy, not the original (which may well be intact).
+      raise TokenizerError(f"--model_dir={model_dir}: the run's own copy of its tokenizer, "
+                           f"{copy}, is not a SentencePiece model: copy {parse(spec)[1]} (what "
+                           f"the run was started with, --tokenizer={spec}) over it") from None
+  return load(spec, model_dir)
 
 
 def corpus_lines(files: Sequence[str], tfrecord_key: str = "text") -> Iterable[str]:
@@ -243,8 +266,25 @@ def train(files: Sequence[str], *, vocab_size: int, out: str,
         add_dummy_prefix=False, split_digits=True, allow_whitespace_only_pieces=True,
         max_sentence_length=1 << 14, character_coverage=1.0, num_threads=1, minloglevel=2)
   except RuntimeError as e:
-    raise TokenizerError(f"cannot train a vocabulary of {vocab_size}: "
-                         f"{str(e).splitlines()[0][:200]}: pass a smaller --vocab_size or more "
-                         "text") from None
+    raise TokenizerError(_train_failure(vocab_size, str(e))) from None
   storage.write_atomically(out, model.getvalue())
   return SentencePieceTokenizer(f"sentencepiece:{out}", model.getvalue())
+
+
+MAX_VOCAB_SIZE = 2 ** 31 - 1  # SentencePiece's vocab_size is an int32.
+
+
+def _train_failure(vocab_size: int, text: str) -> str:
+  """One line for SentencePiece's refusal: too few pieces for the text's characters (every
+  character is a piece: ask for more), or more than the text holds (ask for fewer)."""
+  line = text.splitlines()[0]
+  few = re.search(r"smaller than required_chars\. \d+ vs (\d+)", line)
+  if few:
+    return (f"--vocab_size={vocab_size} is smaller than the {few.group(1)} characters and control "
+            f"pieces of the text, each a piece of its own: pass a larger --vocab_size "
+            f"(>= {few.group(1)})")
+  many = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", line)
+  if many:
+    return (f"--vocab_size={vocab_size} is more pieces than this text can make: pass "
+            f"--vocab_size <= {many.group(1)}, or more text")
+  return f"cannot train a vocabulary of {vocab_size}: {line[:200]}"

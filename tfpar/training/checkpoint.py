@@ -83,6 +83,19 @@ def list_checkpoints(directory: str) -> List[Tuple[int, str]]:
   return sorted(found.items(), reverse=True)
 
 
+_CKPT_DATA = re.compile(r"ckpt-(\d+)\.data-\d+-of-\d+$")
+
+
+def without_index(directory: str) -> List[int]:
+  """Steps of the checkpoints in `directory` with data files but no index, newest first:
+  list_checkpoints cannot see them (a save cut short, an index lost or deleted)."""
+  indexed = {step for step, _ in list_checkpoints(directory)}
+  steps = {int(m.group(1)) for m in map(_CKPT_DATA.search,
+                                          tf.io.gfile.glob(os.path.join(directory, "ckpt-*.data-*")))
+           if m}
+  return sorted(steps - indexed, reverse=True)
+
+
 def _reader(prefix: str):
   """A reader of the checkpoint at `prefix`.
 
@@ -350,6 +363,10 @@ class CanonicalCheckpointer:
     """
     candidates = [path] if path else [p for _, p in list_checkpoints(self.directory)]
     problems = []
+    if not path:  # Newer than any indexed one: else passed over without a word.
+      newest = list_checkpoints(self.directory)[0][0] if candidates else -1
+      problems += [f"ckpt-{step} (its ckpt-{step}.index is missing: a save cut short, or the "
+                   "index lost)" for step in without_index(self.directory) if step > newest]
     for prefix in candidates:
       try:
         fresh = self._restore_one(prefix)
@@ -361,7 +378,7 @@ class CanonicalCheckpointer:
         problems.append(f"{os.path.basename(prefix)} ({_first_line(e)})")
         continue
       if problems:
-        log(f"warning: checkpoint {'; '.join(problems)} is unreadable: restored "
+        log(f"warning: checkpoint {'; '.join(problems)} is unreadable: skipped, restored "
             f"{os.path.basename(prefix)} instead")
       values = {name: var.numpy() for name, var in self._host.items() if name not in fresh}
       for layout in self.layouts:

@@ -12,6 +12,7 @@ from keras import ops
 
 from tfpar.config.schema import ModelConfig
 from tfpar.layers import Block
+from tfpar.layers.dropout import ReplicaDropout
 from tfpar.models.base import Transformer
 from tfpar.models.gpt import rules as rules_lib
 
@@ -42,7 +43,7 @@ class GPT(Transformer):
     if config.positions == "learned":
       self.position_embedding = keras.layers.Embedding(config.seq_len, config.d_model,
                                                        embeddings_initializer=init, name="wpe")
-    self.embed_dropout = keras.layers.Dropout(config.dropout, seed=seed, name="drop")
+    self.embed_dropout = ReplicaDropout(config.dropout, seed=seed, name="drop")
     self.blocks = [self.make_block(i, tensor_shards=tensor_shards, seed=seed + 2 * (i + 1))
                    for i in range(config.num_layers)]
     self.ln_f = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_f")

@@ -16,6 +16,7 @@ from keras import ops
 
 from tfpar.config.schema import ModelConfig
 from tfpar.layers import LlamaBlock
+from tfpar.layers.dropout import ReplicaDropout
 from tfpar.models.base import Transformer
 from tfpar.models.llama import rules as rules_lib
 
@@ -42,7 +43,7 @@ class Llama(Transformer):
     init = keras.initializers.RandomNormal(stddev=0.02)
     self.token_embedding = keras.layers.Embedding(config.vocab_size, config.d_model,
                                                   embeddings_initializer=init, name="wte")
-    self.embed_dropout = keras.layers.Dropout(config.dropout, seed=seed, name="drop")
+    self.embed_dropout = ReplicaDropout(config.dropout, seed=seed, name="drop")
     self.blocks = [
         LlamaBlock(d_model=config.d_model, num_heads=config.num_heads,
                    num_kv_heads=config.kv_heads, d_ff=config.d_ff, dropout=config.dropout,

@@ -18,6 +18,7 @@ from keras import ops
 
 from tfpar.config.schema import ModelConfig
 from tfpar.layers import Block
+from tfpar.layers.dropout import ReplicaDropout
 from tfpar.models.base import Transformer
 from tfpar.models.vit import rules as rules_lib
 
@@ -49,7 +50,7 @@ class ViT(Transformer):
     # A P x P convolution with stride P is one linear map per patch (Glorot-initialised,
     # as in the ViT paper's code: N(0, 0.02) on a few pixels would start the stream near 0).
     self.patch_embedding = keras.layers.Conv2D(d, p, strides=p, name="patch_embed")
-    self.embed_dropout = keras.layers.Dropout(config.dropout, seed=seed, name="drop")
+    self.embed_dropout = ReplicaDropout(config.dropout, seed=seed, name="drop")
     self.blocks = [
         Block(d_model=d, num_heads=config.num_heads, d_ff=config.d_ff, dropout=config.dropout,
               causal=False, tensor_shards=tensor_shards, seed=seed + 2 * (i + 1),
