@@ -26,7 +26,7 @@ import pytest
 
 from conftest import TINY, in_background, make_config, read_metrics, run_module, run_modules
 from test_bad_input import OFFLINE, snapshot
-from tfpar import config as config_lib
+from tfpar.config import rundir
 from tfpar.config.schema import ConfigError
 
 TEXT = inspect.getsource(textwrap)  # Needs a vocabulary of >= 346 pieces (its characters).
@@ -294,12 +294,12 @@ def test_a_run_whose_checkpoints_are_unwritable_is_refused_by_the_run_check(tmp_
   (tmp_path / "run").mkdir()
   os.symlink("/proc/1", tmp_path / "run" / "checkpoints")
   with pytest.raises(ConfigError, match=r"run/checkpoints is not writable \(.*refuses this user\)"):
-    config_lib.check_run(make_config(TINY + [f"--model_dir={tmp_path / 'run'}"]))
+    rundir.check_run(make_config(TINY + [f"--model_dir={tmp_path / 'run'}"]))
 
 
 @pytest.mark.parametrize("image", ["Bad Image:tag!", "", "tfpar:tag!", "tfpar@sha256:short"])
 def test_k8s_render_refuses_an_image_that_is_no_image_reference(image):
-  from tfpar.k8s import __main__ as k8s_cli  # pylint: disable=import-outside-toplevel
+  from tfpar.cli import k8s as k8s_cli  # pylint: disable=import-outside-toplevel
   with pytest.raises(k8s_cli.RenderError, match="is not a container image reference") as info:
     k8s_cli.parse(["render", "--kind=jobset", "--name=gpt", "--workers=2", f"--image={image}",
                    "--", "--flagfile=configs/gpt_tiny.flags", "--strategy=multi_worker_mirrored",
