@@ -1,8 +1,8 @@
-"""python -m tfpar.data prepare: tokenize a corpus once into TFRecords (tfpar.data.prepared)."""
+"""python -m tfpar.data prepare: tokenize a corpus once into a prepared set (tfpar.data.prepare)."""
 
 import sys
 
-from tfpar.data import prepared
+from tfpar.data import prepare
 
 if __name__ == "__main__":
-  prepared.main(sys.argv)
+  prepare.main(sys.argv)
