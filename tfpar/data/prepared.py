@@ -120,28 +120,26 @@ def locate(data: Optional[str]) -> Optional[str]:
   DataError for a directory, or files of one, that a prepare left without its
   manifest (an interrupted prepare) or that an older tfpar prepared.
   """
-  if data is None or any(c in data for c in "*?["):
-    directory = None if data is None else os.path.dirname(data)
-  else:
-    directory = os.path.dirname(data) if os.path.basename(data) == MANIFEST else data
-  if not directory or not storage.exists(directory):
+  if data is None:
     return None
+  glob = any(c in data for c in "*?[")
+  directory = os.path.dirname(data) if glob or os.path.basename(data) == MANIFEST else data
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  if not tf.io.gfile.isdir(directory):
+  if not directory or not tf.io.gfile.isdir(directory):
     return None
   if storage.exists(os.path.join(directory, MANIFEST)):
-    if directory != data.rstrip("/") and os.path.basename(data) != MANIFEST:
+    if glob:
       raise corpus.DataError(f"--data={data} names files inside the prepared set {directory}: "
                              f"pass --data={directory}")
     return directory
   names = tf.io.gfile.listdir(directory)
-  if storage.exists(os.path.join(directory, OLD_META)) and any(
-      n.endswith(corpus.TFRECORD_SUFFIXES) for n in names):
+  if OLD_META in names and any(n.endswith(corpus.TFRECORD_SUFFIXES) for n in names):
     raise corpus.DataError(
         f"--data={data}: {directory} holds TFRecord shards of an older tfpar.data prepare "
         "(int64 ids): prepare the text again with python -m tfpar.data prepare --overwrite "
         f"--out={directory}, which writes the streamed format")
-  if any(n.endswith(".bin") or n in (OLD_META, INDEX) for n in names):
+  if not glob and any(n == INDEX or (n.startswith("tokens-") and n.endswith(".bin"))
+                      for n in names):
     raise corpus.DataError(f"--data={data}: this prepare is incomplete ({directory} has no "
                            f"{MANIFEST}, which a prepare writes last): run python -m tfpar.data "
                            "prepare again")
