@@ -25,7 +25,10 @@ STDLIB = sysconfig.get_paths()["stdlib"]
 TEXT = f"{STDLIB}/[a-c]*.py"
 BYTES = tokenizer.load("bytes")
 STEPS, RESUME_AT = 6, 3
-ARGS = TINY + [f"--train_steps={STEPS}", "--seed=3", "--jit_compile=false", "--input_sharding=data"]
+# A constant learning rate after warmup (--min_lr_ratio=1): a run stopped at step 3 has taken the
+# steps of the run that goes on to step 6.
+ARGS = TINY + [f"--train_steps={STEPS}", "--seed=3", "--jit_compile=false", "--input_sharding=data",
+               "--min_lr_ratio=1"]
 TWO_WORKERS = ["--num_workers=2", "--", *ARGS, "--strategy=multi_worker_mirrored"]
 # Peak RSS of training on a 200 MB set over a 0.6 MB one, and of a 400 MB set over the 200 MB.
 RSS_ABOVE_TINY, RSS_GROWTH_ON_DOUBLING = 150 << 20, 48 << 20
@@ -163,7 +166,8 @@ def test_a_long_line_is_tokenized_in_pieces_the_same_way_everywhere(tmp_path):
 
 def test_prepare_refuses_to_mix_sets_and_overwrite_replaces_at_once(tiny_set, tmp_path):
   out = str(tmp_path / "set")
-  files = corpus.list_files(f"{STDLIB}/a*.py")
+  (tmp_path / "empty.txt").write_text("")  # A file without a document.
+  files = corpus.list_files(f"{STDLIB}/a*.py") + [str(tmp_path / "empty.txt")]
   first = prepare.prepare(files, BYTES, out, num_shards=2)
   names = sorted(os.listdir(out))
   with pytest.raises(corpus.DataError, match="already holds 4 files: pass --overwrite"):
@@ -172,6 +176,7 @@ def test_prepare_refuses_to_mix_sets_and_overwrite_replaces_at_once(tiny_set, tm
   second = prepare.prepare(files, BYTES, out, num_shards=3, overwrite=True)
   assert len(os.listdir(out)) == 5 and second["tokens"] == first["tokens"]
   assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # Nothing left aside.
+  assert second["documents"] == len(files) - 1
   (tmp_path / "file").write_text("x")
   for bad, words in ((str(tmp_path / "file"), "is a file"),
                      ("/proc/tfpar_prep", "cannot be written"),

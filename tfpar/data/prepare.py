@@ -1,7 +1,7 @@
 """python -m tfpar.data prepare: tokenize a corpus once into a prepared set (tfpar.data.prepared).
 
-    python -m tfpar.data prepare --data='corpus/*.txt' --tokenizer=sentencepiece:sp.model \
-        --out=/data/prep --workers=8 [--num_shards=4] [--overwrite]
+    python -m tfpar.data prepare --data='corpus/*.txt' --out=/data/prep --workers=8
+        [--tokenizer=sentencepiece:sp.model] [--num_shards=4] [--overwrite]
 
 Streaming: each input file is tokenized by one of --workers processes, a
 document piece by piece (tfpar.data.corpus.pieces), into a part file of ids;
@@ -160,8 +160,9 @@ def write_set(out: str, tok, parts: Iterable, *, num_shards: int = 4, overwrite:
     paths, offset, documents = [], 0, 0
     with tf.io.gfile.GFile(os.path.join(tmp, prepared.INDEX), "wb") as index:
       for i, write_part in enumerate(parts):
-        paths.append(_part_path(tmp, i))
-        lengths, text_bytes = write_part(paths[-1])
+        lengths, text_bytes = write_part(_part_path(tmp, i))
+        if len(lengths):  # A file without a document (an empty one) writes no part.
+          paths.append(_part_path(tmp, i))
         starts = offset + np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.uint64)])
         index.write(starts.astype("<u8").tobytes() if len(lengths) else b"")
         offset, documents = offset + int(np.sum(lengths)), documents + len(lengths)
