@@ -180,7 +180,8 @@ def write_set(out: str, tok, parts: Iterable, *, num_shards: int = 4, overwrite:
       f.write(json.dumps(manifest, indent=1) + "\n")
     _publish(tmp, out)
   except BaseException:
-    tf.io.gfile.rmtree(tmp) if tf.io.gfile.exists(tmp) else None  # pylint: disable=expression-not-assigned
+    if tf.io.gfile.exists(tmp):
+      tf.io.gfile.rmtree(tmp)
     raise
   return manifest
 
