@@ -163,16 +163,15 @@ def test_bad_input_is_one_line_exit_2_and_leaves_no_file(trained, tmp_path):
   assert not os.path.exists(model_dir) and not os.path.exists(out)
 
 
-def test_prepared_records_give_the_text_s_stream_and_refuse_another_tokenizer(trained, tmp_path):
-  from tfpar.data import corpus, pipeline, prepared  # pylint: disable=import-outside-toplevel
+def test_a_prepared_set_gives_the_text_s_stream_and_refuses_another_tokenizer(trained, tmp_path):
+  from tfpar.data import corpus, pipeline, prepare  # pylint: disable=import-outside-toplevel
   tok = tokenizer.load(f"sentencepiece:{trained[0]}")
   text = f"{STDLIB}/[a-b]*.py"
-  prepared.write(corpus.list_files(text), tok, str(tmp_path), num_shards=3)
-  with open(tmp_path / "tokenizer.json") as f:
-    assert json.load(f)["tokenizer"] == tok.spec
+  manifest = prepare.prepare(corpus.list_files(text), tok, str(tmp_path / "prep"), num_shards=3)
+  assert manifest["tokenizer"] == tok.spec and manifest["dtype"] == "uint16"
   read = lambda data, t: pipeline.load_corpus(data, seq_len=32, eval_fraction=0.05, tokenizer=t)
-  a, b = read(text, tok), read(f"{tmp_path}/*.tfrecord", tok)
-  assert np.array_equal(a.train, b.train) and np.array_equal(a.eval, b.eval)  # Same split.
-  with pytest.raises(corpus.DataError, match="prepared with --tokenizer=sentencepiece:.*, not "
-                     "--tokenizer=bytes: pass"):
-    read(f"{tmp_path}/*.tfrecord", tokenizer.load("bytes"))
+  a, b = read(text, tok), read(str(tmp_path / "prep"), tok)
+  assert np.array_equal(a.train, b.train.read()) and np.array_equal(a.eval, b.eval.read())
+  with pytest.raises(corpus.DataError, match="was written by --tokenizer=sentencepiece:.*, not "
+                     "by --tokenizer=bytes .*: pass the tokenizer it was prepared with"):
+    read(str(tmp_path / "prep"), tokenizer.load("bytes"))

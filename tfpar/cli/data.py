@@ -1,9 +1,10 @@
-"""python -m tfpar.data prepare: tokenize a corpus once into TFRecord shards (tfpar.data.prepared).
+"""python -m tfpar.data prepare: tokenize a corpus once into a prepared set (tfpar.data.prepare).
 
-    python -m tfpar.data prepare --data='docs/*.txt' --tokenizer=sentencepiece:t.model --out=DIR
+    python -m tfpar.data prepare --data='corpus/*.txt' --out=/data/prep --workers=8
+        [--tokenizer=sentencepiece:sp.model] [--num_shards=4] [--overwrite]
 
-Training then reads the ids the shards hold (--data=DIR/*.tfrecord) instead of
-tokenizing on every start. Bad input ends with one line on stderr and exit status 2.
+Training then streams the ids the set holds (--data=DIR) instead of tokenizing
+on every start (docs/data.md). Bad input ends with one line on stderr and exit status 2.
 """
 
 import functools
@@ -13,7 +14,8 @@ from typing import Sequence
 from tfpar import console
 from tfpar import tokenizer as tokenizer_lib
 from tfpar.cli import tool
-from tfpar.data import corpus, prepared
+from tfpar.data import corpus
+from tfpar.data.prepare import prepare
 
 fail = functools.partial(tool.fail, "data")
 
@@ -27,26 +29,34 @@ def main(argv: Sequence[str]) -> None:
   flags.DEFINE_string("tfrecord_key", "text", "The bytes feature of text TFRecords.",
                       flag_values=fv)
   flags.DEFINE_string("tokenizer", "bytes", "As tfpar.train's --tokenizer.", flag_values=fv)
-  flags.DEFINE_string("out", None, "The directory the shards go to (gs:// works).",
-                      flag_values=fv)
-  flags.DEFINE_integer("num_shards", 4, "TFRecord files to write.", flag_values=fv)
+  flags.DEFINE_string("out", None, "The directory the prepared set goes to.", flag_values=fv)
+  flags.DEFINE_integer("num_shards", 4, "Shard files to write (equal token counts).",
+                       flag_values=fv)
+  flags.DEFINE_integer("workers", 1, "Processes tokenizing files in parallel.", flag_values=fv)
+  flags.DEFINE_bool("overwrite", False, "Replace a non-empty --out (once the new set is "
+                    "complete).", flag_values=fv)
 
   if tool.parse_args(
       fv, argv, fail, doc=__doc__, command="prepare",
       usage="usage: python -m tfpar.data prepare --data=... --tokenizer=... --out=DIR"):
     return
   if not fv.out:
-    fail("--out=DIR is required: where the TFRecord shards go")
+    fail("--out=DIR is required: where the prepared set goes")
   if fv.num_shards < 1:
     fail(f"--num_shards={fv.num_shards} must be >= 1")
+  if fv.workers < 1:
+    fail(f"--workers={fv.workers} must be >= 1")
   console.import_tensorflow_quietly()
   try:
     tok = tokenizer_lib.load(fv.tokenizer)
     files = corpus.list_files(fv.data)
-    paths = prepared.write(files, tok, fv.out, num_shards=fv.num_shards, tfrecord_key=fv.tfrecord_key)
+    manifest = prepare(files, tok, fv.out, num_shards=fv.num_shards, workers=fv.workers,
+                       overwrite=fv.overwrite, tfrecord_key=fv.tfrecord_key)
   except (tokenizer_lib.TokenizerError, corpus.DataError) as e:
     fail(str(e))
-  print(f"wrote {len(paths)} shards to {fv.out} ({tok.spec})", flush=True)
+  print(f"wrote {console.count(len(manifest['shards']), 'shard')} of {manifest['dtype']} ids, "
+        f"{manifest['tokens']:,} tokens of {manifest['documents']:,} documents, to {fv.out} "
+        f"({tok.spec})", flush=True)
 
 
 if __name__ == "__main__":

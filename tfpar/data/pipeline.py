@@ -14,16 +14,27 @@ Sharding: global batch t holds positions [t*G, (t+1)*G). Replica g of R takes
 positions t*G + g*B + [0, B) with B = G / R, so the R replicas together see
 exactly the global batch one device would see (step-for-step identical loss),
 and within an epoch no replica sees a window twice or another replica's window.
+
+Streaming: a prepared set (tfpar.data.prepared) is not read into memory. Its
+stream is a TokenStream, and window i is read where it lies, one ranged read
+per shard it touches (tf.data.FixedLengthRecordDataset with the window's
+offset as header and the rest of the shard as footer), in parallel and in
+order. The windows are those of the same tokens in memory, chosen by the same
+positions, so a streamed run and an in-memory run see the same batches, and
+each pipeline reads only its own replicas' windows.
 """
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
 
 from tfpar.console import count
 from tfpar.data import corpus
+from tfpar.data import prepared
+
+HEAD_TOKENS = 1 << 20  # Of the held-out stream, what bytes per token is measured on.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,22 +122,63 @@ def sample_indices(num_samples: int, shard: Shard, *, seed: int, start_step: int
       num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
-def window_dataset(tokens: np.ndarray, seq_len: int, shard: Shard, *, seed: int,
+def head(tokens, n: int = HEAD_TOKENS) -> np.ndarray:
+  """The first n tokens of an array or a TokenStream, as an array."""
+  return tokens.read(0, n) if isinstance(tokens, prepared.TokenStream) else tokens[:n]
+
+
+def _read_windows(stream: prepared.TokenStream, seq_len: int):
+  """A function: window index -> a dataset of its L+1 tokens' bytes, one scalar string."""
+  ends = np.cumsum(stream.sizes)
+  files = tf.constant(stream.paths)
+  starts, ends = tf.constant(ends - np.asarray(stream.sizes), tf.int64), tf.constant(ends, tf.int64)
+  width = stream.itemsize
+
+  def read(index):
+    begin = stream.start + index * seq_len
+    end = begin + seq_len + 1
+    first = tf.searchsorted(ends, begin[tf.newaxis], side="right")[0]
+    last = tf.searchsorted(ends, (end - 1)[tf.newaxis], side="right")[0]
+    shards = tf.range(first, last + 1)  # Those the window touches, in order.
+    shard_start, shard_end = tf.gather(starts, shards), tf.gather(ends, shards)
+    lo, hi = tf.maximum(shard_start, begin), tf.minimum(shard_end, end)
+    header, size = (lo - shard_start) * width, (hi - lo) * width
+    footer = (shard_end - shard_start) * width - header - size
+    pieces = tf.data.Dataset.from_tensor_slices((tf.gather(files, shards), header, size, footer))
+    return pieces.flat_map(lambda f, h, n, t: tf.data.FixedLengthRecordDataset(
+        f, n, header_bytes=h, footer_bytes=t, buffer_size=0)).batch(1 << 16).map(
+            tf.strings.reduce_join)
+
+  return read
+
+
+def window_dataset(tokens, seq_len: int, shard: Shard, *, seed: int,
                    start_step: int = 0, shuffle: bool = True) -> tf.data.Dataset:
-  """Per-replica batches (inputs, targets), int32 [B, seq_len] each, endless."""
+  """Per-replica batches (inputs, targets), int32 [B, seq_len] each, endless.
+
+  `tokens`: an array in memory, or a prepared set's TokenStream (streamed).
+  """
   n = num_windows(tokens, seq_len)
   if n < 1:
     raise corpus.DataError(f"fewer than {seq_len + 1} tokens: give more text or a shorter --seq_len")
-  stream = tf.constant(tokens)
-  offsets = tf.range(seq_len + 1, dtype=tf.int64)[tf.newaxis, :]
 
-  def gather(idx):
-    windows = tf.gather(stream, idx[:, tf.newaxis] * seq_len + offsets)  # [B, L+1]
+  def split(windows):  # [B, L+1]
     windows = tf.cast(windows, tf.int32)
     return windows[:, :-1], windows[:, 1:]
 
   ds = sample_indices(n, shard, seed=seed, start_step=start_step, shuffle=shuffle)
-  ds = ds.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  if isinstance(tokens, prepared.TokenStream):
+    dtype = tf.as_dtype(tokens.dtype)
+    ds = ds.unbatch().interleave(_read_windows(tokens, seq_len), cycle_length=8,
+                                 num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    ds = ds.batch(shard.per_replica_batch).map(
+        lambda raw: split(tf.io.decode_raw(raw, dtype, little_endian=True)),
+        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  else:
+    stream = tf.constant(tokens)
+    offsets = tf.range(seq_len + 1, dtype=tf.int64)[tf.newaxis, :]
+    ds = ds.map(lambda idx: split(tf.gather(stream, idx[:, tf.newaxis] * seq_len + offsets)),
+                num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   options = tf.data.Options()
   options.deterministic = True
   # We shard by construction (see module docstring): tell tf.distribute not to.
@@ -136,24 +188,41 @@ def window_dataset(tokens: np.ndarray, seq_len: int, shard: Shard, *, seed: int,
 
 @dataclasses.dataclass
 class Corpus:
-  """The train and held-out token streams one input pipeline reads."""
-  train: np.ndarray
-  eval: np.ndarray
+  """The train and held-out token streams one input pipeline reads (arrays, or views of a
+  prepared set's TokenStream), and the files they come from."""
+  train: Union[np.ndarray, prepared.TokenStream]
+  eval: Union[np.ndarray, prepared.TokenStream]
   files: Tuple[str, ...]
 
 
-def choose_sharding(policy: str, num_files: int, num_workers: int) -> str:
-  """'auto' reads per-worker files when every worker gets at least four of them."""
+def choose_sharding(policy: str, num_files: int, num_workers: int, *,
+                    streamed: bool = False) -> str:
+  """'auto' reads per-worker files when every worker gets at least four of them; a prepared
+  set (`streamed`) is read by windows ('data')."""
   if policy != "auto":
     return policy
-  return "file" if num_workers > 1 and num_files >= 4 * num_workers else "data"
+  return "file" if num_workers > 1 and num_files >= 4 * num_workers and not streamed else "data"
 
 
 def load_corpus(data: Optional[str], *, seq_len: int, eval_fraction: float,
                 tfrecord_key: str = "text", worker_index: int = 0, num_workers: int = 1,
-                sharding: str = "data", tokenizer=None) -> Corpus:
+                sharding: str = "data", tokenizer=None,
+                max_text_bytes: int = corpus.MAX_TEXT_BYTES) -> Corpus:
   """Reads the text this worker needs: everything ('data') or its own files ('file'), as
-  `tokenizer`'s ids (default: bytes). The held-out split is the tail of the id stream."""
+  `tokenizer`'s ids (default: bytes). The held-out split is the tail of the id stream.
+
+  A prepared set (tfpar.data.prepared) is checked against `tokenizer` and
+  streamed, not read: its train and held-out streams are views of its shards.
+  Text past `max_text_bytes` is refused with the line that says to prepare it.
+  """
+  directory = prepared.locate(data)
+  if directory is not None:
+    if sharding == "file":
+      raise corpus.DataError(f"--data={data} is a prepared set, which every worker streams by "
+                             "windows: --input_sharding=file does not apply; use auto or data")
+    stream = prepared.open_set(directory, tokenizer or _bytes_tokenizer())
+    train, held_out = split_tokens(stream, seq_len, eval_fraction)
+    return Corpus(train=train, eval=held_out, files=stream.paths)
   files = corpus.list_files(data)
   if sharding == "file":
     if len(files) < num_workers:
@@ -161,6 +230,12 @@ def load_corpus(data: Optional[str], *, seq_len: int, eval_fraction: float,
                              f"({count(len(files), 'file')}, {num_workers} workers): use "
                              "--input_sharding=data")
     files = files[worker_index::num_workers]
+  corpus.check_in_memory(files, max_text_bytes)
   tokens = corpus.read_tokens(files, tfrecord_key, tokenizer)
   train, held_out = split_tokens(tokens, seq_len, eval_fraction)
   return Corpus(train=train, eval=held_out, files=tuple(files))
+
+
+def _bytes_tokenizer():
+  from tfpar import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  return tokenizer_lib.load("bytes")

@@ -1,42 +1,234 @@
-"""Corpora tokenized once into sharded TFRecords (what Megatron's preprocess_data does).
+"""Prepared corpora: token ids in fixed-width binary shards that training streams.
 
     python -m tfpar.data prepare --tokenizer=sentencepiece:/tmp/sp.model --out=/tmp/prep
-    python -m tfpar.train --data='/tmp/prep/*.tfrecord' --tokenizer=sentencepiece:/tmp/sp.model ...
+    python -m tfpar.train --data=/tmp/prep --tokenizer=sentencepiece:/tmp/sp.model ...
 
-Each record is one document, a tf.train.Example whose int64 feature 'ids'
-holds its ids; DIR/tokenizer.json names the tokenizer that wrote them. Read
-back (tfpar.data.corpus reads them), the documents are joined with the
-tokenizer's separator exactly as text is, so a prepared corpus gives the same
-stream, the same held-out tail and the same batches as its text, without tokenizing at
-start-up. A shard written with another tokenizer than --tokenizer is refused.
+A prepared set is one directory (tfpar.data.prepare writes it):
+
+  tokens-00000-of-00004.bin ...  the token stream, cut into shards: little-endian
+                                 ids of `dtype` (uint8 up to 256 ids, uint16 up to
+                                 65,536, else uint32), no header. The stream is the
+                                 documents joined by the tokenizer's separator,
+                                 exactly as tfpar.data.corpus joins text, so a
+                                 prepared corpus gives the same windows, held-out
+                                 tail and batches as its text.
+  index.bin                      uint64 offset in the stream of each document's first id.
+  manifest.json                  written last: the format, the tokenizer (spec, sha256
+                                 of its content, vocabulary size, separator), dtype,
+                                 and each file with its size and sha256.
+
+Token t of the stream is at byte (t - first token of its shard) * itemsize of
+one shard, so a window at any position is one ranged read (two where it
+crosses a shard's end), without reading what comes before it
+(tfpar.data.pipeline reads them with tf.data.FixedLengthRecordDataset).
+
+`open_set` is what training calls: it reads the manifest and refuses, with
+one line naming the fix, a set that is incomplete (no manifest), written by
+another tokenizer (by content, not path) or at another width, or whose files
+are missing, truncated or, up to VERIFY_BYTES of shards, corrupt (their
+sha256; past that size a start-up would read the whole corpus, so only sizes
+are checked). Training reads only the files the
+manifest lists. TFRecord shards of an older tfpar (int64 ids, tokenizer.json)
+are refused with the line that says to prepare again.
 """
 
+import dataclasses
+import hashlib
 import json
 import os
-from typing import List, Sequence
+from typing import Optional, Tuple
+
+import numpy as np
 
 from tfpar import storage
 from tfpar.data import corpus
 
+FORMAT = "tfpar.prepared/2"
+MANIFEST = "manifest.json"
+INDEX = "index.bin"
+OLD_META = "tokenizer.json"  # The older TFRecord format's only record of its tokenizer.
+VERIFY_BYTES = 1 << 30
+KEYS = ("format", "tokenizer", "tokenizer_sha256", "vocab_size", "separator_id", "dtype",
+        "tokens", "documents", "shards", "index")
 
-def write(files: Sequence[str], tok, out: str, *, num_shards: int = 4,
-          tfrecord_key: str = "text") -> List[str]:
-  """Tokenizes `files` into `num_shards` TFRecord shards under `out` (documents in order)."""
-  import keras  # pylint: disable=import-outside-toplevel
+
+def dtype_for(vocab_size: int) -> str:
+  """The narrowest unsigned width that holds ids 0..vocab_size-1."""
+  return "uint8" if vocab_size <= 1 << 8 else "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def shard_name(i: int, n: int) -> str:
+  return f"tokens-{i:05d}-of-{n:05d}.bin"
+
+
+def sha256_of(path: str) -> str:
+  """sha256 of a file, read a block at a time."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  storage.makedirs(out)
-  docs = [d for path in files for d in corpus.read_documents(path, tfrecord_key) if d]
-  per_shard = -(-len(docs) // num_shards)
-  paths = [os.path.join(out, f"tokens-{i:05d}-of-{num_shards:05d}.tfrecord")
-           for i in range(num_shards)]
-  bar = keras.utils.Progbar(len(docs), unit_name="doc")
-  for i, path in enumerate(paths):
-    with tf.io.TFRecordWriter(path) as writer:
-      for doc in docs[i * per_shard:(i + 1) * per_shard]:
-        ids = tok.encode(doc.replace(corpus.DOC_SEPARATOR, b"").decode("utf-8", "replace"))
-        writer.write(tf.train.Example(features=tf.train.Features(feature={corpus.IDS: (
-            tf.train.Feature(int64_list=tf.train.Int64List(value=ids)))})).SerializeToString())
-        bar.add(1)
-  storage.write_atomically(os.path.join(out, corpus.META), json.dumps(
-      {"tokenizer": tok.spec, "vocab_size": tok.vocab_size, "documents": len(docs)}) + "\n")
-  return paths
+  digest = hashlib.sha256()
+  with tf.io.gfile.GFile(path, "rb") as f:
+    while block := f.read(1 << 22):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenStream:
+  """Tokens [start, start + length) of a prepared set's stream, read on demand.
+
+  Attributes:
+    paths: the shards, in stream order; sizes: each one's token count.
+    dtype: the ids' width ('uint8', 'uint16', 'uint32').
+  """
+  paths: Tuple[str, ...]
+  sizes: Tuple[int, ...]
+  dtype: str
+  start: int = 0
+  length: Optional[int] = None
+
+  def __len__(self) -> int:
+    return sum(self.sizes) - self.start if self.length is None else self.length
+
+  def __getitem__(self, item: slice) -> "TokenStream":
+    """A view of a range (what tfpar.data.pipeline.split_tokens takes)."""
+    begin, end, step = item.indices(len(self))
+    assert step == 1, "a TokenStream view is contiguous"
+    return dataclasses.replace(self, start=self.start + begin, length=max(end - begin, 0))
+
+  @property
+  def itemsize(self) -> int:
+    return np.dtype(self.dtype).itemsize
+
+  def read(self, begin: int = 0, n: Optional[int] = None) -> np.ndarray:
+    """Tokens [begin, begin + n) of this view as int32, by ranged reads."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    n = len(self) - begin if n is None else min(n, len(self) - begin)
+    lo, out, first = self.start + begin, [], 0
+    for path, size in zip(self.paths, self.sizes):
+      a, b = max(lo, first), min(lo + n, first + size)
+      if a < b:
+        with tf.io.gfile.GFile(path, "rb") as f:
+          f.seek((a - first) * self.itemsize)
+          out.append(np.frombuffer(f.read((b - a) * self.itemsize), "<" + self.dtype[0] +
+                                   str(self.itemsize)))
+      first += size
+    return np.concatenate(out).astype(np.int32) if out else np.zeros([0], np.int32)
+
+
+def locate(data: Optional[str]) -> Optional[str]:
+  """The prepared set --data names (its directory, or its manifest.json), else None.
+
+  DataError for a directory, or files of one, that a prepare left without its
+  manifest (an interrupted prepare) or that an older tfpar prepared.
+  """
+  if data is None:
+    return None
+  glob = any(c in data for c in "*?[")
+  directory = os.path.dirname(data) if glob or os.path.basename(data) == MANIFEST else data
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  if not directory or not tf.io.gfile.isdir(directory):
+    return None
+  if storage.exists(os.path.join(directory, MANIFEST)):
+    if glob:
+      raise corpus.DataError(f"--data={data} names files inside the prepared set {directory}: "
+                             f"pass --data={directory}")
+    return directory
+  names = tf.io.gfile.listdir(directory)
+  if OLD_META in names and any(n.endswith(corpus.TFRECORD_SUFFIXES) for n in names):
+    raise corpus.DataError(
+        f"--data={data}: {directory} holds TFRecord shards of an older tfpar.data prepare "
+        "(int64 ids): prepare the text again with python -m tfpar.data prepare --overwrite "
+        f"--out={directory}, which writes the streamed format")
+  if not glob and any(n == INDEX or (n.startswith("tokens-") and n.endswith(".bin"))
+                      for n in names):
+    raise corpus.DataError(f"--data={data}: this prepare is incomplete ({directory} has no "
+                           f"{MANIFEST}, which a prepare writes last): run python -m tfpar.data "
+                           "prepare again")
+  return None
+
+
+def _bad(directory: str, what: str) -> corpus.DataError:
+  return corpus.DataError(f"the prepared set {directory}: {what}: prepare it again with python -m "
+                          "tfpar.data prepare --overwrite")
+
+
+def _describes_files(manifest: dict) -> bool:
+  """Shards and index, each {file: a name in the set, bytes: int, sha256: str}, shards with
+  tokens: int; a width tfpar writes."""
+  shards, index = manifest["shards"], manifest["index"]
+  if not isinstance(shards, list) or not shards or manifest["dtype"] not in (
+      "uint8", "uint16", "uint32"):
+    return False
+  for entry in shards + [index]:
+    if not (isinstance(entry, dict) and isinstance(entry.get("file"), str) and
+            os.path.basename(entry["file"]) == entry["file"] and
+            isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)):
+      return False
+  return all(isinstance(entry.get("tokens"), int) for entry in shards)
+
+
+def read_manifest(directory: str) -> dict:
+  """The manifest, checked for form; DataError (one line) where it is not one."""
+  path = os.path.join(directory, MANIFEST)
+  try:
+    manifest = json.loads(storage.read_text(path))
+  except (ValueError, UnicodeDecodeError) as e:
+    raise _bad(directory, f"{MANIFEST} is not valid JSON ({e})") from None
+  if not isinstance(manifest, dict) or any(k not in manifest for k in KEYS):
+    missing = [k for k in KEYS if not isinstance(manifest, dict) or k not in manifest]
+    raise _bad(directory, f"{MANIFEST} lacks {', '.join(missing)}")
+  if manifest["format"] != FORMAT:
+    raise _bad(directory, f"its format is {manifest['format']!r}, not {FORMAT!r}")
+  if not _describes_files(manifest):
+    raise _bad(directory, f"{MANIFEST} does not describe its files")
+  return manifest
+
+
+def check_files(directory: str, manifest: dict, *, verify_bytes: int = VERIFY_BYTES) -> None:
+  """Every listed file is there at its size; checksums too while the shards total <= verify_bytes."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  entries = [dict(s, kind="shard") for s in manifest["shards"]] + [
+      dict(manifest["index"], kind="index")]
+  itemsize = np.dtype(manifest["dtype"]).itemsize
+  for entry in entries:
+    path = os.path.join(directory, entry["file"])
+    if not storage.exists(path):
+      raise _bad(directory, f"its {entry['kind']} {entry['file']} is missing")
+    size = tf.io.gfile.stat(path).length
+    if size != entry["bytes"] or (entry["kind"] == "shard" and
+                                  entry["bytes"] != entry["tokens"] * itemsize):
+      raise _bad(directory, f"its {entry['kind']} {entry['file']} is truncated or altered "
+                 f"({size:,} bytes; its manifest says {entry['bytes']:,})")
+  total = sum(s["bytes"] for s in manifest["shards"])
+  for entry in entries:
+    if (entry["kind"] == "index" or total <= verify_bytes) and \
+        sha256_of(os.path.join(directory, entry["file"])) != entry["sha256"]:
+      raise _bad(directory, f"its {entry['kind']} {entry['file']} is corrupt (its sha256 is not "
+                 "the manifest's)")
+
+
+def check_tokenizer(directory: str, manifest: dict, tok) -> None:
+  """The set was written by `tok`: the same content, vocabulary and id width."""
+  fix = (f"pass the tokenizer it was prepared with, or prepare it again with --tokenizer={tok.spec}"
+         " and --overwrite")
+  if manifest["tokenizer_sha256"] != tok.fingerprint:
+    same = manifest["tokenizer"] == tok.spec
+    raise corpus.DataError(
+        f"the prepared set {directory} was written by --tokenizer={manifest['tokenizer']}"
+        f"{' as it was then' if same else ''} (sha256 {manifest['tokenizer_sha256'][:12]}), not "
+        f"by --tokenizer={tok.spec}{' as it is now' if same else ''} (sha256 "
+        f"{tok.fingerprint[:12]}): {fix}")
+  if manifest["vocab_size"] != tok.vocab_size or manifest["dtype"] != dtype_for(tok.vocab_size):
+    raise corpus.DataError(
+        f"the prepared set {directory} holds {manifest['dtype']} ids of a {manifest['vocab_size']}"
+        f"-id vocabulary; --tokenizer={tok.spec} has {tok.vocab_size} ids "
+        f"({dtype_for(tok.vocab_size)}): {fix}")
+
+
+def open_set(directory: str, tok, *, verify_bytes: int = VERIFY_BYTES) -> TokenStream:
+  """The whole token stream of a checked prepared set (see the module docstring)."""
+  manifest = read_manifest(directory)
+  check_tokenizer(directory, manifest, tok)
+  check_files(directory, manifest, verify_bytes=verify_bytes)
+  return TokenStream(paths=tuple(os.path.join(directory, s["file"]) for s in manifest["shards"]),
+                     sizes=tuple(int(s["tokens"]) for s in manifest["shards"]),
+                     dtype=manifest["dtype"])

@@ -14,6 +14,7 @@ from tfpar import console, families
 from tfpar import tokenizer as tokenizer_lib
 from tfpar.data import corpus as corpus_lib
 from tfpar.data import pipeline
+from tfpar.data import prepared
 from tfpar.tasks.task import Task, cross_entropy
 from tfpar.training.metrics import perplexity
 
@@ -53,17 +54,19 @@ class LanguageModeling(Task):
   def load_data(self, *, worker_index: int = 0, num_workers: int = 1):
     d = self.cfg.data
     files = corpus_lib.list_files(d.data)
-    sharding = pipeline.choose_sharding(d.input_sharding, len(files), num_workers)
+    sharding = pipeline.choose_sharding(d.input_sharding, len(files), num_workers,
+                                        streamed=prepared.locate(d.data) is not None)
     tokenizer = tokenizer_lib.load(self.cfg.model.tokenizer, self.cfg.train.model_dir)
     corpus = pipeline.load_corpus(d.data, seq_len=self.cfg.model.seq_len,
                                   eval_fraction=d.eval_fraction, tfrecord_key=d.tfrecord_key,
                                   worker_index=worker_index, num_workers=num_workers,
                                   sharding=sharding, tokenizer=tokenizer)
-    self.eval_bytes_per_token = tokenizer.stream_bytes_per_token(corpus.eval)
+    self.eval_bytes_per_token = tokenizer.stream_bytes_per_token(pipeline.head(corpus.eval))
     return corpus, sharding
 
   def describe_data(self, data) -> str:
-    total = len(corpus_lib.list_files(self.cfg.data.data))
+    total = len(data.files) if isinstance(data.train, prepared.TokenStream) else len(
+        corpus_lib.list_files(self.cfg.data.data))
     share = "" if len(data.files) == total else f" of {total} (this worker's share)"
     return (f"{console.count(len(data.files), 'file')}{share}, {len(data.train):,} train / "
             f"{len(data.eval):,} held-out tokens ({self.cfg.model.tokenizer}, "

@@ -22,6 +22,7 @@ folding, no dummy prefix) and byte fallback (any text encodes, nothing is
 per token into one per byte.
 """
 
+import hashlib
 import io
 import os
 import re
@@ -41,11 +42,23 @@ class TokenizerError(ValueError):
 
 
 class Tokenizer:
-  """Text <-> ids. Attributes: spec (as config.json records it), vocab_size, separator_id."""
+  """Text <-> ids. Attributes: spec (as config.json records it), vocab_size, separator_id,
+  fingerprint (sha256 of what defines its ids: the model file's bytes, not its path)."""
 
   spec: str
   vocab_size: int
   separator_id: int
+  fingerprint: str = hashlib.sha256(b"bytes").hexdigest()
+
+  def encode_pieces(self, pieces: Iterable[bytes]) -> np.ndarray:
+    """A document's int32 ids from its pieces (tfpar.data.corpus.pieces), encoded one by one, so
+    a document of any length costs the tokenizer's memory for one piece (<= 1 MiB) at a time."""
+    ids = [self.encode_piece(p) for p in pieces]
+    return np.concatenate(ids) if ids else np.zeros([0], np.int32)
+
+  def encode_piece(self, piece: bytes) -> np.ndarray:
+    """One piece's int32 ids (invalid UTF-8 is replaced)."""
+    return self.encode(piece.decode("utf-8", "replace"))
 
   def encode(self, text: str) -> np.ndarray:
     """Text -> int32 ids [n]."""
@@ -81,6 +94,9 @@ class ByteTokenizer(Tokenizer):
 
   def encode(self, text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+  def encode_piece(self, piece: bytes) -> np.ndarray:
+    return np.frombuffer(piece, np.uint8).astype(np.int32)  # The bytes as they are.
 
   def decode(self, ids: Sequence[int]) -> str:
     return corpus.decode(ids)
@@ -121,6 +137,7 @@ class SentencePieceTokenizer(Tokenizer):
       raise TokenizerError(f"--tokenizer={spec}: the file is not a SentencePiece model: pass a "
                            ".model file (python -m tfpar.tokenizer train writes one)") from None
     self.vocab_size = self._sp.get_piece_size()
+    self.fingerprint = hashlib.sha256(model_proto).hexdigest()
     eos = self._sp.eos_id()
     self.separator_id = eos if eos >= 0 else self._sp.unk_id()
 
@@ -154,6 +171,7 @@ class KerasHubTokenizer(Tokenizer):
                            f"({str(e).splitlines()[0][:160]}): pass a preset directory written "
                            "by save_to_preset") from None
     self.vocab_size = int(self._tok.vocabulary_size())
+    self.fingerprint = _tree_sha256(preset_dir)
     end = getattr(self._tok, "end_token_id", None)
     self.separator_id = int(end) if end is not None else 0
 
@@ -168,6 +186,22 @@ class KerasHubTokenizer(Tokenizer):
 
   def to_keras_hub(self):
     return self._tok
+
+
+def _tree_sha256(preset_dir: str) -> str:
+  """sha256 over a preset's tokenizer: tokenizer.json and the files under assets/ (names and
+  bytes), not its weights."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  paths = [os.path.join(preset_dir, "tokenizer.json")]
+  assets = os.path.join(preset_dir, "assets")
+  if tf.io.gfile.isdir(assets):
+    paths += [os.path.join(root, name) for root, _, names in tf.io.gfile.walk(assets)
+              for name in names]
+  digest = hashlib.sha256()
+  for path in sorted(p for p in paths if storage.exists(p)):
+    digest.update(os.path.relpath(path, preset_dir).encode() + b"\0")
+    digest.update(hashlib.sha256(storage.read_bytes(path)).digest())
+  return digest.hexdigest()
 
 
 def parse(spec: Optional[str]):

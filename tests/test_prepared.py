@@ -1,0 +1,292 @@
+"""Prepared sets (tfpar.data.prepare / prepared): streamed windows equal the text's in memory,
+prepare is streaming, parallel, byte-identical and atomic, every bad set is one line, and
+training on a prepared set of hundreds of MB holds the memory of a tiny one.
+
+The real runs share one module fixture: a tiny prepared set and its text trained one device
+in memory and streamed (equal losses), two workers streamed to step 3 then one device resumed
+to step 6 (equal losses), and two sets of 200 and 400 MB written with numpy (peak RSS)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import numpy as np
+import pytest
+
+from conftest import REPO, TINY, read_metrics, run_modules
+from tfpar import tokenizer
+from tfpar.data import corpus, pipeline, prepare, prepared
+from tfpar.data.pipeline import Shard
+
+STDLIB = sysconfig.get_paths()["stdlib"]
+TEXT = f"{STDLIB}/[a-c]*.py"
+BYTES = tokenizer.load("bytes")
+STEPS, RESUME_AT = 6, 3
+# A constant learning rate after warmup (--min_lr_ratio=1): a run stopped at step 3 has taken the
+# steps of the run that goes on to step 6.
+ARGS = TINY + [f"--train_steps={STEPS}", "--seed=3", "--jit_compile=false", "--input_sharding=data",
+               "--min_lr_ratio=1"]
+TWO_WORKERS = ["--num_workers=2", "--", *ARGS, "--strategy=multi_worker_mirrored"]
+# Peak RSS of training on a 200 MB set over a 0.6 MB one, and of a 400 MB set over the 200 MB.
+RSS_ABOVE_TINY, RSS_GROWTH_ON_DOUBLING = 150 << 20, 48 << 20
+
+
+@pytest.fixture(scope="module")
+def tiny_set(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("prep") / "tiny")
+  prepare.prepare(corpus.list_files(TEXT), BYTES, out, num_shards=3)
+  return out
+
+
+def stdlib_documents(seed: int, total_bytes: int):
+  """Stdlib files as uint8 ids, shuffled and repeated with a seed, `total_bytes` in all."""
+  docs = [np.fromfile(f, np.uint8) for f in corpus.default_corpus_files()]
+  docs = [d[d != 0] for d in docs if len(d)]
+  rng, written = np.random.default_rng(seed), 0
+  while written < total_bytes:
+    for i in rng.permutation(len(docs)):
+      if written >= total_bytes:
+        return
+      cut = docs[i][rng.integers(0, max(len(docs[i]) // 2, 1)):]  # Varied documents.
+      written += len(cut) + 1
+      yield cut
+
+
+def run_measured(args, log):
+  """python -m tfpar.train args; (exit status, peak RSS in bytes from wait4)."""
+  env = dict(os.environ, PYTHONPATH=REPO)
+  with open(log, "w") as out:
+    proc = subprocess.Popen([sys.executable, "-m", "tfpar.train", *args], cwd=REPO, env=env,
+                            stdout=out, stderr=subprocess.STDOUT)
+    _, status, usage = os.wait4(proc.pid, 0)
+  proc.returncode = os.waitstatus_to_exitcode(status)
+  return proc.returncode, usage.ru_maxrss * 1024
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_set, tmp_path_factory):
+  """{name: model_dir} of the module's training runs, and the peak RSS of the streamed ones."""
+  from concurrent.futures import ThreadPoolExecutor  # pylint: disable=import-outside-toplevel
+  root = tmp_path_factory.mktemp("runs")
+  dirs = {name: str(root / name) for name in ("text", "streamed", "two", "big", "bigger")}
+  sets = {}
+  for name, size in (("big", 200 << 20), ("bigger", 400 << 20)):
+    sets[name] = str(root / f"set_{name}")
+    prepare.write_arrays(sets[name], BYTES, stdlib_documents(len(name), size), num_shards=4)
+
+  def measured(name, data):
+    return run_measured(ARGS + ["--strategy=one_device", f"--data={data}",
+                                f"--model_dir={dirs[name]}"], root / f"{name}.log")
+
+  with ThreadPoolExecutor(2) as pool:
+    two = pool.submit(run_modules, [("tfpar.launch", TWO_WORKERS + [
+        f"--data={tiny_set}", f"--model_dir={dirs['two']}", "--checkpoint_every=3",
+        f"--train_steps={RESUME_AT}"], {"check": True})], at_once=1)
+    rss = dict(zip(("streamed", "big", "bigger"), pool.map(
+        lambda a: measured(*a), [("streamed", tiny_set), ("big", sets["big"]),
+                                 ("bigger", sets["bigger"])])))
+    text = pool.submit(run_modules, [("tfpar.train", ARGS + [
+        "--strategy=one_device", f"--data={TEXT}", f"--model_dir={dirs['text']}"],
+                                      {"check": True})], at_once=1)
+    two.result(), text.result()
+  for name, (code, _) in rss.items():
+    assert code == 0, open(root / f"{name}.log").read()[-3000:]
+  resumed = run_modules([("tfpar.train", ARGS + ["--strategy=one_device", f"--data={tiny_set}",
+                                                 f"--model_dir={dirs['two']}"],
+                          {"check": True})], at_once=1)[0]
+  for name in sets.values():
+    shutil.rmtree(name)
+  return dirs, {name: peak for name, (_, peak) in rss.items()}, resumed
+
+
+def losses(model_dir, after=0):
+  return np.array([r["loss"] for r in read_metrics(model_dir) if r["step"] > after])
+
+
+def test_a_streamed_run_trains_with_the_loss_of_the_text_in_memory(runs):
+  dirs, _, _ = runs
+  np.testing.assert_allclose(losses(dirs["streamed"]), losses(dirs["text"]), rtol=1e-5)
+  assert len(losses(dirs["text"])) == STEPS
+
+
+def test_two_streamed_workers_then_one_device_resumed_give_the_uninterrupted_loss(runs):
+  dirs, _, resumed = runs
+  two = read_metrics(dirs["two"])
+  assert [r["step"] for r in two] == list(range(1, STEPS + 1))
+  assert two[0]["workers"] == 2 and two[-1]["workers"] == 1
+  assert f"resumed from" in resumed.stdout + resumed.stderr
+  np.testing.assert_allclose(losses(dirs["two"]), losses(dirs["text"]), rtol=1e-5)
+
+
+def test_peak_rss_does_not_grow_with_the_prepared_corpus(runs):
+  _, rss, _ = runs
+  print({name: f"{peak / 2**20:.0f} MiB" for name, peak in rss.items()})  # Seen with -s.
+  assert rss["big"] - rss["streamed"] < RSS_ABOVE_TINY, rss
+  assert rss["bigger"] - rss["big"] < RSS_GROWTH_ON_DOUBLING, rss
+
+
+def test_streamed_windows_are_the_in_memory_windows(tiny_set):
+  text = pipeline.load_corpus(TEXT, seq_len=32, eval_fraction=0.05)
+  streamed = pipeline.load_corpus(tiny_set, seq_len=32, eval_fraction=0.05, tokenizer=BYTES)
+  assert isinstance(streamed.train, prepared.TokenStream) and len(streamed.files) == 3
+  assert np.array_equal(streamed.train.read(), text.train)
+  assert np.array_equal(streamed.eval.read(), text.eval)
+  first = streamed.train.sizes[0]
+  # Windows that cross the end of a shard (3 shards of ~200,000 tokens) read both pieces.
+  window = (first - 5) // 32
+  assert np.array_equal(streamed.train.read(window * 32, 33), text.train[window * 32:][:33])
+  for split, kwargs in (("train", {}), ("train", {"start_step": 7}), ("eval", {"shuffle": False})):
+    for shard in (Shard(8), Shard(8, 4, 2, 2)):
+      want = pipeline.window_dataset(getattr(text, split), 32, shard, seed=1, **kwargs)
+      got = pipeline.window_dataset(getattr(streamed, split), 32, shard, seed=1, **kwargs)
+      for (x, y), (u, v) in zip(want.take(20), got.take(20)):
+        np.testing.assert_array_equal(x.numpy(), u.numpy())
+        np.testing.assert_array_equal(y.numpy(), v.numpy())
+  # The in-order windows include the ones that straddle: every window of the split is read.
+  everything = np.concatenate([x.numpy()[:, 0] for x, _ in pipeline.window_dataset(
+      streamed.train, 32, Shard(64), seed=0, shuffle=False).take(len(text.train) // 32 // 64)])
+  np.testing.assert_array_equal(everything, text.train[:len(everything) * 32:32])
+
+
+def test_a_long_line_is_tokenized_in_pieces_the_same_way_everywhere(tmp_path):
+  line = ("x = 'caf\u00e9' " * 300_000).encode()  # 3.9 MB on one line, 2-byte characters
+  pieces = list(corpus.pieces(line))
+  assert len(pieces) == 4 and all(len(p) <= corpus.PIECE_BYTES for p in pieces)
+  assert b"".join(pieces) == line and all(p.decode() for p in pieces)  # Whole characters.
+  lines = b"".join(b"a" * 1000 + b"\n" for _ in range(3000))
+  assert all(p.endswith(b"\n") for p in corpus.pieces(lines))
+  (tmp_path / "long.txt").write_bytes(line + b"\0")
+  documents = corpus.iter_documents(str(tmp_path / "long.txt"))
+  streamed = list(next(documents))
+  assert streamed == pieces
+  assert corpus.read_tokens([str(tmp_path / "long.txt")]).tobytes() == line + b"\0"
+
+
+def test_prepare_refuses_to_mix_sets_and_overwrite_replaces_at_once(tiny_set, tmp_path):
+  out = str(tmp_path / "set")
+  (tmp_path / "empty.txt").write_text("")  # A file without a document.
+  files = corpus.list_files(f"{STDLIB}/a*.py") + [str(tmp_path / "empty.txt")]
+  first = prepare.prepare(files, BYTES, out, num_shards=2)
+  names = sorted(os.listdir(out))
+  with pytest.raises(corpus.DataError, match="already holds 4 files: pass --overwrite"):
+    prepare.prepare(files, BYTES, out, num_shards=3)
+  assert sorted(os.listdir(out)) == names
+  second = prepare.prepare(files, BYTES, out, num_shards=3, overwrite=True)
+  assert len(os.listdir(out)) == 5 and second["tokens"] == first["tokens"]
+  assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # Nothing left aside.
+  assert second["documents"] == len(files) - 1
+  (tmp_path / "file").write_text("x")
+  for bad, words in ((str(tmp_path / "file"), "is a file"),
+                     ("/proc/tfpar_prep", "cannot be written"),
+                     (str(tmp_path / "file" / "sub"), "cannot be written")):
+    with pytest.raises(corpus.DataError, match=words):
+      prepare.prepare(files, BYTES, bad)
+
+
+def damaged(tiny_set, tmp_path, how):
+  """A copy of the tiny set, damaged `how`."""
+  out = str(tmp_path / "damaged")
+  shutil.copytree(tiny_set, out)
+  manifest = json.load(open(os.path.join(out, prepared.MANIFEST)))
+  shard = os.path.join(out, manifest["shards"][1]["file"])
+  if how == "truncated":
+    os.truncate(shard, os.path.getsize(shard) - 7)
+  elif how == "corrupt":
+    with open(shard, "r+b") as f:
+      f.seek(1000)
+      f.write(b"\xff")
+  elif how == "missing index":
+    os.remove(os.path.join(out, prepared.INDEX))
+  elif how == "missing shard":
+    os.remove(shard)
+  elif how == "incomplete":
+    os.remove(os.path.join(out, prepared.MANIFEST))
+  elif how in ("bad json", "no tokenizer key", "another width"):
+    if how == "no tokenizer key":
+      del manifest["tokenizer"]
+    if how == "another width":
+      manifest["dtype"] = "uint16"
+      for s in manifest["shards"]:
+        s["bytes"] *= 2
+    text = json.dumps(manifest)[:-20] if how == "bad json" else json.dumps(manifest)
+    open(os.path.join(out, prepared.MANIFEST), "w").write(text)
+  return out
+
+
+@pytest.mark.parametrize("how, words", [
+    ("truncated", "its shard tokens-00001-of-00003.bin is truncated or altered"),
+    ("corrupt", "its shard tokens-00001-of-00003.bin is corrupt"),
+    ("missing index", "its index index.bin is missing"),
+    ("missing shard", "its shard tokens-00001-of-00003.bin is missing"),
+    ("incomplete", "this prepare is incomplete"),
+    ("bad json", "manifest.json is not valid JSON"),
+    ("no tokenizer key", "manifest.json lacks tokenizer"),
+    ("another width", "holds uint16 ids of a 256-id vocabulary; --tokenizer=bytes has 256 ids "
+                      r"\(uint8\)"),
+])
+def test_a_damaged_set_is_refused_in_one_line(tiny_set, tmp_path, how, words):
+  out = damaged(tiny_set, tmp_path, how)
+  with pytest.raises(corpus.DataError, match=words) as error:
+    pipeline.load_corpus(out, seq_len=32, eval_fraction=0.05, tokenizer=BYTES)
+  assert "\n" not in str(error.value) and "prepare" in str(error.value)
+
+
+def test_a_corrupt_shard_past_the_verified_size_is_still_checked_for_size(tiny_set, tmp_path):
+  out = damaged(tiny_set, tmp_path, "truncated")
+  with pytest.raises(corpus.DataError, match="truncated"):
+    prepared.open_set(out, BYTES, verify_bytes=0)
+
+
+def test_an_old_tfrecord_prepare_is_refused_with_the_fix(tmp_path):
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  with tf.io.TFRecordWriter(str(tmp_path / "tokens-00000-of-00001.tfrecord")) as writer:
+    writer.write(tf.train.Example(features=tf.train.Features(feature={"ids": tf.train.Feature(
+        int64_list=tf.train.Int64List(value=[1, 2, 3]))})).SerializeToString())
+  with pytest.raises(corpus.DataError, match="token ids of an older or incomplete"):
+    pipeline.load_corpus(str(tmp_path / "*.tfrecord"), seq_len=2, eval_fraction=0.1)
+  (tmp_path / "tokenizer.json").write_text('{"tokenizer": "bytes"}')
+  with pytest.raises(corpus.DataError, match="older tfpar.data prepare .*--overwrite"):
+    pipeline.load_corpus(str(tmp_path), seq_len=2, eval_fraction=0.1, tokenizer=BYTES)
+
+
+def test_text_past_the_in_memory_limit_is_refused_with_prepare(tmp_path):
+  (tmp_path / "a.txt").write_text("x" * 5000)
+  with pytest.raises(corpus.DataError, match="more than the .* GiB tfpar reads into memory: "
+                     "prepare it once with python -m tfpar.data prepare"):
+    pipeline.load_corpus(str(tmp_path), seq_len=8, eval_fraction=0.1, max_text_bytes=4096)
+
+
+def test_cli_prepares_in_parallel_byte_identically_and_refuses_bad_input(tiny_set, tmp_path):
+  """--workers=2 writes the bytes one process wrote; a replaced tokenizer, an incomplete set,
+  and --out on /proc or a file are one line, exit 2, nothing written."""
+  sp_model = str(tmp_path / "sp.model")
+  tokenizer.train(corpus.list_files(TEXT), vocab_size=500, out=sp_model)
+  incomplete = damaged(tiny_set, tmp_path, "incomplete")
+  (tmp_path / "file").write_text("x")
+  sp_set = str(tmp_path / "sp_set")
+  prepare.prepare(corpus.list_files(f"{STDLIB}/a*.py"), tokenizer.load(
+      f"sentencepiece:{sp_model}"), sp_set)
+  tokenizer.train(corpus.list_files(f"{STDLIB}/a*.py"), vocab_size=500, out=sp_model)  # Replaced.
+  model_dir = str(tmp_path / "run")
+  runs = run_modules([
+      ("tfpar.data", ["prepare", f"--data={TEXT}", f"--out={tmp_path / 'par'}", "--workers=2",
+                      "--num_shards=3"]),
+      ("tfpar.train", [*TINY, f"--data={sp_set}", f"--tokenizer=sentencepiece:{sp_model}",
+                       "--vocab_size=500", f"--model_dir={model_dir}"]),
+      ("tfpar.train", [*TINY, f"--data={incomplete}", f"--model_dir={model_dir}"]),
+      ("tfpar.data", ["prepare", "--out=/proc/tfpar_prep"]),
+      ("tfpar.data", ["prepare", f"--out={tmp_path / 'file'}"]),
+  ])
+  assert runs[0].returncode == 0, runs[0].stderr
+  for name in os.listdir(tiny_set):
+    assert open(os.path.join(tiny_set, name), "rb").read() == \
+        open(tmp_path / "par" / name, "rb").read(), name
+  for proc, words in zip(runs[1:], ["as it was then (sha256", "this prepare is incomplete",
+                                    "--out=/proc/tfpar_prep cannot be written", "is a file"]):
+    assert proc.returncode == 2, proc.stderr
+    assert words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+  assert not os.path.exists(model_dir)
