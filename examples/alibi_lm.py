@@ -17,7 +17,7 @@ partitioning rules as data, the family's registration, the config and the
 Trainer. Run it from the repository (or anywhere once `pip install -e .` has
 installed tfpar), on 4 logical CPU devices: 2 pipeline stages x 2 tensor shards:
 
-    PYTHONPATH=. python examples/alibi_lm.py --model_dir=runs/alibi
+    python examples/alibi_lm.py --model_dir=runs/alibi
 
 tests/test_api.py trains it under that plan and under ZeRO-1 over 2 replicas,
 against one device.
