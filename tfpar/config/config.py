@@ -15,7 +15,8 @@ from typing import Optional, Tuple
 
 from tfpar import console, hub, tokenizer
 from tfpar.config import rules as rules_lib
-from tfpar.config.rules import validate, validate_model
+from tfpar.config.rules import MAX_CPU_DEVICES, validate, validate_model
+from tfpar.config.rundir import RUN_CONFIG
 from tfpar.config.schema import VOCAB_SIZE, Config, ConfigError, ModelConfig, settings
 
 
