@@ -106,3 +106,49 @@ def record(model_dir: str, steps, groups: Dict[str, List[str]], held: Dict[str, 
   first, last = steps
   during = f"step {first}" if first == last else f"steps {first}-{last}"
   return f"memory during {during}, allocator: " + "; ".join(parts)
+
+
+def peak_rss() -> int:
+  """This process's peak resident memory in bytes, from the kernel (/proc/self/status VmHWM);
+  0 where there is no /proc."""
+  try:
+    with open("/proc/self/status", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return 0
+
+
+def _own(device: str, worker_index: int) -> bool:
+  """Whether `device` is this process's: no job named, or the task this worker is."""
+  spec = tf.DeviceSpec.from_string(device)
+  if spec.job is None:
+    return True
+  index = spec.task or 0
+  return (spec.job == "chief" and worker_index == 0) or (
+      spec.job == "worker" and index == worker_index)
+
+
+def predicted_host_bytes(predicted: Dict[str, Dict[str, int]], worker_index: int = 0) -> int:
+  """What the plan puts in this process's host memory: every kind (KINDS) on its CPU devices."""
+  return sum(sum(kinds.get(k, 0) for k in KINDS) for device, kinds in predicted.items()
+             if tf.DeviceSpec.from_string(device).device_type == "CPU"
+             and _own(device, worker_index))
+
+
+def record_process(model_dir: str, when: str, worker_index: int,
+                   predicted: Dict[str, Dict[str, int]], write: bool) -> str:
+  """The line on this process's peak resident memory beside the plan's host-side prediction;
+  with `write`, also into plan.json's `process_memory` (the chief's, if it wrote one)."""
+  peak, host = peak_rss(), predicted_host_bytes(predicted, worker_index)
+  path = os.path.join(model_dir, "plan.json")
+  if write and storage.exists(path):
+    plan = json.loads(storage.read_text(path))
+    plan.setdefault("process_memory", {})[f"worker {worker_index}"] = {
+        "when": when, "peak_rss_bytes": peak, "predicted_host_bytes": host}
+    storage.write_atomically(path, json.dumps(plan, indent=2))
+  return (f"memory {when}, process (worker {worker_index}): peak resident {_mib(peak)} (VmHWM); "
+          f"the plan puts {_mib(host)} of weights, gradients, optimizer state and activations "
+          "in its host memory")
