@@ -132,7 +132,7 @@ def start(model_dir, extra=()):
 
 def stop_mid_write(proc, checkpoints, timeout=300):
   """SIGSTOPs `proc` while a background write is in flight (its ckpt-N.tmp/ there, no
-  ckpt-N.index yet); returns N."""
+  ckpt-N.index yet) after an earlier one finished; returns N."""
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
     assert proc.poll() is None, proc.stdout.read()[-3000:]
@@ -141,7 +141,8 @@ def stop_mid_write(proc, checkpoints, timeout=300):
     if pending:
       os.kill(proc.pid, signal.SIGSTOP)
       step = int(pending[0][len("ckpt-"):-len(".tmp")])
-      if (os.path.isdir(os.path.join(checkpoints, pending[0]))
+      published = [p for p in os.listdir(checkpoints) if p.endswith(".index")]
+      if (os.path.isdir(os.path.join(checkpoints, pending[0])) and published
           and not os.path.exists(os.path.join(checkpoints, f"ckpt-{step}.index"))):
         return step
       os.kill(proc.pid, signal.SIGCONT)  # It had just finished: catch the next one.
