@@ -112,6 +112,7 @@ def main(argv=None):
   parser.add_argument("--work_dir", default="")
   a = parser.parse_args(argv)
   work = a.work_dir or tempfile.mkdtemp(prefix="sharded_state_rss_")
+  os.makedirs(work, exist_ok=True)
   d = {name: os.path.join(work, name) for name in
        ("tiny", "train", "resume", "one", "back", "one_tiny")}
   base, model = common(a, a.steps), model_flags(a)

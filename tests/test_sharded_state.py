@@ -190,3 +190,24 @@ def test_sigterm_during_a_background_write_exits_75_with_it_finished(tmp_path):
   assert f"saved {checkpoints}/ckpt-{cut}" in out
   assert max(done) >= cut and is_readable(done[max(done)])
   assert not [p for p in os.listdir(checkpoints) if p.endswith(".tmp")]
+
+
+def test_four_stage_workers_each_hold_only_their_share_and_restore_across_layouts(tmp_path):
+  """The done-when check at a scaled-down size (scripts/sharded_state_rss.py at several GiB):
+  4 worker processes as 4 pipeline stages train, save (each its own slices), resume exactly,
+  restore as one device and back, each process's peak RSS (wait4) under the tiny job's plus
+  1.5 x its share of the state."""
+  out = tmp_path / "report.json"
+  proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "sharded_state_rss.py"),
+                         "--d_model=512", "--num_layers=4", "--steps=4", f"--out={out}",
+                         f"--work_dir={tmp_path / 'work'}"], cwd=REPO, capture_output=True,
+                        text=True, timeout=1500, env=dict(os.environ, PYTHONPATH=REPO))
+  assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+  import json  # pylint: disable=import-outside-toplevel
+  report = json.loads(out.read_text())
+  assert report["resumed_exactly"] and report["restored_as_one_device"], report
+  assert report["restored_back_as_4_stages"], report
+  assert all(report["within_bound"].values()), report
+  # The bound discriminates: the whole state is more than 1.5 x one stage's share.
+  assert report["state_gib"] > 2 * 1.5 * max(report["share_gib"]), report
+  assert proc.returncode == 0

@@ -301,6 +301,16 @@ def _absolute(path: str) -> str:
   return path if "://" in path else os.path.abspath(path)
 
 
+@tf.function
+def _save_bundle(host: str, prefix, names, specs, values):
+  """SaveV2 on `host`; True once written (an op on another worker runs asynchronously in
+  eager mode: waiting for this result is waiting for the write)."""
+  with tf.device(host):
+    with tf.control_dependencies([tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names,
+                                                    shape_and_slices=specs, tensors=values)]):
+      return tf.constant(True)
+
+
 TMP_SUFFIX = ".tmp"  # ckpt-N.tmp/: the parts of a checkpoint being written (never restored).
 
 
@@ -414,10 +424,9 @@ class CanonicalCheckpointer:
     try:
       storage.makedirs(tmp)
       for g, (host, slices, values) in enumerate(groups):
-        with tf.device(host):
-          tf.raw_ops.SaveV2(prefix=os.path.join(tmp, f"w{self.worker_index}-{g}"),
-                            tensor_names=[p.key for p in slices],
-                            shape_and_slices=[p.spec() for p in slices], tensors=values)
+        _save_bundle(host, tf.constant(os.path.join(tmp, f"w{self.worker_index}-{g}")),
+                     tf.constant([p.key for p in slices]),
+                     tf.constant([p.spec() for p in slices]), values).numpy()
       del groups
       storage.write_atomically(os.path.join(tmp, f"w{self.worker_index}.done"), "")
       if self.is_chief:
