@@ -211,3 +211,27 @@ def test_four_stage_workers_each_hold_only_their_share_and_restore_across_layout
   # The bound discriminates: the whole state is more than 1.5 x one stage's share.
   assert report["state_gib"] > 2 * 1.5 * max(report["share_gib"]), report
   assert proc.returncode == 0
+
+
+def test_restore_chain_one_device_zero1_pipeline_and_back(tmp_path):
+  """One device -> zero1 x 2 -> pipeline 2 -> one device, each saving what it restored: the
+  state arrives unchanged (the cross-worker pipeline's links: the test above)."""
+  from tfpar.training.checkpoint import (  # pylint: disable=import-outside-toplevel
+      CanonicalCheckpointer, assign_canonical)
+  chain = [("one", ["--strategy=one_device"]),
+           ("zero1_2", ["--strategy=mirrored", "--num_cpu_devices=2",
+                        "--optimizer_sharding=zero1"]),
+           ("pipeline_2", PLANS["pipeline_2"]), ("back", ["--strategy=one_device"])]
+  engines = [(name, build(args, tmp_path / name)) for name, args in chain]
+  rng = np.random.default_rng(1)
+  values = {name: (np.array(9, v.dtype) if v.ndim == 0 else rng.normal(size=v.shape).astype(v.dtype))
+            for name, v in canonical(engines[0][1]).items()}
+  assign_canonical(engines[0][1].layouts[0], values)
+  path = CanonicalCheckpointer(engines[0][1].layouts, str(tmp_path / "c0")).save(9)
+  for i, (name, engine) in enumerate(engines[1:], 1):
+    assert CanonicalCheckpointer(engine.layouts, str(tmp_path / f"c{i - 1}")).restore() == path
+    for copy in range(len(engine.layouts)):
+      got = canonical(engine, copy)
+      for key, want in values.items():
+        np.testing.assert_array_equal(got[key], want, err_msg=f"{name} {key}")
+    path = CanonicalCheckpointer(engine.layouts, str(tmp_path / f"c{i}")).save(9)
