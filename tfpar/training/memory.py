@@ -19,6 +19,11 @@ of other processes are not read (each worker's allocators are its own).
 Written into `model_dir/plan.json` as `allocator_peak` (by the chief) and
 logged beside the prediction for the same devices (`Engine.predicted_memory`:
 weights and optimizer state, held before; gradients and activations, added).
+
+Per process, from the kernel: `record_process` logs the process's peak
+resident memory (/proc/self/status VmHWM) at start-up and at the end beside
+what the plan puts in its host memory (every kind on its own CPU devices), and
+the chief writes both into plan.json's `process_memory`.
 """
 
 import json
