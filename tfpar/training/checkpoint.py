@@ -401,7 +401,7 @@ class CanonicalCheckpointer:
     groups = []
     for host, slices in _by_host(self.written_slices).items():
       with tf.device(host):
-        values = [tf.identity(_tf_var(p.variable)) for p in slices]
+        values = [tf.identity(tf.convert_to_tensor(_tf_var(p.variable))) for p in slices]
         finite = [tf.reduce_all(tf.math.is_finite(v)) for v in values if v.dtype.is_floating]
         if finite and not bool(tf.reduce_all(tf.stack(finite))):
           bad = [p.name for p, v in zip(slices, values)
