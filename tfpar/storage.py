@@ -167,6 +167,10 @@ def remove(path: str) -> None:
   _gfile().remove(path)
 
 
+def rename(source: str, destination: str) -> None:
+  _gfile().rename(source, destination, overwrite=True)
+
+
 def discard(path: str) -> None:
   """Removes a file or a whole directory if there; for cleaning up after a failure.
 

@@ -171,6 +171,9 @@ class TrainConfig:
   checkpoint_every: int = setting(
       100, "Steps between checkpoints (one is always written at the end).")
   keep_checkpoints: int = setting(3, "How many recent checkpoints to keep.")
+  async_checkpoint: bool = setting(
+      True, "Write checkpoints in the background while training goes on (each process's "
+      "slices copied first; a preemption or the end waits for the write in flight).")
   steps_per_call: int = setting(
       10, "Steps run inside one tf.function call (fewer Python round trips).")
   precision: str = setting("float32", "Compute precision policy.", choices=PRECISIONS)

@@ -36,7 +36,8 @@ from tfpar.config.schema import Config
 from tfpar.data import pipeline
 from tfpar.parallel.collectives import reduce_outputs
 from tfpar.parallel.traffic import NONE, Traffic
-from tfpar.training.checkpoint import CheckpointMismatchError
+from tfpar.training import initialise
+from tfpar.training.checkpoint import CheckpointMismatchError, layout_slices, model_layout
 from tfpar.training.optimizer import inner_optimizer, make_optimizer
 
 
@@ -44,8 +45,11 @@ def build_model(cfg: Config, tensor_shards: int = 1, task=None):
   """The task's model (default: cfg's) with every weight created now, from the run's seed."""
   task = task or tasks.make(cfg)
   keras.utils.set_random_seed(cfg.train.seed)
-  model = task.build_model(tensor_shards=tensor_shards, seed=cfg.train.seed)
-  model.build_all()
+  with initialise.recording() as initializers:
+    model = task.build_model(tensor_shards=tensor_shards, seed=cfg.train.seed)
+    model.build_all()
+  # The values every plan starts from, whatever slices it holds (tfpar.training.initialise).
+  initialise.initialise(layout_slices(model_layout(model)), cfg.train.seed, initializers)
   return model
 
 

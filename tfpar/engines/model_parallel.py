@@ -6,9 +6,9 @@ strategy scope. Instead this engine builds one copy of the task's model per
 data-parallel replica, outside every scope, each stage's (and shard's) weights under
 `tf.device` of its device in the plan (tfpar.layout.placement), and one AdamW per
 copy beside it (its slots are created colocated with their variables; its step
-counter on the replica's first device, the "anchor"). Every copy starts from
-the weights one device would initialise (built once on the host, then split
-into the copies through the canonical checkpoint layout).
+counter on the replica's first device, the "anchor"). Every device makes its
+own slices of the weights it holds, equal to what one device initialises
+(tfpar.training.initialise): no process ever builds the whole model.
 
 Step. The data-parallel dimension is a tf.distribute strategy whose replicas
 are the D anchors: `MirroredStrategy(anchors)` on one host, the job's
@@ -73,7 +73,8 @@ from tfpar.layout import placement as plan_lib
 from tfpar.parallel import collectives, remote, schedules, tensor, zero
 from tfpar.parallel.compression import make_exchange
 from tfpar.parallel.pipeline import Pipeline, split_batch
-from tfpar.training.checkpoint import assign_canonical, model_layout, read_canonical
+from tfpar.training import initialise
+from tfpar.training.checkpoint import layout_slices, model_layout
 from tfpar.training.step import apply_gradients, reduce_gradients
 
 
@@ -83,6 +84,19 @@ class ModelCopy:
   def __init__(self, cfg: Config, plan: plan_lib.ParallelPlan, row, *, task, build_optimizer):
     self.devices = row  # row[k][t]
     first, last = row[0][0], row[-1][0]
+    with initialise.recording() as self.initializers:  # What sharded_initialise draws from.
+      self._build(cfg, plan, row, task, first, last)
+    with tf.device(first):  # The step counter; slots colocate with their weights.
+      self.optimizer = build_optimizer(self.model.trainable_variables)
+    self.pipeline = Pipeline(self.model, stage_blocks=[blocks for _, blocks in plan.chunks],
+                             stage_devices=[row[k][0] for k, _ in plan.chunks],
+                             microbatches=plan.microbatches, loss_fn=task.loss,
+                             eval_fn=task.eval_outputs, remat=plan.remat,
+                             jit_compile=cfg.train.jit_compile,
+                             schedule=schedules.make(plan.schedule, plan.virtual_stages))
+
+  def _build(self, cfg, plan, row, task, first, last):
+    """The model's weights, each stage's (and shard's) on its device."""
     self.model = task.build_model(tensor_shards=plan.tensor_parallel, seed=cfg.train.seed)
     with tf.device(first):
       self.model.build_embed()
@@ -96,14 +110,6 @@ class ModelCopy:
     with tf.device(last):
       self.model.build_head()
     self.model.built = True
-    with tf.device(first):  # The step counter; slots colocate with their weights.
-      self.optimizer = build_optimizer(self.model.trainable_variables)
-    self.pipeline = Pipeline(self.model, stage_blocks=[blocks for _, blocks in plan.chunks],
-                             stage_devices=[row[k][0] for k, _ in plan.chunks],
-                             microbatches=plan.microbatches, loss_fn=task.loss,
-                             eval_fn=task.eval_outputs, remat=plan.remat,
-                             jit_compile=cfg.train.jit_compile,
-                             schedule=schedules.make(plan.schedule, plan.virtual_stages))
 
   @property
   def variables(self):
@@ -166,7 +172,9 @@ class ModelParallelEngine(Engine):
         for r in rows]
     self._copy_of_anchor = {plan_lib.device_key(self.plan.devices[r][0][0]): i
                             for i, r in enumerate(rows)}
-    self._initialise_like_one_device()
+    for copy in self.copies:  # Each device makes its own slices (tfpar.training.initialise).
+      initialise.initialise(layout_slices(model_layout(copy.model)), cfg.train.seed,
+                            copy.initializers)
     self.exchange = make_exchange(
         cfg.compression, self.copies[0].model.trainable_variables, num_replicas=self.num_replicas,
         state_devices=[[v.value.device for v in c.model.trainable_variables]
@@ -185,15 +193,6 @@ class ModelParallelEngine(Engine):
     if self.worker_index == 0 and cfg.train.model_dir:
       print(f"tfpar: {self.plan.format()}", flush=True)
       self.plan.write(cfg.train.model_dir, measured=self.measured_bytes())
-
-  def _initialise_like_one_device(self):
-    """Every copy gets the weights `build_model(cfg)` creates on one device."""
-    with tf.device(self.copies[0].devices[0][0]):
-      reference = build_model(self.cfg, task=self.task)
-    values = read_canonical(model_layout(reference))
-    for copy in self.copies:
-      assign_canonical(model_layout(copy.model), values)
-    del reference
 
   # --- steps ------------------------------------------------------------------
   def _copy_index(self) -> int:

@@ -1,41 +1,71 @@
-"""Checkpoints in one canonical layout, whatever the parallel plan that wrote them.
+"""Checkpoints in one canonical layout, written and read in slices by the processes that hold them.
 
 A run's weights may be one variable each (one device), mirrored (data
 parallel), sharded (tensor parallel: `.../attn/query/kernel_shard_1` holds a
-column slice of the full query kernel), spread over pipeline stages, or copied
-once per model replica (hybrid). The checkpoint stores none of that: it stores
-each weight and each AdamW slot under its canonical name, its path inside the
-model without the shard suffix (`block_0/attn/query/kernel`, `...@m`, `...@v`),
-at its full shape, plus the optimizer step. Saving gathers shards (concatenate
-along the axis the model family's tfpar.partitioning rule gives); restoring
-splits and assigns to every copy. So a checkpoint
-written under any plan restores under any other, and the data position follows
-from the step (see tfpar.data.pipeline).
+column slice of the full query kernel), spread over pipeline stages and worker
+processes, or copied once per model replica (hybrid). The checkpoint stores
+none of that: it is one TensorFlow checkpoint holding each weight and each
+AdamW slot under its canonical name, its path inside the model without the
+shard suffix (`block_0/attn/query/kernel`, `...@m`, `...@v`), at its full
+shape, plus the optimizer step. tf.train.load_checkpoint and
+tf.train.list_variables read it whole; the data position follows from the step
+(see tfpar.data.pipeline).
 
-The canonical tensors live in host-memory variables that tf.train.Checkpoint
-and CheckpointManager write; that costs one host copy of the state at save.
+Slices. Every layout is described the same way, per process: a list of
+`Slice(canonical name, full shape, begin, size, variable)`, a hyper-rectangle
+of the full tensor (`layout_slices` cuts a model copy's shards along the
+partitioning rule's axis; ZeRO's row shards are rectangles too). TensorFlow's
+bundle format stores such slices itself (SaveV2/RestoreV2 `shape_and_slices`
+'4 6 0,2:-'), so:
+
+  save      each process copies its slices on the host of the process that
+            holds them (`host_of`: a stage server's slices stay in that
+            server) and writes them there with SaveV2 into its own bundle,
+            `ckpt-N.tmp/w<worker>-<host>`, then a `w<worker>.done` marker;
+            the chief waits for every writer's marker, joins the bundles
+            with MergeV2Checkpoints (it reads only their indexes) and
+            publishes ckpt-N: data files renamed into place first, the index
+            last. The chief never holds a tensor of another process.
+  restore   each host reads exactly the slices its variables hold (RestoreV2
+            with their slice specs; TensorFlow reads a slice of a tensor
+            stored whole, or stored as other slices, alike), at most
+            `chunk_bytes` at a time, so a checkpoint written under any plan,
+            worker count or sharding restores under any other.
+
+A checkpoint of the earlier format (tf.train.Checkpoint of full-shape host
+variables) uses the same keys (`state/<name>/.ATTRIBUTES/VARIABLE_VALUE`) and
+restores the same way.
+
+Background writes (`background=True`, --async_checkpoint): `save` waits for
+the write before it, copies the slices (a consistent state at the step), and
+returns; a thread writes and publishes while training goes on. Until the
+index is renamed into place nothing in the directory names ckpt-N, so a
+process killed mid-write leaves a `ckpt-N.tmp/` that no restore picks (the
+chief removes it at the next start). A preemption, the end of training, or an
+error waits for the write in flight (tfpar.training.loop).
 
 Integrity. Which checkpoints exist is read from their files (`ckpt-N.index`),
 not from the `checkpoint` state file, so a lost or corrupt state file never
 restarts a run at step 0. Restoring tries the newest first; one that cannot be
-read (a truncated data file, a broken index: the pod died mid-write, a copy
-was cut short) is reported in one line and the next older one is restored.
-Only when every checkpoint is unreadable does the run stop (exit 2).
-Retention counts the same files: after each save the chief keeps the newest
-`keep` checkpoints on disk, whichever process wrote them, and deletes the rest.
+read (a truncated data file, a broken index: the pod died mid-copy) is
+reported in one line and the next older one is restored. Only when every
+checkpoint is unreadable does the run stop (exit 2). Retention counts the
+same files: after each save the chief keeps the newest `keep` checkpoints on
+disk and deletes the rest.
 
-A failed save (a full disk, most often) removes what it had written: TensorFlow
-writes `ckpt-N_temp/` and then moves its files to `ckpt-N.*`, and leaves the
-temporary directory behind when a write fails, taking the space. The older
+A failed save (a full disk, most often) removes its `ckpt-N.tmp/`; the older
 checkpoints are untouched, so the newest of them is the one the next start
-restores; on a full disk, `save` raises tfpar.storage.DiskFullError, whose one
-line names the directory, that newest checkpoint and the fix.
+restores; on a full disk, the save raises tfpar.storage.DiskFullError, whose
+one line names the directory, that newest checkpoint and the fix.
 """
 
 import os
 import re
-from typing import Dict, List, Optional, Sequence, Tuple
+import threading
+import time
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -201,40 +231,139 @@ def _tf_var(var):
   return getattr(var, "value", var) if not isinstance(var, tf.Variable) else var
 
 
+class Slice(NamedTuple):
+  """A hyper-rectangle of one canonical tensor and the variable (or view) holding it.
+
+  The one interface every layout feeds the checkpoint: model-parallel shards,
+  pipeline stages, ZeRO row shards, whole tensors (begin all 0, size = shape).
+  """
+  name: str
+  shape: Tuple[int, ...]
+  begin: Tuple[int, ...]
+  size: Tuple[int, ...]
+  variable: object
+
+  @property
+  def key(self) -> str:
+    return _checkpoint_key(self.name)
+
+  def spec(self) -> str:
+    """SaveV2/RestoreV2's shape_and_slices: '' for the whole tensor, else
+    'full dims start,length:start,length...'."""
+    if tuple(self.size) == tuple(self.shape):
+      return ""
+    return (" ".join(str(n) for n in self.shape) + " "
+            + ":".join(f"{b},{n}" for b, n in zip(self.begin, self.size)))
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.size, dtype=np.int64)) * tf.as_dtype(self.variable.dtype).size
+
+
+def layout_slices(layout: Layout) -> List[Slice]:
+  """The Slices of one model copy's layout (its shards cut along the layout's axis)."""
+  out = []
+  for name, (axis, shards) in layout.items():
+    shape = [int(n) for n in shards[0].shape]
+    if axis is not None:
+      shape[axis] *= len(shards)
+    offset = 0
+    for var in shards:
+      size = tuple(int(n) for n in var.shape)
+      begin = [0] * len(shape)
+      if axis is not None:
+        begin[axis], offset = offset, offset + size[axis]
+      out.append(Slice(name, tuple(shape), tuple(begin), size, var))
+  return out
+
+
+def host_of(variable) -> str:
+  """The CPU of the process (task) that holds `variable`: where its slice is copied,
+  written and read, so no other process ever holds it."""
+  if isinstance(variable, keras.Variable):
+    variable = variable.value
+  if isinstance(variable, tf.Variable):
+    spec = tf.DeviceSpec.from_string(variable.device)
+    if spec.job:
+      return f"/job:{spec.job}/replica:{spec.replica or 0}/task:{spec.task or 0}/device:CPU:0"
+  return "/device:CPU:0"
+
+
+def _by_host(slices: Sequence[Slice]) -> Dict[str, List[Slice]]:
+  groups: Dict[str, List[Slice]] = {}
+  for piece in slices:
+    groups.setdefault(host_of(piece.variable), []).append(piece)
+  return groups
+
+
+def _chunks(slices: Sequence[Slice], limit: int):
+  """Runs of slices of at most `limit` bytes (one slice alone when larger)."""
+  run, size = [], 0
+  for piece in slices:
+    if run and size + piece.nbytes > limit:
+      yield run
+      run, size = [], 0
+    run.append(piece)
+    size += piece.nbytes
+  if run:
+    yield run
+
+
+def _absolute(path: str) -> str:
+  """A local path made absolute: other processes (the stage servers) write under it too."""
+  return path if "://" in path else os.path.abspath(path)
+
+
+@tf.function
+def _save_bundle(host: str, prefix, names, specs, values):
+  """SaveV2 on `host`; True once written (an op on another worker runs asynchronously in
+  eager mode: waiting for this result is waiting for the write)."""
+  with tf.device(host):
+    with tf.control_dependencies([tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names,
+                                                    shape_and_slices=specs, tensors=values)]):
+      return tf.constant(True)
+
+
+TMP_SUFFIX = ".tmp"  # ckpt-N.tmp/: the parts of a checkpoint being written (never restored).
+
+
 class CanonicalCheckpointer:
-  """Saves and restores model + optimizer state in the canonical layout.
+  """Saves and restores model + optimizer state in the canonical layout, slice by slice.
 
   Args:
-    layouts: one Layout per model copy (several for hybrid data x model
-      parallel; copy 0 is read at save, every copy is assigned at restore).
+    layouts: one Layout per model copy in this process (several for hybrid data
+      x model parallel): every copy is restored; `write` defaults to copy 0's.
     directory: where checkpoints go (`<model_dir>/checkpoints`).
-    keep: how many checkpoints to keep: the newest on disk, whichever process wrote them.
-    is_chief: only the chief writes into `directory`; other workers still take
-      part in every save (as multi-worker saving requires) but write into their
-      own temporary directory, which is removed afterwards.
-    worker_index: names the temporary directory of a non-chief worker.
+    keep: how many checkpoints to keep: the newest on disk.
+    is_chief: the chief joins the parts into the checkpoint and publishes it.
+    worker_index: names this process's parts.
+    write: the Slices this process writes (default: copy 0's on the chief,
+      none elsewhere: data-parallel replicas hold copies of the chief's state).
+    writers: how many processes write parts (the chief waits for each).
+    background: write in a background thread (`save` returns once the slices
+      are copied; `wait` joins).
+    log: called with "saved <path>" once the chief has published a checkpoint.
   """
 
   def __init__(self, layouts: Sequence[Layout], directory: str, *, keep: int = 3,
-               is_chief: bool = True, worker_index: int = 0):
+               is_chief: bool = True, worker_index: int = 0, write: Optional[List[Slice]] = None,
+               writers: int = 1, background: bool = False, log=None):
     self.layouts = list(layouts)
-    self.directory = directory
+    self.directory = _absolute(directory)
     self.keep = keep
     self.is_chief = is_chief
     self.worker_index = worker_index
-    with tf.device("/cpu:0"):
-      self._host = {}
-      for name, (axis, shards) in self.layouts[0].items():
-        shape = list(shards[0].shape)
-        if axis is not None:
-          shape[axis] *= len(shards)
-        self._host[name] = tf.Variable(tf.zeros(shape, shards[0].dtype), trainable=False,
-                                       name=name.replace("/", "."))
-    self._checkpoint = tf.train.Checkpoint(state=self._host)
-
-  def _manager(self, directory):
-    return tf.train.CheckpointManager(self._checkpoint, directory, max_to_keep=self.keep,
-                                      checkpoint_name="ckpt")
+    self.writers = writers
+    self.background = background
+    self.log = log
+    self.restored_slices = [p for layout in self.layouts for p in layout_slices(layout)]
+    if write is None:
+      write = layout_slices(self.layouts[0]) if is_chief else []
+    self.written_slices = write
+    self.shapes = {p.name: p.shape for p in self.restored_slices + list(write)}
+    self.chunk_bytes = 64 << 20  # A restore reads at most this much at once (per host).
+    self._thread: Optional[threading.Thread] = None
+    self._error: Optional[BaseException] = None
 
   @property
   def latest(self) -> Optional[str]:
@@ -242,46 +371,81 @@ class CanonicalCheckpointer:
     found = list_checkpoints(self.directory)
     return found[0][1] if found else None
 
+  # --- saving -----------------------------------------------------------------
   def save(self, step: int) -> Optional[str]:
     """Writes the state at `step`; returns the chief's checkpoint path.
+
+    Waits for the write before (its error is raised here), copies this
+    process's slices to its hosts' memory, then writes them: here, or in the
+    background (`background`), while training goes on.
 
     Raises:
       NonFiniteStateError: a weight or slot holds a NaN or infinity; nothing
         is written (so no good checkpoint is rotated out for it).
       tfpar.storage.DiskFullError: no room for it; its partial files are removed.
     """
-    values = read_canonical(self.layouts[0])
-    bad = [name for name, value in values.items()
-           if np.issubdtype(value.dtype, np.floating) and not np.all(np.isfinite(value))]
-    if bad:
-      raise NonFiniteStateError(
-          f"step {step}: {bad[0]} (and {len(bad) - 1} more) holds NaN or infinite values: not "
-          f"saved; the newest checkpoint in {self.directory} is the last good state")
-    for name, value in values.items():
-      self._host[name].assign(value)
-    if self.is_chief:
-      path = self._write(step)
-      self._prune(path)
-      return path
-    tmp = os.path.join(self.directory, f".worker_{self.worker_index}_tmp")
-    try:
-      self._manager(tmp).save(checkpoint_number=step)
-    finally:
-      storage.discard(tmp)  # Through gfile: a gs:// model dir is cleaned up too.
-    return None
+    self.wait()
+    groups = self._snapshot(step)
+    if not self.background:
+      self._finish(step, groups)
+    else:
+      self._thread = threading.Thread(target=self._finish_quietly, args=(step, groups),
+                                      name=f"tfpar-save-{step}", daemon=True)
+      self._thread.start()
+    return os.path.join(self.directory, f"ckpt-{step}") if self.is_chief else None
 
-  def _write(self, step: int) -> str:
-    """Writes ckpt-<step>; on failure removes its partial files first (module docstring).
+  @property
+  def writing(self) -> bool:
+    """Whether a background write is in flight."""
+    return self._thread is not None and self._thread.is_alive()
 
-    Raises:
-      tfpar.storage.DiskFullError: the disk (or quota, or file size limit) had no room.
-    """
-    prefix = os.path.join(self.directory, f"ckpt-{step}")
-    before = set(self._files_of(prefix))
+  def wait(self, quietly: bool = False) -> None:
+    """Returns once the write in flight (if any) is finished; raises its error (unless
+    `quietly`: on the way out of another error)."""
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+    error, self._error = self._error, None
+    if error is not None and not quietly:
+      raise error
+
+  def _snapshot(self, step: int):
+    """[(host, slices, host copies)]: this process's slices copied on their own hosts."""
+    groups = []
+    for host, slices in _by_host(self.written_slices).items():
+      with tf.device(host):
+        values = [tf.identity(tf.convert_to_tensor(_tf_var(p.variable))) for p in slices]
+        finite = [tf.reduce_all(tf.math.is_finite(v)) for v in values if v.dtype.is_floating]
+        if finite and not bool(tf.reduce_all(tf.stack(finite))):
+          bad = [p.name for p, v in zip(slices, values)
+                 if v.dtype.is_floating and not bool(tf.reduce_all(tf.math.is_finite(v)))]
+          raise NonFiniteStateError(
+              f"step {step}: {bad[0]} (and {len(bad) - 1} more) holds NaN or infinite values: "
+              f"not saved; the newest checkpoint in {self.directory} is the last good state")
+      groups.append((host, slices, values))
+    return groups
+
+  def _finish_quietly(self, step, groups):
     try:
-      return self._manager(self.directory).save(checkpoint_number=step)
+      self._finish(step, groups)
+    except BaseException as e:  # pylint: disable=broad-except  # Raised by the next wait().
+      self._error = e
+
+  def _finish(self, step: int, groups) -> None:
+    """Writes this process's parts into ckpt-N.tmp/; the chief then publishes ckpt-N."""
+    tmp = os.path.join(self.directory, f"ckpt-{step}{TMP_SUFFIX}")
+    try:
+      storage.makedirs(tmp)
+      for g, (host, slices, values) in enumerate(groups):
+        _save_bundle(host, tf.constant(os.path.join(tmp, f"w{self.worker_index}-{g}")),
+                     tf.constant([p.key for p in slices]),
+                     tf.constant([p.spec() for p in slices]), values).numpy()
+      del groups
+      storage.write_atomically(os.path.join(tmp, f"w{self.worker_index}.done"), "")
+      if self.is_chief:
+        self._publish(step, tmp)
     except Exception as e:
-      self._remove_partial(prefix, before)
+      storage.discard(tmp)
       why = storage.no_room(e)
       if why is None:
         raise
@@ -292,31 +456,55 @@ class CanonicalCheckpointer:
           f"no room to save the checkpoint of step {step} in {self.directory} ({why}): its "
           f"partial files are removed and {kept}; {storage.full_disk_advice(why)}") from None
 
-  def _files_of(self, prefix: str) -> List[str]:
-    """What a save of `prefix` writes: ckpt-N_temp/, ckpt-N.index, ckpt-N.data-*, state temps."""
-    return (storage.glob(prefix + "_temp") + storage.glob(prefix + ".*")
-            + storage.glob(os.path.join(self.directory, "checkpoint.tmp*")))
+  def _publish(self, step: int, tmp: str, timeout: float = 600.0) -> None:
+    """Joins every writer's parts into ckpt-N (its index renamed into place last).
 
-  def _remove_partial(self, prefix: str, before) -> None:
-    """Removes what a failed save of `prefix` left, keeping a ckpt-N it did write whole.
-
-    The checkpoint itself may be complete when only the state file that follows
-    it failed: it stays, since it restores (and is newer than the rest).
+    Until then ckpt-N has no index, so a process killed in between leaves
+    nothing a restore would pick (list_checkpoints reads the index files).
     """
-    whole = storage.exists(prefix + ".index") and is_readable(prefix)
-    for path in self._files_of(prefix):
-      if path not in before and not (whole and path.startswith(prefix + ".")):
-        storage.discard(path)
+    deadline = time.monotonic() + timeout
+    for w in range(self.writers):
+      while not storage.exists(os.path.join(tmp, f"w{w}.done")):
+        if time.monotonic() > deadline:
+          raise RuntimeError(f"worker {w} wrote no part of the checkpoint of step {step} in "
+                             f"{timeout:.0f} s")
+        time.sleep(0.05)
+    parts = sorted(path[:-len(".index")] for path in storage.glob(os.path.join(tmp, "w*.index")))
+    merged = os.path.join(tmp, f"ckpt-{step}")
+    with tf.device("/device:CPU:0"):
+      tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=parts, destination_prefix=merged,
+                                    delete_old_dirs=False)
+    final = os.path.join(self.directory, f"ckpt-{step}")
+    for old in [final + ".index"] + storage.glob(final + ".data-*"):  # An older ckpt-N.
+      storage.discard(old)
+    for data in storage.glob(merged + ".data-*"):
+      storage.rename(data, final + data[len(merged):])
+    storage.rename(merged + ".index", final + ".index")
+    storage.discard(tmp)
+    self._prune(final)
+    self._rewrite_state(final)
+    if self.log is not None:
+      self.log(f"saved {final}")
+
+  def remove_unfinished(self) -> None:
+    """Removes what writes cut short left (ckpt-N.tmp/, data files without an index).
+
+    The chief, at start-up, before any process writes.
+    """
+    for path in storage.glob(os.path.join(self.directory, f"ckpt-*{TMP_SUFFIX}")):
+      storage.discard(path)
+    indexed = {prefix for _, prefix in list_checkpoints(self.directory)}
+    for data in storage.glob(os.path.join(self.directory, "ckpt-*.data-*")):
+      if data[:data.rindex(".data-")] not in indexed:
+        storage.discard(data)
 
   def _prune(self, saved: str) -> None:
     """Keeps the newest `keep` checkpoints on disk, deleting the rest (the chief only).
 
-    CheckpointManager deletes only what this process wrote or what the state
-    file lists with a timestamp, so each restart used to keep every older
-    checkpoint for good. Data files go before the index: a deletion cut short
-    leaves an index the next save still finds, never an orphaned data file.
-    The checkpoint just written always stays, even below a newer one left on
-    disk (an unreadable ckpt-N the run fell back from).
+    Data files go before the index: a deletion cut short leaves an index the
+    next save still finds, never an orphaned data file. The checkpoint just
+    written always stays, even below a newer one left on disk (an unreadable
+    ckpt-N the run fell back from).
     """
     old = [(step, prefix) for step, prefix in list_checkpoints(self.directory)[self.keep:]
            if os.path.basename(prefix) != os.path.basename(saved)]
@@ -324,30 +512,38 @@ class CanonicalCheckpointer:
       for path in storage.glob(prefix + ".data-*") + [prefix + ".index"]:
         try:
           storage.remove(path)
-        except tf.errors.NotFoundError:  # Already gone (CheckpointManager's own sweep).
+        except tf.errors.NotFoundError:
           pass
-    if old:
-      self._rewrite_state(saved)
 
+  # --- restoring --------------------------------------------------------------
   def _restore_one(self, prefix: str) -> List[str]:
-    """Restores one checkpoint into the host variables; returns the state names left fresh.
+    """Reads this process's slices of one checkpoint into its variables; returns the
+    state names left fresh.
 
-    Gradient-compression state (tfpar.parallel.compression) is optional: a
-    checkpoint written without it, or for another replica count, restores the
-    model and optimizer and leaves that state at its start (residuals zero).
+    Each host reads only the slices its variables hold (RestoreV2 with
+    shape_and_slices), a bounded run of them at a time. Gradient-compression
+    state (tfpar.parallel.compression) is optional: a checkpoint written
+    without it, or for another replica count, restores the model and optimizer
+    and leaves that state at its start (residuals zero).
     """
     stored = _reader(prefix).get_variable_to_shape_map()
-    differ = {name: stored.get(_checkpoint_key(name)) for name, var in self._host.items()
-              if stored.get(_checkpoint_key(name)) != list(var.shape)}
+    differ = {name: stored.get(_checkpoint_key(name)) for name, shape in self.shapes.items()
+              if stored.get(_checkpoint_key(name)) != list(shape)}
     fresh = [name for name in differ if name.startswith(OPTIONAL_PREFIX)]
-    # Compared here, not left to restore(): its error comes with a page of absl warnings.
     for name, shape in differ.items():
       if name not in fresh:
         there = "is missing" if shape is None else f"has shape {shape}"
-        raise ValueError(f"{name} {there} there, shape {list(self._host[name].shape)} here")
-    checkpoint = self._checkpoint if not fresh else tf.train.Checkpoint(
-        state={name: var for name, var in self._host.items() if name not in fresh})
-    checkpoint.restore(prefix).assert_existing_objects_matched()
+        raise ValueError(f"{name} {there} there, shape {list(self.shapes[name])} here")
+    wanted = [p for p in self.restored_slices if p.name not in fresh]
+    for host, slices in _by_host(wanted).items():
+      for run in _chunks(slices, self.chunk_bytes):
+        with tf.device(host):
+          values = tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=[p.key for p in run],
+                                        shape_and_slices=[p.spec() for p in run],
+                                        dtypes=[tf.as_dtype(p.variable.dtype) for p in run])
+        for piece, value in zip(run, values):
+          piece.variable.assign(value)
+        del values
     return fresh
 
   def restore(self, path: Optional[str] = None, log=print) -> Optional[str]:
@@ -361,6 +557,8 @@ class CanonicalCheckpointer:
       CheckpointMismatchError: the checkpoint was written for another model.
       CheckpointUnreadableError: checkpoints exist and none can be read.
     """
+    if self.is_chief and not path:
+      self.remove_unfinished()
     candidates = [path] if path else [p for _, p in list_checkpoints(self.directory)]
     problems = []
     if not path:  # Newer than any indexed one: else passed over without a word.
@@ -380,9 +578,6 @@ class CanonicalCheckpointer:
       if problems:
         log(f"warning: checkpoint {'; '.join(problems)} is unreadable: skipped, restored "
             f"{os.path.basename(prefix)} instead")
-      values = {name: var.numpy() for name, var in self._host.items() if name not in fresh}
-      for layout in self.layouts:
-        assign_canonical({k: v for k, v in layout.items() if k not in fresh}, values)
       if fresh and self.is_chief:
         print(f"tfpar: {prefix} holds no gradient-compression state for this run "
               f"({', '.join(fresh)}): it starts afresh", flush=True)
@@ -398,9 +593,9 @@ class CanonicalCheckpointer:
   def _rewrite_state(self, restored: str) -> None:
     """Rewrites the `checkpoint` state file from the files on disk (it may be lost or corrupt).
 
-    CheckpointManager reads it to know which old checkpoints to delete. The
-    file is the text form of tf's CheckpointState proto; the function TF has
-    for writing it (update_checkpoint_state) is deprecated and warns.
+    tf.train.latest_checkpoint and other tools read it. The file is the text
+    form of tf's CheckpointState proto; the function TF has for writing it
+    (update_checkpoint_state) is deprecated and warns.
     """
     lines = [f'model_checkpoint_path: "{os.path.basename(restored)}"']
     lines += [f'all_model_checkpoint_paths: "{os.path.basename(p)}"'
@@ -422,13 +617,15 @@ def load_weights(model, model_dir: str) -> Optional[str]:
   if path is None:
     return None
   layout = model_layout(model)
-  values = read_checkpoint(path)
-  missing = sorted(set(layout) - set(values))
+  stored = _reader(path).get_variable_to_shape_map()
+  missing = sorted(name for name in layout if _checkpoint_key(name) not in stored)
   if missing:
     raise CheckpointMismatchError(
         f"the checkpoint {path} has no {missing[0]}: it was written by another version of "
         "the model; retrain into a new --model_dir")
-  assign_canonical(layout, values)
+  reader = CanonicalCheckpointer([layout], os.path.dirname(path), is_chief=False)
+  reader.chunk_bytes = 0  # One tensor at a time.
+  reader.restore(path)
   return path
 
 

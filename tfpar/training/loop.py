@@ -109,7 +109,19 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
   metrics = MetricsWriter(t.model_dir, enabled=is_chief)
   checkpointer = CanonicalCheckpointer(engine.layouts, os.path.join(t.model_dir, "checkpoints"),
                                        keep=t.keep_checkpoints, is_chief=is_chief,
-                                       worker_index=worker_index)
+                                       worker_index=worker_index, background=t.async_checkpoint,
+                                       log=metrics.say)
+  try:
+    return _train(cfg, engine, checkpointer, metrics, is_chief=is_chief,
+                  worker_index=worker_index, num_workers=num_workers, on_restored=on_restored)
+  except BaseException:
+    checkpointer.wait(quietly=True)  # The write in flight finishes (a SIGTERM's exit 75 too).
+    raise
+
+
+def _train(cfg: Config, engine, checkpointer, metrics, *, is_chief, worker_index, num_workers,
+           on_restored) -> dict:
+  t = cfg.train
   restored = checkpointer.restore(log=metrics.say)
   if restored is None and cfg.model.init_from is not None:
     _init_from_preset(cfg.model, engine.layouts)
@@ -120,6 +132,8 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
   engine.check_same_step(step)
   if restored:
     metrics.say(f"resumed from {restored} at step {step}")
+  metrics.say(memory.record_process(t.model_dir, "at start-up", worker_index,
+                                    engine.predicted_memory(), write=is_chief))
   metrics.drop_after(step)
   if step >= t.train_steps:
     metrics.say(f"already trained to step {step} (--train_steps={t.train_steps}): nothing to do")
@@ -198,6 +212,7 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
                   f"{t.model_dir}/plugins/profile (TensorBoard --logdir={t.model_dir}, Profile)")
     if preempted:  # Before eval: the grace period is for saving.
       path = checkpointer.save(step)
+      checkpointer.wait()
       who = "" if is_chief else f"worker {worker_index}: "
       print(f"tfpar: {who}preempted ({preemption.notice()}), saved {path or 'its part'} at step "
             f"{step}; the next start resumes at step {step + 1}", flush=True)
@@ -210,8 +225,9 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
                   " | ".join(f"{name} {value:.4f}" for name, value in values.items()))
       last["eval"] = record
     if step % t.checkpoint_every == 0 or done:
-      path = checkpointer.save(step)
-      if path:
-        metrics.say(f"saved {path}")
+      checkpointer.save(step)  # Says "saved <path>" once written (the chief).
+  checkpointer.wait()
+  metrics.say(memory.record_process(t.model_dir, f"after step {step}", worker_index,
+                                    engine.predicted_memory(), write=is_chief))
   preemption.disarm()
   return last

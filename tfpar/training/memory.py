@@ -19,6 +19,11 @@ of other processes are not read (each worker's allocators are its own).
 Written into `model_dir/plan.json` as `allocator_peak` (by the chief) and
 logged beside the prediction for the same devices (`Engine.predicted_memory`:
 weights and optimizer state, held before; gradients and activations, added).
+
+Per process, from the kernel: `record_process` logs the process's peak
+resident memory (/proc/self/status VmHWM) at start-up and at the end beside
+what the plan puts in its host memory (every kind on its own CPU devices), and
+the chief writes both into plan.json's `process_memory`.
 """
 
 import os
@@ -104,3 +109,48 @@ def record(model_dir: str, steps, groups: Dict[str, List[str]], held: Dict[str, 
   first, last = steps
   during = f"step {first}" if first == last else f"steps {first}-{last}"
   return f"memory during {during}, allocator: " + "; ".join(parts)
+
+
+def peak_rss() -> int:
+  """This process's peak resident memory in bytes, from the kernel (/proc/self/status VmHWM);
+  0 where there is no /proc."""
+  try:
+    with open("/proc/self/status", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return 0
+
+
+def _own(device: str, worker_index: int) -> bool:
+  """Whether `device` is this process's: no job named, or the task this worker is."""
+  spec = tf.DeviceSpec.from_string(device)
+  if spec.job is None:
+    return True
+  index = spec.task or 0
+  return (spec.job == "chief" and worker_index == 0) or (
+      spec.job == "worker" and index == worker_index)
+
+
+def predicted_host_bytes(predicted: Dict[str, Dict[str, int]], worker_index: int = 0) -> int:
+  """What the plan puts in this process's host memory: every kind (KINDS) on its CPU devices."""
+  return sum(sum(kinds.get(k, 0) for k in KINDS) for device, kinds in predicted.items()
+             if tf.DeviceSpec.from_string(device).device_type == "CPU"
+             and _own(device, worker_index))
+
+
+def record_process(model_dir: str, when: str, worker_index: int,
+                   predicted: Dict[str, Dict[str, int]], write: bool) -> str:
+  """The line on this process's peak resident memory beside the plan's host-side prediction;
+  with `write`, also into plan.json's `process_memory` (the chief's, if it wrote one)."""
+  peak, host = peak_rss(), predicted_host_bytes(predicted, worker_index)
+  plan = placement.read_plan_json(model_dir) if write else None
+  if plan is not None:
+    plan.setdefault("process_memory", {})[f"worker {worker_index}"] = {
+        "when": when, "peak_rss_bytes": peak, "predicted_host_bytes": host}
+    placement.write_plan_json(model_dir, plan)
+  return (f"memory {when}, process (worker {worker_index}): peak resident {_mib(peak)} (VmHWM); "
+          f"the plan puts {_mib(host)} of weights, gradients, optimizer state and activations "
+          "in its host memory")
