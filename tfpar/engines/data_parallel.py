@@ -168,6 +168,9 @@ class DataParallelEngine(Engine):
     gradients = state["weights"] + (state["summed_gradient"] if d > 1 else 0)
     one = {"weights": state["weights"], "gradients": gradients, "optimizer": state["optimizer"],
            "activations": activations}
+    if self.zero and self.zero.mode == "zero3":  # One part's gathered weights, its gradient
+      part = self.zero.part_bytes()  # and that gradient's sum, beside the shards.
+      one.update(weights=state["weights"] + part, gradients=state["summed_gradient"] + 2 * part)
     return {device: one for device in self._local_devices}
 
   def write_files(self, model_dir: str) -> None:
