@@ -279,7 +279,8 @@ class Zero3:
         packed = self._gather_fn(self.strategy.experimental_distribute_values_from_function(
             lambda ctx: self._pack(self.shard_ids.index(ctx.replica_id_in_sync_group),
                                    kind)[None]))
-      cached = self._gathered[kind] = (key, unpack(packed, self.shapes, self.per))
+      cached = self._gathered[kind] = (key, unpack(packed, self.shapes, self.per,
+                                                   self.num_replicas))
     return cached[1]
 
   def _pack(self, replica: int, kind: str) -> tf.Tensor:
@@ -317,11 +318,11 @@ def pack(shards: Sequence[tf.Tensor], per: Sequence[int]) -> tf.Tensor:
                                [-1]) for x, p in zip(shards, per)], axis=0)
 
 
-def unpack(packed: tf.Tensor, shapes, per) -> List[tf.Tensor]:
-  """[D, S] packed rows of every replica (in shard order) -> the full tensors."""
-  d = packed.shape[0]
+def unpack(packed: tf.Tensor, shapes, per, d: int) -> List[tf.Tensor]:
+  """[d, S] packed rows of d replicas (in shard order) -> the full tensors."""
   sizes = [p * int(np.prod(s[1:])) for s, p in zip(shapes, per)]
   out = []
+  packed = tf.reshape(packed, [d, sum(sizes)])  # A collective's result may come unshaped.
   for part, shape, p in zip(tf.split(packed, sizes, axis=1), shapes, per):
     out.append(tf.reshape(part, (d * p,) + tuple(shape[1:]))[:shape[0]])
   return out
@@ -346,7 +347,7 @@ class Gather:
       packed = pack(xs, per)[None]
       if ctx.num_replicas_in_sync > 1:
         packed = ctx.all_gather(packed, axis=0)
-      full = unpack(packed, shapes, per)
+      full = unpack(packed, shapes, per, z.num_replicas)
 
       def grad(*dys):
         d = z.num_replicas
@@ -357,8 +358,8 @@ class Gather:
              for dy, s, p in zip(dys, shapes, per)], axis=1)
         if ctx.num_replicas_in_sync > 1:
           packed_grads = ctx.all_reduce(tf.distribute.ReduceOp.SUM, packed_grads)
-        mine = unpack(packed_grads[self.shard][None], [(p,) + tuple(s[1:])
-                                                        for s, p in zip(shapes, per)], per)
+        mine = unpack(packed_grads[self.shard], [(p,) + tuple(s[1:])
+                                                 for s, p in zip(shapes, per)], per, 1)
         return [m[:n] for m, n in zip(mine, sizes)]
       return full, grad
 
