@@ -5,7 +5,7 @@ import os
 import pytest
 
 from conftest import TINY, make_config, read_metrics, run_module, run_modules, train_in_process
-from tfpar.config import rundir
+from tfpar.config import rules, rundir
 from tfpar.config.schema import ConfigError
 
 MODEL_DIR = "--model_dir=/tmp/tfpar-config-test"  # validate() never touches it
@@ -76,6 +76,17 @@ BAD = [
      "grad_compression"),  # D = 1
     (["--strategy=mirrored", "--all_reduce_pack_mb=4"], "all_reduce_pack_mb"),
     # Optimizer sharding (_validate_optimizer_sharding).
+    (["--optimizer_sharding=zero3"], "optimizer_sharding"),  # one_device
+    (["--strategy=mirrored", "--num_cpu_devices=4", "--pipeline_stages=2", "--data_parallel=2",
+      "--optimizer_sharding=zero3"], "optimizer_sharding"),  # Not on a hybrid plan's copies.
+    (["--strategy=mirrored", "--num_cpu_devices=2", "--optimizer_sharding=zero3", "--remat"],
+     "remat"),
+    (["--strategy=mirrored", "--num_cpu_devices=2", "--optimizer_sharding=zero3",
+      "--dropout=0.1"], "dropout"),
+    (["--strategy=mirrored", "--num_cpu_devices=2", "--optimizer_sharding=zero3",
+      "--grad_compression=bf16"], "grad_compression"),
+    (["--strategy=mirrored", "--num_cpu_devices=2", "--optimizer_sharding=zero3",
+      "--precision=mixed_float16"], "precision"),
     (["--optimizer_sharding=zero1"], "optimizer_sharding"),  # one_device
     (["--strategy=parameter_server", "--optimizer_sharding=zero1"], "optimizer_sharding"),
     (["--strategy=tpu", "--optimizer_sharding=zero2"], "optimizer_sharding"),
@@ -93,6 +104,14 @@ def test_each_rule_names_its_flag(extra, flag):
   message = str(info.value)
   assert f"--{flag}" in message
   assert "\n" not in message
+
+
+def test_zero3_on_one_replica_is_refused_once_the_devices_are_counted():
+  """(A GPU host's mirrored replicas are its GPUs: the engine checks, with the count.)"""
+  rules.check_zero3_replicas(2)
+  with pytest.raises(ConfigError, match="--optimizer_sharding=zero3 .* has one") as info:
+    rules.check_zero3_replicas(1)
+  assert "\n" not in str(info.value)
 
 
 def test_missing_model_dir_is_named():
@@ -119,6 +138,8 @@ def test_missing_model_dir_is_named():
     ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero1",
      "--grad_compression=powersgd", "--precision=mixed_bfloat16"],
     ["--strategy=multi_worker_mirrored", "--optimizer_sharding=zero2"],
+    ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero3"],
+    ["--strategy=multi_worker_mirrored", "--optimizer_sharding=zero3"],
     ["--strategy=mirrored", "--num_cpu_devices=4", "--pipeline_stages=2", "--data_parallel=2",
      "--optimizer_sharding=zero1"],  # On the hybrid plan's D copies.
 ], ids=lambda e: " ".join(e) or "tiny")

@@ -10,7 +10,11 @@ multi_worker_mirrored in both directions.
 The two workers shard AdamW's state (tfpar.parallel.zero): the first job with
 --optimizer_sharding=zero1 (each worker holds m and v of half the parameters;
 its checkpoint, gathered from both, holds one device's slots and restores
-unsharded), the resumed one with zero2 from an unsharded checkpoint. Plain
+unsharded), the resumed one with zero2 from an unsharded checkpoint; a third job,
+beside the first, with zero3 (each worker holds half of every weight's rows, and of m
+and v; tfpar.parallel.zero3) clipping every step under --on_nonfinite=skip, the twin of
+one device with the same flags: loss and gradient norm per step, and its checkpoints'
+weights, m and v (m carries the gradients). Plain
 unsharded multi-worker runs are tested in test_launch, test_compression and
 test_preemption.
 
@@ -60,6 +64,50 @@ def one_device_dir(tmp_path_factory):
   model_dir = tmp_path_factory.mktemp("one_device")
   train_in_process(ARGS + ["--strategy=one_device", f"--model_dir={model_dir}"])
   return model_dir
+
+
+ZERO3 = ["--clip_norm=0.05", "--on_nonfinite=skip", "--checkpoint_every=3"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started_zero3(request, tmp_path_factory):
+  """The 2-worker zero3 job of `zero3_workers`, started before this module's in-process runs."""
+  if not selected_tests_use(request, "zero3_workers"):
+    return None
+  model_dir = tmp_path_factory.mktemp("zero3_workers")
+  return model_dir, run_module_in_background(
+      "tfpar.launch", TWO_WORKERS + ZERO3 + [f"--model_dir={model_dir}", "--collective=ring",
+                                             "--optimizer_sharding=zero3"], timeout=600)
+
+
+@pytest.fixture(scope="module")
+def zero3_workers(started_zero3, tmp_path_factory):
+  """(model_dir, launcher output, one device's model_dir with the same flags)."""
+  one_dir = tmp_path_factory.mktemp("one_device_zero3")
+  train_in_process(ARGS + ZERO3 + ["--strategy=one_device", f"--model_dir={one_dir}"])
+  model_dir, future = started_zero3
+  proc = future.result()
+  return model_dir, proc.stdout + proc.stderr, one_dir
+
+
+def test_two_zero3_workers_are_one_devices_twin(zero3_workers):
+  """Loss and gradient norm per step (clipped every step) at 1e-5; both checkpoints' weights,
+  m and v, gathered from the two workers' rows, one device's; each worker holds half."""
+  model_dir, output, one_dir = zero3_workers
+  assert "optimizer sharding zero3" in output
+  got, want = read_metrics(str(model_dir)), read_metrics(str(one_dir))
+  assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
+  assert min(r["grad_norm"] for r in want) > 0.05  # Clipping binds on every step.
+  for key in ("loss", "grad_norm"):
+    np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=1e-5)
+  for step in (3, STEPS):
+    assert_same_state(read_checkpoint(str(model_dir / "checkpoints" / f"ckpt-{step}")),
+                      read_checkpoint(str(one_dir / "checkpoints" / f"ckpt-{step}")),
+                      f"zero3 on 2 workers, step {step}")
+  plan = json.loads((model_dir / "plan.json").read_text())["bytes_per_replica"]
+  single = json.loads((one_dir / "plan.json").read_text())["bytes_per_replica"]["measured"]
+  assert plan["measured"] == {k: plan["predicted"][k] for k in plan["measured"]}
+  assert abs(plan["measured"]["weights"] / (single["weights"] / 2) - 1) < 0.1
 
 
 @pytest.fixture(scope="module", autouse=True)

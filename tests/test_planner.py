@@ -333,14 +333,19 @@ def test_optimizer_sharding_divides_the_optimizer_state_over_d(precision, megatr
 
 def test_the_search_shards_the_optimizer_only_where_the_runtime_does():
   """tfpar: D > 1, not mixed_float16 (tfpar.config.rules), a replica inside one node or across nodes,
-  any recompute and micro-batches; Megatron's distributed optimizer: wherever D > 1, zero1
+  any recompute and micro-batches; zero3 on whole replicas only (K = T = 1, M = 1), under the
+  full recompute it does anyway; Megatron's distributed optimizer: wherever D > 1, zero1
   only."""
   m = SHAPES[0]
-  for precision, expect in (("float32", {1, 2}), ("mixed_float16", set())):
+  for precision, expect in (("float32", {1, 2, 3}), ("mixed_float16", set())):
     p = search.candidates(m, clusters.parse("cpu:4"), 8, cost.TFPAR, precision=precision)
     z = p.sharding > 0
     assert set(p.sharding[z]) == expect
     assert (p.D[z] > 1).all()
+    z3 = p.sharding == cost.ZERO3
+    assert (p.K[z3] == 1).all() and (p.T[z3] == 1).all() and (p.remat[z3] == cost.FULL).all()
+    assert (p.D[z3] * p.b[z3] == 8).all()  # One micro-batch.
+    z = z & ~z3
     if expect:  # Hybrid plans (D=2 x K=2 or T=2) too, under every recompute mode.
       assert ((p.K[z] > 1) | (p.T[z] > 1)).any() and set(p.remat[z]) == {0, 1, 2}
     assert set(p.remat) == {0, 1, 2}
@@ -350,6 +355,25 @@ def test_the_search_shards_the_optimizer_only_where_the_runtime_does():
   p = search.candidates(MEGATRON_145B, clusters.parse("a100-80gb:512"), 512, cost.MEGATRON,
                         pipeline_stages=8, tensor_parallel=8, microbatches=64)
   assert set(p.sharding) == {0, 1} and (p.D[p.sharding > 0] > 1).all()
+
+
+def test_zero3_holds_a_dth_of_the_state_and_gathers_the_weights_twice():
+  """zero3 at D=8 against zero1: weights, gradients and m, v per device 1/D plus one part's
+  gathered weights, its gradient and that gradient's sum; full recompute charged; the exchange
+  two all-gathers of the weights and an all-reduce of the gradient, a latency per part each."""
+  m = SHAPES[0]
+  cluster = clusters.parse("a100-80gb:8")
+  plans = cost.Plans(D=np.full(2, 8), K=np.ones(2, int), T=np.ones(2, int), b=np.ones(2, int),
+                     remat=np.zeros(2, int), sharding=np.array([1, cost.ZERO3]))
+  r = cost.evaluate(m, cluster, plans, global_batch=8, precision="float32", system=cost.TFPAR)
+  n, part = r["params_per_device"][1], cost.zero3_part_params(m)
+  assert r["weights"][1] == pytest.approx(4 * n / 8 + 4 * part)
+  assert r["gradients"][1] == pytest.approx(4 * n / 8 + 8 * part)
+  assert r["optimizer"][1] == r["optimizer"][0] == pytest.approx(8 * n / 8)
+  assert list(r["remat"]) == [0, cost.FULL] and r["compute"][1] > r["compute"][0]
+  bw, lat = cluster.intra_bandwidth, cluster.intra_latency
+  want = 2 * 7 / 8 * 4 * n / bw + 2 * 7 / 8 * 4 * n / bw + (4 * (m.num_layers + 2) + 2) * 7 * lat
+  assert r["data_comm"][1] == pytest.approx(want)
 
 
 def test_copies_across_nodes_cost_the_sums_placed_in_one_program():

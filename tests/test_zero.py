@@ -31,7 +31,8 @@ from tfpar.config.schema import CompressionConfig, OptimConfig
 from tfpar.parallel import zero
 from tfpar.parallel.compression import make_exchange
 from tfpar.planner import clusters, cost
-from tfpar.training.checkpoint import CanonicalCheckpointer, read_canonical, read_checkpoint
+from tfpar.training.checkpoint import (CanonicalCheckpointer, assign_canonical, read_canonical,
+                                       read_checkpoint)
 from tfpar.training.optimizer import inner_optimizer, learning_rate_schedule, make_optimizer
 from tfpar.training.step import apply_gradients
 
@@ -349,8 +350,10 @@ PLANS = {"none x1": ["--strategy=one_device"],
          "zero2 x2": ["--strategy=mirrored", "--num_cpu_devices=2", "--optimizer_sharding=zero2",
                       "--jit_compile=true"],
          "none x4": ["--strategy=mirrored", "--num_cpu_devices=4"],
-         "zero2 x4": ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero2"]}
-CHAIN_SAVE = 2  # zero1 x4 saves here; none x1 resumes to 4, then zero2 x2 to STEPS.
+         "zero2 x4": ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero2"],
+         "zero3 x4": ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero3"],
+         "zero3 x2": ["--strategy=mirrored", "--num_cpu_devices=2", "--optimizer_sharding=zero3"]}
+CHAIN_SAVE = 2  # zero1 (zero3) x4 saves here; none x1 resumes to 4, then zero2 (zero3) x2 to STEPS.
 
 
 def make_engine(plan, model_dir):
@@ -377,9 +380,10 @@ def train_steps(engine, first, last, save_at=(), directory=None):
 
 @pytest.fixture(scope="module")
 def engine_runs(tmp_path_factory):
-  """{plan: (engine, per-step records)}; zero1 x4 also saves its step-CHAIN_SAVE checkpoint."""
+  """{plan: (engine, per-step records)}; zero1 and zero3 x4 also save their step-CHAIN_SAVE
+  checkpoint."""
   out = {}
-  for plan in ("none x1", "zero1 x4"):
+  for plan in ("none x1", "zero1 x4", "zero3 x4"):
     model_dir = tmp_path_factory.mktemp(plan.replace(" ", "_"))
     engine = make_engine(plan, model_dir)
     out[plan] = model_dir, engine, train_steps(engine, 0, STEPS, (CHAIN_SAVE,),
@@ -387,76 +391,109 @@ def engine_runs(tmp_path_factory):
   return out
 
 
-def test_a_zero1_engine_on_4_mirrored_replicas_is_one_devices_twin(engine_runs):
-  """(zero2's engine is checked step by step in the restore chain below, on 2 replicas;
-  its update on 4, in test_zero_on_4_mirrored_replicas_is_the_serial_twin.)"""
+@pytest.mark.parametrize("plan", ["zero1 x4", "zero3 x4"])
+def test_a_sharded_engine_on_4_mirrored_replicas_is_one_devices_twin(engine_runs, plan):
+  """Loss, norm and the canonical state (weights, m, v: the first gradient through m) after
+  each of STEPS steps, every one clipped, at 1e-5. (zero2's engine is checked step by step in
+  the restore chain below, on 2 replicas; its update on 4, in
+  test_zero_on_4_mirrored_replicas_is_the_serial_twin.) zero3's weights are one device's
+  from the start: each replica's rows of them."""
   _, serial_engine, serial = engine_runs["none x1"]
-  _, engine, sharded = engine_runs["zero1 x4"]
+  _, engine, sharded = engine_runs[plan]
   assert min(norm for _, norm, _ in serial) > serial_engine.cfg.optim.clip_norm  # Clipping.
-  assert engine.zero.mode == "zero1" and engine.num_replicas == 4
+  assert engine.zero.mode == plan.split()[0] and engine.num_replicas == 4
   assert not inner_optimizer(engine.optimizer).built  # No Keras slots: the shards hold them.
   for step, ((loss, norm, state), (want_loss, want_norm, want_state)) in enumerate(
       zip(sharded, serial), 1):
     np.testing.assert_allclose([loss, norm], [want_loss, want_norm], rtol=1e-5)
-    assert_same_state(state, want_state, f"zero1 x4 step {step}")
+    assert_same_state(state, want_state, f"{plan} step {step}")
   assert int(sharded[-1][2]["optimizer/iterations"]) == STEPS
 
 
-def test_a_zero1_x4_checkpoint_resumes_unsharded_then_under_zero2_x2(engine_runs, tmp_path):
-  """zero1 x4 -> none x1 -> zero2 x2: every step's loss and state as the unsharded run's.
+@pytest.mark.parametrize("first, last", [("zero1 x4", "zero2 x2"), ("zero3 x4", "zero3 x2")])
+def test_a_sharded_x4_checkpoint_resumes_unsharded_then_sharded_x2(engine_runs, tmp_path,
+                                                                   first, last):
+  """zero1 x4 -> none x1 -> zero2 x2, and zero3 x4 -> none x1 -> zero3 x2: every step's loss
+  and state as the unsharded run's.
 
   The unsharded leg is the serial run's engine (traced already), its state replaced by the
   restore; its own records were taken before.
   """
   _, one, serial = engine_runs["none x1"]
-  zero1_dir, _, _ = engine_runs["zero1 x4"]
-  written = str(zero1_dir / "checkpoints" / f"ckpt-{CHAIN_SAVE}")
-  assert_same_state(read_checkpoint(written), serial[CHAIN_SAVE - 1][2], "zero1 x4's checkpoint")
+  first_dir, _, _ = engine_runs[first]
+  written = str(first_dir / "checkpoints" / f"ckpt-{CHAIN_SAVE}")
+  assert_same_state(read_checkpoint(written), serial[CHAIN_SAVE - 1][2], f"{first}'s checkpoint")
   assert CanonicalCheckpointer(one.layouts, str(tmp_path)).restore(written)
   assert one.step == CHAIN_SAVE
   middle = train_steps(one, CHAIN_SAVE, 4, (4,), str(tmp_path / "one"))
-  two = make_engine("zero2 x2", tmp_path / "two")
+  two = make_engine(last, tmp_path / "two")
   assert CanonicalCheckpointer(two.layouts, str(tmp_path)).restore(
       str(tmp_path / "one" / "ckpt-4"))
   assert two.step == 4
-  assert two.zero.mode == "zero2" and two.num_replicas == 2
-  last = train_steps(two, 4, STEPS)
-  assert [f.experimental_get_tracing_count() for f in two.zero._updates] == [1, 1]
+  assert two.zero.mode == last.split()[0] and two.num_replicas == 2
+  last_steps = train_steps(two, 4, STEPS)
+  if last == "zero2 x2":
+    assert [f.experimental_get_tracing_count() for f in two.zero._updates] == [1, 1]
   for step, ((loss, norm, state), (want_loss, want_norm, want_state)) in enumerate(
-      zip(middle + last, serial[CHAIN_SAVE:]), CHAIN_SAVE + 1):
+      zip(middle + last_steps, serial[CHAIN_SAVE:]), CHAIN_SAVE + 1):
     np.testing.assert_allclose([loss, norm], [want_loss, want_norm], rtol=1e-5)
     assert_same_state(state, want_state, f"resumed step {step}")
 
 
-def test_plan_json_measures_a_quarter_of_the_optimizer_state_under_zero1_x4(engine_runs):
-  """Slot bytes per replica: within 10% of a quarter of unsharded (the step counter stays)."""
+def test_plan_json_measures_a_quarter_of_the_sharded_state_at_d4(engine_runs):
+  """Per replica: zero1's slots, and zero3's weights and slots, within 10% of a quarter of
+  unsharded (the step counter stays whole); plan.json predicts what it measures."""
   plans = {}
-  for plan in ("none x1", "zero1 x4"):
+  for plan in ("none x1", "zero1 x4", "zero3 x4"):
     model_dir, engine, _ = engine_runs[plan]
     with open(model_dir / "plan.json") as f:
       plans[plan] = json.load(f)["bytes_per_replica"]
     assert plans[plan]["measured"]["optimizer"] == plans[plan]["predicted"]["optimizer"]
     assert plans[plan]["measured"]["weights"] == plans[plan]["predicted"]["weights"]
-  none, zero1 = plans["none x1"]["measured"], plans["zero1 x4"]["measured"]
+  none, zero1, zero3 = (plans[p]["measured"] for p in ("none x1", "zero1 x4", "zero3 x4"))
   counter = 8  # AdamW's int64 step, on every replica.
   assert abs((zero1["optimizer"] - counter) / ((none["optimizer"] - counter) / 4) - 1) < 0.1
   assert zero1["weights"] == none["weights"]  # Replicated.
+  assert abs((zero3["weights"] + zero3["optimizer"] - counter) /
+             ((none["weights"] + none["optimizer"] - counter) / 4) - 1) < 0.1
+  assert abs(zero3["weights"] / (none["weights"] / 4) - 1) < 0.1
   assert plans["zero1 x4"]["predicted"]["summed_gradient"] == none["weights"]
   # zero2 holds 2 of the D shards of the summed gradient: half of it at D=4, all at D=2.
   params = none["weights"] // 4
   assert zero.state_bytes(params, 4, "zero2")["summed_gradient"] == 8 * -(-params // 4)
   assert zero.state_bytes(params, 2, "zero2")["summed_gradient"] == 4 * params
+  assert plans["zero3 x4"]["predicted"]["summed_gradient"] == 4 * -(-params // 4)
+
+
+def test_zero3_slices_are_row_rectangles_of_the_canonical_state(engine_runs):
+  """Zero3.slices(): every weight, m and v of the 4 replicas as (name, full shape, begin, size,
+  variable); placed at begin they tile each canonical tensor exactly once, rows only."""
+  _, engine, _ = engine_runs["zero3 x4"]
+  state = read_canonical(engine.layouts[0])
+  tiled = {}
+  for s in engine.zero.slices():
+    assert tuple(s.variable.shape) == s.size and s.size[1:] == s.shape[1:]
+    assert s.begin[1:] == (0,) * (len(s.shape) - 1) and state[s.name].shape == s.shape
+    full = tiled.setdefault(s.name, np.full(s.shape, np.nan, np.float32))
+    rows = slice(s.begin[0], s.begin[0] + s.size[0])
+    assert np.all(np.isnan(full[rows]))  # No row held twice.
+    full[rows] = s.variable.numpy()
+  assert sorted(tiled) == sorted(n for n in state if n != "optimizer/iterations"
+                                 and not n.startswith("dropout_rng/"))
+  for name, full in tiled.items():
+    np.testing.assert_array_equal(full, state[name], err_msg=name)
 
 
 def test_the_planners_bytes_per_device_are_plan_jsons_measured_bytes_at_d4(engine_runs, tmp_path):
   """tfpar.planner.cost's weights and optimizer state per device (tfpar system, D = 4) within
-  10% of what plan.json measured from the allocated variables, for none, zero1 and zero2.
+  10% of what plan.json measured from the allocated variables, for none, zero1, zero2 and
+  zero3 (whose one gathered part, a tensor, the planner adds on top: checked apart).
 
-  zero1 x4 is the fixture's run; none x4 and zero2 x4 are engines built only (plan.json is
-  written at start-up, before any step). The summed gradient is a tensor, not a variable:
-  the planner's figure is checked against the runtime's own prediction (not measured).
+  zero1 and zero3 x4 are the fixture's runs; none x4 and zero2 x4 are engines built only
+  (plan.json is written at start-up, before any step). The summed gradient is a tensor, not a
+  variable: the planner's figure is checked against the runtime's own prediction (not measured).
   """
-  dirs = {"zero1 x4": engine_runs["zero1 x4"][0]}
+  dirs = {p: engine_runs[p][0] for p in ("zero1 x4", "zero3 x4")}
   for plan in ("none x4", "zero2 x4"):
     dirs[plan] = tmp_path / plan.replace(" ", "_")
     make_engine(plan, dirs[plan])
@@ -465,20 +502,47 @@ def test_the_planners_bytes_per_device_are_plan_jsons_measured_bytes_at_d4(engin
     with open(model_dir / "plan.json") as f:
       written[plan] = json.load(f)
   cfg = engine_runs["zero1 x4"][1].cfg
-  modes = ("none", "zero1", "zero2")
-  plans = cost.Plans(D=np.full(3, 4), K=np.ones(3, int), T=np.ones(3, int),
-                     b=np.full(3, cfg.train.global_batch_size // 4), remat=np.zeros(3, int),
+  modes = ("none", "zero1", "zero2", "zero3")
+  n = len(modes)
+  plans = cost.Plans(D=np.full(n, 4), K=np.ones(n, int), T=np.ones(n, int),
+                     b=np.full(n, cfg.train.global_batch_size // 4), remat=np.zeros(n, int),
                      sharding=np.array([cost.SHARDINGS.index(z) for z in modes]))
   predicted = cost.evaluate(cfg.model, clusters.parse("cpu:4"), plans,
                             global_batch=cfg.train.global_batch_size, precision="float32",
                             system=cost.TFPAR)
+  gathered = 4 * cost.zero3_part_params(cfg.model)  # zero3's one part, gathered whole.
   for i, mode in enumerate(modes):
     plan = written[f"{mode} x4"]
     assert (plan["optimizer_sharding"], plan["data_parallel"]) == (mode, 4)
     measured, runtime = (plan["bytes_per_replica"][k] for k in ("measured", "predicted"))
-    for part in ("weights", "optimizer"):
-      assert abs(predicted[part][i] / measured[part] - 1) < 0.1, (mode, part, measured[part])
-    assert abs(predicted["gradients"][i] / runtime["summed_gradient"] - 1) < 0.1, mode
-  # A quarter of the optimizer state under zero1/zero2; zero2's gradient: 2 of the 4 shards.
-  assert predicted["optimizer"][1] == predicted["optimizer"][2] == predicted["optimizer"][0] / 4
+    extra = gathered if mode == "zero3" else 0
+    assert abs((predicted["weights"][i] - extra) / measured["weights"] - 1) < 0.1, (mode, measured)
+    assert abs(predicted["optimizer"][i] / measured["optimizer"] - 1) < 0.1, (mode, measured)
+    assert abs((predicted["gradients"][i] - 2 * extra) / runtime["summed_gradient"] - 1) < 0.1, mode
+  # A quarter of the optimizer state under zero1/zero2/zero3; zero2's gradient: 2 of the 4
+  # shards; zero3's weights and gradients a quarter too, besides its gathered part.
+  assert len(set(predicted["optimizer"][1:])) == 1
+  assert predicted["optimizer"][1] == predicted["optimizer"][0] / 4
   assert predicted["gradients"][2] == predicted["gradients"][0] / 2
+  assert predicted["weights"][3] - gathered == predicted["weights"][0] / 4
+  assert predicted["gradients"][3] - 2 * gathered == predicted["gradients"][0] / 4
+  assert predicted["remat"][3] == cost.FULL  # zero3 recomputes every block.
+
+
+def test_a_nonfinite_step_is_skipped_under_zero3(engine_runs):
+  """A NaN weight makes every gradient NaN: --on_nonfinite=skip keeps every weight row, m and
+  v of the 4 replicas and still counts the step. (Runs last: it changes the fixture's engine.)"""
+  _, engine, _ = engine_runs["zero3 x4"]
+  step = engine.step
+  values = read_canonical(engine.layouts[0])
+  name = next(n for n in values if n.endswith("@m")).removesuffix("@m")
+  values[name] = values[name].copy()
+  values[name].flat[0] = np.nan
+  assign_canonical(engine.layouts[0], values)
+  losses, norms = engine.train(engine.train_iterator(step), 1)
+  assert np.isnan(losses[0]) and not np.isfinite(norms[0])
+  assert engine.step == step + 1
+  after = read_canonical(engine.layouts[0])
+  for key, want in values.items():
+    if key != "optimizer/iterations" and not key.startswith("dropout_rng/"):
+      np.testing.assert_array_equal(after[key], want, err_msg=key)

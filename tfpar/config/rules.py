@@ -211,11 +211,33 @@ def _validate_optimizer_sharding(cfg: Config) -> None:
     raise ConfigError(f"--optimizer_sharding={z} does not combine with --precision="
                       "mixed_float16 (its loss scaling is not sharded): use --precision="
                       "mixed_bfloat16 or float32")
+  if z == "zero3":
+    _validate_zero3(cfg)
   if z == "zero2" and cfg.compression.method != "none":
     raise ConfigError(f"--optimizer_sharding=zero2 sums the gradient itself, shard by shard, in "
                       f"float32: it does not combine with --grad_compression="
                       f"{cfg.compression.method}; use --optimizer_sharding=zero1 (which "
                       "composes with it) or --grad_compression=none")
+
+
+def _validate_zero3(cfg: Config) -> None:
+  """zero3 (tfpar.parallel.zero3): whole data-parallel replicas of one model (D > 1: the engine
+  checks once the devices are counted, `check_zero3_replicas`)."""
+  if cfg.parallel.model_parallel:
+    raise ConfigError("--optimizer_sharding=zero3 shards whole data-parallel replicas "
+                      "(mirrored, multi_worker_mirrored), not a model-parallel plan's copies "
+                      "(--pipeline_stages, --tensor_parallel, --data_parallel, --microbatches, "
+                      "--remat; zero3 recomputes every block anyway): drop those flags, or use "
+                      "--optimizer_sharding=zero1 or zero2 with the plan")
+  if cfg.compression.method != "none":
+    raise ConfigError(f"--optimizer_sharding=zero3 sums each block's gradient itself in float32: "
+                      f"it does not combine with --grad_compression={cfg.compression.method}; "
+                      "use --optimizer_sharding=zero1 (which composes with it) or "
+                      "--grad_compression=none")
+  if cfg.model.dropout > 0:
+    raise ConfigError(f"--optimizer_sharding=zero3 recomputes each block in its backward, which "
+                      f"would draw other dropout masks than the forward (--dropout="
+                      f"{cfg.model.dropout}): use --dropout=0 with zero3, or zero1/zero2")
 
 
 def _validate_compression(cfg: Config) -> None:
@@ -247,6 +269,16 @@ def _validate_compression(cfg: Config) -> None:
     raise ConfigError(f"--grad_compression={c.method} does not combine with --strategy="
                       f"{s.strategy}: {why}. Use --strategy=mirrored or multi_worker_mirrored, "
                       "or --grad_compression=none")
+
+
+def check_zero3_replicas(replicas: int) -> None:
+  """zero3 needs D > 1 data-parallel replicas to shard over (the engine checks again once
+  GPUs and workers are counted)."""
+  if replicas < 2:
+    raise ConfigError("--optimizer_sharding=zero3 shards the weights over data-parallel "
+                      "replicas and this run has one: use --strategy=mirrored on several devices "
+                      "(--num_cpu_devices=2 or more) or several workers, or "
+                      "--optimizer_sharding=none")
 
 
 def check_batch(global_batch_size: int, replicas: int, microbatches: int = 1,

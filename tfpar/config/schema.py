@@ -24,7 +24,7 @@ ON_NONFINITE = ("stop", "skip")
 REMAT = ("none", "full", "selective")  # What blocks recompute in the backward pass.
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # tfpar.parallel.schedules.
 CAUSAL_ATTENTION = ("query_blocks", "online_softmax")  # tfpar.layers.attention.CAUSAL_CORES.
-OPTIMIZER_SHARDING = ("none", "zero1", "zero2")  # tfpar.parallel.zero.
+OPTIMIZER_SHARDING = ("none", "zero1", "zero2", "zero3")  # tfpar.parallel.zero, zero3.
 XLA_AUTO_CLUSTERING = ("none", "fusible")  # tfpar.console.XLA_AUTO_CLUSTERING_FLAGS.
 TASKS = ("lm", "classify", "detect", "segment")  # --task: tfpar.tasks.<name>.
 UNSET = object()  # A flag's default where it is the field's own.
@@ -265,7 +265,9 @@ class ParallelConfig:
       "none", "mirrored, multi_worker_mirrored and the --data_parallel copies of a pipeline/"
       "tensor plan: each of the D replicas keeps AdamW's m and v for 1/D of the parameters "
       "(per device of its plan row), zero1, and also only its 1/D of the summed gradient "
-      "through the update, zero2; the weights stay replicated. Same numbers as none.",
+      "through the update, zero2 (the weights stay replicated); zero3 (mirrored and "
+      "multi_worker_mirrored) also only 1/D of the weights, each block's gathered when it "
+      "runs and again, recomputed, in its backward. Same numbers as none.",
       choices=OPTIMIZER_SHARDING)
   remat: str = setting(
       "none", "What each block recomputes in the backward pass: none keeps every activation, "

@@ -17,12 +17,12 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar.config.schema import Config
-from tfpar.config.rules import check_batch
+from tfpar.config.rules import check_batch, check_zero3_replicas
 from tfpar.engines.base import Engine, build_model
 from tfpar.layout import placement as plan_lib
-from tfpar.parallel import zero
+from tfpar.parallel import zero, zero3
 from tfpar.parallel.compression import make_exchange
-from tfpar.training.checkpoint import model_layout
+from tfpar.training.checkpoint import assign_canonical, model_layout, read_canonical
 from tfpar.training.optimizer import inner_optimizer
 from tfpar.training.step import EvalStep, TrainStep
 
@@ -43,8 +43,13 @@ class DataParallelEngine(Engine):
     # config checked this for CPU hosts; GPUs and TPU cores are counted only now.
     check_batch(cfg.train.global_batch_size, self.num_replicas)
     sharding_mode = cfg.parallel.optimizer_sharding
+    if sharding_mode == "zero3":
+      check_zero3_replicas(self.num_replicas)
+    # zero3: the model is a template without storage; its weights live in zero3's shards.
+    self.model = zero3.build_template(lambda: build_model(cfg, task=self.task)) \
+        if sharding_mode == "zero3" else None
     with strategy.scope():
-      self.model = build_model(cfg, task=self.task)
+      self.model = self.model or build_model(cfg, task=self.task)
       self.optimizer = self.build_optimizer(self.model.trainable_variables,
                                             slots=sharding_mode == "none")
     variables = self.model.trainable_variables
@@ -64,15 +69,24 @@ class DataParallelEngine(Engine):
     jit = cfg.train.jit_compile
     # --optimizer_sharding: each local replica's shard of AdamW's m and v, on its device.
     # Under --jit_compile each replica's update (clip + AdamW) is one XLA program.
-    self.zero = None if sharding_mode == "none" else zero.ZeroUpdate(
-        self.optimizer, variables, mode=sharding_mode, shard_ids=_replica_ids(strategy),
-        devices=self._local_devices, num_replicas=self.num_replicas, strategy=strategy,
-        jit_compile=jit)
+    self.zero = None
+    if sharding_mode == "zero3":
+      self.zero = zero3.Zero3(self.model, self.optimizer, shard_ids=_replica_ids(strategy),
+                              devices=self._local_devices, num_replicas=self.num_replicas,
+                              strategy=strategy, jit_compile=jit)
+    elif sharding_mode != "none":
+      self.zero = zero.ZeroUpdate(
+          self.optimizer, variables, mode=sharding_mode, shard_ids=_replica_ids(strategy),
+          devices=self._local_devices, num_replicas=self.num_replicas, strategy=strategy,
+          jit_compile=jit)
     if self.zero is None and jit and self.num_replicas > 1:
       inner_optimizer(self.optimizer).compile_update()
     slots = self.zero.checkpoint_slots if self.zero else None
-    self.layouts = [{**model_layout(self.model, self.optimizer, slots),
-                     **self.exchange.checkpoint_entries(strategy)}]
+    layout = model_layout(self.model, self.optimizer, slots)
+    if sharding_mode == "zero3":
+      layout = self.zero.checkpoint_layout(layout)
+      self._initialise_zero3(layout)
+    self.layouts = [{**layout, **self.exchange.checkpoint_entries(strategy)}]
     # One replica: nothing runs between gradients and update, so XLA compiles both.
     self._train_step = TrainStep(self.model, self.optimizer, loss_fn=self.task.loss,
                                  jit_compile=jit,
@@ -81,16 +95,30 @@ class DataParallelEngine(Engine):
                                  skip_nonfinite=cfg.train.on_nonfinite == "skip")
     self._eval_step = EvalStep(self.model, self.task.eval_outputs, jit_compile=jit)
 
+  def _initialise_zero3(self, layout) -> None:
+    """Each replica's rows of the weights one device creates (built once here, then freed)."""
+    with tf.device("/cpu:0"):
+      values = read_canonical(model_layout(build_model(self.cfg, task=self.task)))
+    assign_canonical({name: entry for name, entry in layout.items() if name in values}, values)
+
   @property
   def input_strategy(self):
     return None if self._plain_input else self.strategy
 
   def _replica_train(self, inputs, targets, compressed):
-    replica = 0
-    if (self.exchange.stateful or self.zero) and len(self._local_devices) > 1:  # Which one runs.
-      device = tf.nest.flatten(tf.distribute.get_replica_context().devices)[0]
-      replica = self._replica_of_device[plan_lib.device_key(device)]
+    replica = self._local_replica() if self.exchange.stateful or self.zero else 0
+    if self.zero and self.zero.mode == "zero3":
+      loss, grads = self.zero.loss_and_grads(inputs, targets, self.task.loss, replica)
+      return loss, self.zero.apply(grads, replica,
+                                   skip_nonfinite=self.cfg.train.on_nonfinite == "skip")
     return self._train_step(inputs, targets, replica=replica, compressed=compressed)
+
+  def _local_replica(self) -> int:
+    """The local index of the replica running this (replica) function."""
+    if len(self._local_devices) == 1:
+      return 0
+    device = tf.nest.flatten(tf.distribute.get_replica_context().devices)[0]
+    return self._replica_of_device[plan_lib.device_key(device)]
 
   def _replica_step(self, inputs, targets, compressed):
     loss, norm = self.strategy.run(self._replica_train, args=(inputs, targets, compressed))
@@ -99,14 +127,19 @@ class DataParallelEngine(Engine):
             self.strategy.experimental_local_results(norm)[0])
 
   def _replica_eval(self, inputs, targets):
+    if self.zero and self.zero.mode == "zero3":
+      return self.task.eval_outputs(self.zero.outputs(inputs, self._local_replica()), targets)
     return self._eval_step(inputs, targets)
 
   # --- bytes per replica --------------------------------------------------------
   def measured_bytes(self) -> dict:
     """Bytes one replica holds, from the variables allocated: weights and optimizer state."""
-    optimizer = inner_optimizer(self.optimizer).variables  # Without slots under ZeRO.
+    optimizer = _nbytes(inner_optimizer(self.optimizer).variables)  # Without slots under ZeRO.
+    if self.zero and self.zero.mode == "zero3":  # The template's weights have no storage.
+      return {"weights": self.zero.held_bytes(("w",)) + _nbytes(self.model.non_trainable_variables),
+              "optimizer": optimizer + self.zero.held_bytes(("m", "v"))}
     slots = self.zero.slot_bytes() if self.zero else 0
-    return {"weights": _nbytes(self.model.variables), "optimizer": _nbytes(optimizer) + slots}
+    return {"weights": _nbytes(self.model.variables), "optimizer": optimizer + slots}
 
   def predicted_bytes(self) -> dict:
     """What tfpar.parallel.zero.state_bytes predicts from the model flags' parameter count."""
@@ -131,6 +164,9 @@ class DataParallelEngine(Engine):
     gradients = state["weights"] + (state["summed_gradient"] if d > 1 else 0)
     one = {"weights": state["weights"], "gradients": gradients, "optimizer": state["optimizer"],
            "activations": activations}
+    if self.zero and self.zero.mode == "zero3":  # One part's gathered weights, its gradient
+      part = self.zero.part_bytes()  # and that gradient's sum, beside the shards.
+      one.update(weights=state["weights"] + part, gradients=state["summed_gradient"] + 2 * part)
     return {device: one for device in self._local_devices}
 
   def write_files(self, model_dir: str) -> None:

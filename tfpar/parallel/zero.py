@@ -181,17 +181,10 @@ class ShardedAdamW:
     caller all-gathers it). Where `apply` is False (--on_nonfinite=skip and a
     non-finite norm) m, v and the weights stay as they were.
     """
-    lr = self._lr(iterations)
-    grads = grads * clip_factor(norm, self.clip_norm)
-    new = weights
-    if self.weight_decay:
-      new = new - new * tf.constant(self.weight_decay, tf.float32) * lr * self.decay_mask
-    t = tf.cast(iterations + 1, tf.float32)
-    b1, b2 = tf.constant(self.beta_1, tf.float32), tf.constant(self.beta_2, tf.float32)
-    m = self.m + (grads - self.m) * (1 - b1)
-    v = self.v + (tf.square(grads) - self.v) * (1 - b2)
-    alpha = lr * tf.sqrt(1 - tf.pow(b2, t)) / (1 - tf.pow(b1, t))
-    new = new - m * alpha / (tf.sqrt(v) + self.epsilon)
+    m, v, new = adamw(weights, grads * clip_factor(norm, self.clip_norm), self.m, self.v,
+                      lr=self._lr(iterations), iterations=iterations, decay=self.decay_mask,
+                      weight_decay=self.weight_decay, beta_1=self.beta_1, beta_2=self.beta_2,
+                      epsilon=self.epsilon)
     if apply is not True:
       m, v, new = (tf.where(apply, a, b) for a, b in ((m, self.m), (v, self.v), (new, weights)))
     self.m.assign(m)
@@ -199,20 +192,41 @@ class ShardedAdamW:
     return new
 
 
-def state_bytes(num_params: int, num_replicas: int, mode: str) -> dict:
-  """Predicted bytes one replica holds for N float32 parameters (`mode` 'none', 'zero1', 'zero2').
+def adamw(weights, grads, m, v, *, lr, iterations, decay, weight_decay: float, beta_1: float,
+          beta_2: float, epsilon: float):
+  """(m, v, weights) after one AdamW step on clipped `grads` (the module docstring's formulas).
 
-  weights: 4N (replicated under every mode). optimizer: m and v, 8N or 8 ceil(N/D),
-  plus AdamW's int64 step. summed_gradient: the all-reduced gradient alive
-  through the update, 4N, or for zero2 two shards (its own and the one in
-  flight), 8 ceil(N/D); the replica's own unreduced gradient (4N) comes on top
-  under every mode.
+  `decay` is 1 where weight decay applies and 0 elsewhere (a tensor broadcast against the
+  weights, or a float); `iterations` the step count before this step.
+  """
+  new = weights
+  if weight_decay:
+    new = new - new * tf.constant(weight_decay, tf.float32) * lr * decay
+  t = tf.cast(iterations + 1, tf.float32)
+  b1, b2 = tf.constant(beta_1, tf.float32), tf.constant(beta_2, tf.float32)
+  m = m + (grads - m) * (1 - b1)
+  v = v + (tf.square(grads) - v) * (1 - b2)
+  alpha = lr * tf.sqrt(1 - tf.pow(b2, t)) / (1 - tf.pow(b1, t))
+  return m, v, new - m * alpha / (tf.sqrt(v) + epsilon)
+
+
+def state_bytes(num_params: int, num_replicas: int, mode: str) -> dict:
+  """Predicted bytes one replica holds for N float32 parameters (`mode` 'none', 'zero1',
+  'zero2', 'zero3').
+
+  weights: 4N (replicated), or for zero3 4 ceil(N/D) (tfpar.parallel.zero3; its rows rounded
+  up per tensor apart). optimizer: m and v, 8N or 8 ceil(N/D), plus AdamW's int64 step.
+  summed_gradient: the all-reduced gradient alive through the update, 4N, or for zero2 two
+  shards (its own and the one in flight), 8 ceil(N/D), or for zero3 its own shard, 4 ceil(N/D);
+  the replica's own unreduced gradient (4N) comes on top under every mode but zero3 (whose
+  full gradient exists one part at a time).
   """
   shard = -(-num_params // num_replicas)
   sharded = mode != "none"
-  return {"weights": 4 * num_params,
+  summed = {"zero2": min(4 * num_params, 8 * shard), "zero3": 4 * shard}.get(mode, 4 * num_params)
+  return {"weights": 4 * (shard if mode == "zero3" else num_params),
           "optimizer": 8 * (shard if sharded else num_params) + 8,
-          "summed_gradient": min(4 * num_params, 8 * shard) if mode == "zero2" else 4 * num_params}
+          "summed_gradient": summed}
 
 
 def decay_flags(optimizer, variables) -> List[bool]:

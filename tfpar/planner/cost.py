@@ -3,7 +3,7 @@
 Every formula's source is in docs/planner.md; in short, for a model of L
 blocks, width h, a heads, MLP width f, sequence s, vocabulary V, global batch
 G, micro-batch b, M = G / (D b) micro-batches, recompute r (0 or 1: full),
-selective recompute q (0 or 1), optimizer sharding none, zero1 or zero2:
+selective recompute q (0 or 1), optimizer sharding none, zero1, zero2 or zero3:
 
   FLOPs per sequence, forward:  layer = 2 s (4h^2 + 2hf) + 4 s^2 h,  logits = 2 s h V
   FLOPs per step:               G ((3 + r) L layer + q L 4 s^2 h + 3 logits)  (Narayanan et al.
@@ -12,7 +12,12 @@ selective recompute q (0 or 1), optimizer sharding none, zero1 or zero2:
                                 the optimizer's by D, zero2 the summed gradient's too (tfpar
                                 keeps 2 of its D shards alive, tfpar.parallel.zero.state_bytes);
                                 tfpar's copies in one program (a replica spanning nodes) hold
-                                3 - 1/D gradients on a device (none, zero1), zero2 one
+                                3 - 1/D gradients on a device (none, zero1), zero2 one;
+                                zero3 (tfpar, K = T = 1: tfpar.parallel.zero3) divides all
+                                three by D and adds one part's gathered weights, its full
+                                gradient and that gradient's sum, P_part (w + 2g), P_part =
+                                max(block, embedding + head) parameters; it recomputes every
+                                block (r = 1)
   activations per block and micro-batch, megatron (Korthikanti et al. 2022, 16-bit values):
                                 s b h (W + (34-W)/T + 5 a s / (h T))  without recompute
                                 s b h (W + (34-W)/T)                  selective recompute
@@ -35,7 +40,10 @@ selective recompute q (0 or 1), optimizer sharding none, zero1 or zero2:
   data parallel:                the ring all-reduce of the busiest device's gradient over the
                                 D replicas (tfpar sharded: and an all-gather of its new weights);
                                 tfpar's D copies of a replica spanning nodes run in one program
-                                and sum by placement instead (`in_program_seconds`)
+                                and sum by placement instead (`in_program_seconds`); zero3:
+                                each of the L + 2 parts all-gathers its weights in the forward
+                                and again in the backward and all-reduces its gradient
+                                (`zero3_seconds`)
   compute efficiency:           e_max / (1 + w/(h/T) + r0/(b s))    (constants fitted)
 
 Two Systems share the physics and differ in layout: "tfpar" is what tfpar
@@ -74,7 +82,8 @@ from tfpar.planner.clusters import Cluster
 # --remat's modes (tfpar.config.schema.REMAT's order: a bool True is full) and --optimizer_sharding's.
 REMATS = schema.REMAT
 NO_REMAT, FULL, SELECTIVE = plan_lib.NO_REMAT, plan_lib.FULL_REMAT, plan_lib.SELECTIVE_REMAT
-SHARDINGS = ("none", "zero1", "zero2")
+SHARDINGS = ("none", "zero1", "zero2", "zero3")
+ZERO3 = SHARDINGS.index("zero3")
 
 COMPUTE_DTYPE = {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
 ACTIVATION_BYTES = plan_lib.ACTIVATION_BYTES
@@ -96,7 +105,8 @@ class System:
     weight_bytes, grad_bytes, optimizer_bytes: bytes per parameter, by precision.
     shardings: the --optimizer_sharding modes it runs (zero1: optimizer_bytes / D per
       device; zero2: also the summed gradient, of which `zero2_gradient_shards` of the D
-      shards are alive at once).
+      shards are alive at once; zero3: weights, gradients and optimizer / D, data-parallel
+      plans only, every block recomputed).
     sharding_with_float16: whether it shards the optimizer under mixed_float16 (tfpar: no,
       its loss scaling is not sharded).
     copies_in_one_program: a replica whose K x T devices span nodes runs its D copies in
@@ -142,7 +152,7 @@ TFPAR = System(
     # replica spans nodes (PlanZero: sums placed on the copies' devices).
     shardings=SHARDINGS, sharding_with_float16=False, copies_in_one_program=True,
     zero2_gradient_shards=2,
-    sharding_all_reduces=True, activation_counts="tfpar")
+    sharding_all_reduces=True, activation_counts="tfpar")  # zero3: tfpar.parallel.zero3.
 MEGATRON = System(
     name="megatron", schedules=schedule_lib.SCHEDULES[1:], vocab_parallel=True, uniform_stages=True,
     scatter_gather=True,
@@ -310,9 +320,9 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   n = len(plans)
   out = {key: np.zeros(n) for key in COMPONENTS + MEMORY_PARTS + ("efficiency", "params_per_device")}
   D, K, T, b = (np.asarray(x, dtype=float) for x in (plans.D, plans.K, plans.T, plans.b))
-  rm = np.asarray(plans.remat, dtype=int)
-  r, q = (rm == FULL).astype(float), (rm == SELECTIVE).astype(float)
   z = np.zeros(n, dtype=int) if plans.sharding is None else np.asarray(plans.sharding, dtype=int)
+  rm = np.where(z == ZERO3, FULL, np.asarray(plans.remat, dtype=int))  # zero3 recomputes.
+  r, q = (rm == FULL).astype(float), (rm == SELECTIVE).astype(float)
   sp = np.zeros(n, dtype=bool) if plans.sp is None else np.asarray(plans.sp, dtype=bool)
   sched = (np.full(n, schedule_lib.SCHEDULES.index(system.schedules[0])) if plans.schedule is None
            else np.asarray(plans.schedule, dtype=int))
@@ -334,7 +344,9 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   f_layer, f_logits, f_core = layer_flops(m), logits_flops(m), attention_core_flops(m)
   # Optimizer sharding over the D replicas: zero1 the optimizer state, zero2 the gradient too.
   optimizer_share = np.where(z > 0, 1 / D, 1.0)
-  grad_share = np.where(z == 2, np.minimum(1.0, system.zero2_gradient_shards / D), 1.0)
+  grad_share = np.where(z == 2, np.minimum(1.0, system.zero2_gradient_shards / D),
+                        np.where(z == ZERO3, 1 / D, 1.0))
+  weight_share = np.where(z == ZERO3, 1 / D, 1.0)
   # A replica spanning nodes whose D copies run in one program: sums placed on devices.
   placed = copies_in_one_program(system, cluster, D, K, T)
   grad_share = np.where(placed, in_program_gradients(D, z), grad_share)
@@ -379,16 +391,21 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
     logits_in_flight = np.where(sched[idx, None] == schedule_lib.GPIPE, mi, 1.0)
     acts = acts + st.logits * head_activation_bytes(m, bi, precision, system.activation_counts,
                                                     tv) * logits_in_flight
-    state = st.params * (per_param[0] + per_param[1] * grad_share[idx, None] +
+    state = st.params * (per_param[0] * weight_share[idx, None] +
+                         per_param[1] * grad_share[idx, None] +
                          per_param[2] * optimizer_share[idx, None])
     worst = np.argmax(acts + state, axis=1)
     for part, bytes_per, share in zip(("weights", "gradients", "optimizer"), per_param,
-                                      (1.0, grad_share[idx], optimizer_share[idx])):
+                                      (weight_share[idx], grad_share[idx], optimizer_share[idx])):
       out[part][idx] = st.params[worst] * bytes_per * share
     out["activations"][idx] = acts[rows, worst]
     out["pipeline_buffers"][idx] = np.where(k > 1, 2 * b[idx] * s * h * act, 0.0)
     # The device holding the most parameters (its gradients are the largest all-reduce).
     out["params_per_device"][idx] = st.params.max()
+  # zero3: one part's weights gathered whole, its full gradient and that gradient's sum.
+  gathered = np.where(z == ZERO3, zero3_part_params(m), 0.0)
+  out["weights"] += gathered * per_param[0]
+  out["gradients"] += 2 * gathered * per_param[1]
   # Pipeline: activations to the next stage and gradients back, per micro-batch and
   # boundary (v boundaries per device when interleaved), on the link K x T spans.
   p2p = np.where(K > 1, 2 * stage_send_seconds(b * s * h * act, K, T, cluster, system), 0.0)
@@ -402,7 +419,9 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   weights = out["params_per_device"] * system.weight_bytes[precision]
   out["data_comm"] = np.where(
       placed, in_program_seconds(grads, weights, D, z, cluster),
-      collective_seconds(grads, weights, D, z, bw(D * K * T), lat(D * K * T), system))
+      np.where(z == ZERO3, zero3_seconds(grads, weights, D, m.num_layers + 2, bw(D), lat(D)),
+               collective_seconds(grads, weights, D, z, bw(D * K * T), lat(D * K * T),
+                                  system)))
   out["M"] = M
   out["schedule"], out["v"], out["remat"], out["sharding"] = sched, v, rm, z
   out["sequence_parallel"] = sp
@@ -435,6 +454,24 @@ def collective_seconds(grads, weights, D, z, bandwidth, latency, system: System)
   if system.sharding_all_reduces:
     out = out + np.where(z > 0, all_gather_seconds(weights, D, bandwidth, latency), 0.0)
   return out
+
+
+def zero3_part_params(m: ModelConfig) -> int:
+  """Parameters of zero3's largest part (tfpar.parallel.zero3): a block, or the weights outside
+  the blocks (the embedding and head both gather all of them)."""
+  counts = plan_lib.count_params(m)
+  return max(counts.block, counts.embedding + counts.head)
+
+
+def zero3_seconds(grads, weights, D, parts: int, bandwidth, latency):
+  """zero3's exchange (tfpar.parallel.zero3): each of the `parts` parts all-gathers its weights
+  in the forward and again in the backward, and all-reduces its gradient (the replica context
+  has no reduce-scatter), one collective each; the norm is one scalar all-reduce:
+      2 ((D-1)/D w/B + (D-1) a) + 2 (D-1)/D n/B + 2 (D-1) a,  latencies per part."""
+  D = np.asarray(D, dtype=float)
+  return np.where(D > 1, 2 * all_gather_seconds(weights, D, bandwidth, 0.0)
+                  + all_reduce_seconds(grads, D, bandwidth, 0.0)
+                  + (parts * 4 + 2) * (D - 1) * latency, 0.0)
 
 
 def in_program_seconds(grads, weights, D, z, cluster: Cluster):

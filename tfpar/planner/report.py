@@ -248,7 +248,8 @@ def plan_flags(row: dict, cluster, schedule_flags: bool = True) -> list:
       row["microbatches"]
   n_workers, per_worker = workers(row, cluster)
   out = [f"--global_batch_size={d * row['microbatch_size'] * mb}"]
-  model_parallel = k > 1 or t > 1 or mb > 1 or row["remat"] != "none"
+  zero3 = row["optimizer_sharding"] == "zero3"  # Recomputes every block: no --remat.
+  model_parallel = k > 1 or t > 1 or mb > 1 or (row["remat"] != "none" and not zero3)
   if cluster.kind == "tpu":
     out.append("--strategy=tpu")
   elif n_workers > 1:

@@ -8,7 +8,8 @@ may sit on different nodes (tfpar: a replica spanning nodes fills whole ones); D
 micro-batch b divides G / D; recompute none, full and selective; with K > 1
 each schedule the System runs: GPipe, 1F1B, and interleaved with v virtual
 stages where K v divides L and K divides M (Megatron-LM's conditions); with
-D > 1 each optimizer sharding the System runs (tfpar: zero1 and zero2, a
+D > 1 each optimizer sharding the System runs (tfpar: zero1 and zero2, zero3 only with
+K = T = 1, M = 1 and full recompute (what tfpar.parallel.zero3 runs); zero1 and zero2 a
 replica inside one node or spanning nodes, not under mixed_float16, as
 tfpar.config.rules allows; Megatron: zero1, its distributed optimizer); with T > 1
 sequence parallelism off and on (both Systems run it). With tfpar on TPUs only data parallelism runs. The candidates of
@@ -112,6 +113,8 @@ def candidates(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost
             for z in shardings:
               if z and not shards_optimizer(system, d, precision):
                 continue
+              if z == cost.ZERO3 and (k * t > 1 or mb > 1 or r != cost.FULL):
+                continue  # zero3: whole data-parallel replicas; it recomputes every block.
               for sp in sequence_parallels(t, sequence_parallel):
                 rows.append((d, k, t, b, r, sched, v, z, sp))
   a = np.array(rows, dtype=int).reshape(-1, 9)
