@@ -138,6 +138,11 @@ class Schedule:
     """(this replica's loss, dense gradients of pipeline.model.trainable_variables on their devices)."""
     raise NotImplementedError
 
+  def order(self, stages: int, microbatches: int, device: int) -> List[Unit]:
+    """Device `device`'s sequence of forwards and backwards (what each worker's own program
+    runs when the devices are processes: tfpar.parallel.stage_program)."""
+    return order(stages, microbatches, self.virtual, device)
+
 
 class GPipe(Schedule):
   """Every forward, then every backward: one tf.gradients of the summed micro-batch losses."""
@@ -148,6 +153,13 @@ class GPipe(Schedule):
   def held(self, stages: int, microbatches: int, chunk_bytes: Sequence[float]) -> List[float]:
     """A bound: every micro-batch's (the executor's order is greedy, not this schedule's)."""
     return [microbatches * chunk_bytes[k] for k in range(stages)]
+
+  def order(self, stages: int, microbatches: int, device: int) -> List[Unit]:
+    """Every forward, then the backwards in reverse: the diagram's order, where one program's
+    greedy executor cannot choose it (stages in processes of their own)."""
+    del stages
+    return ([("F", device, m) for m in range(microbatches)] +
+            [("B", device, m) for m in reversed(range(microbatches))])
 
   def loss_and_grads(self, pipeline, inputs, targets):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
@@ -228,14 +240,17 @@ def order(stages: int, microbatches: int, virtual: int, device: int) -> List[Uni
   return out + [("B", *u) for u in backwards[v * m_all - warmup:]]
 
 
-def timetable(stages: int, microbatches: int, virtual: int = 1) -> List[List[Unit]]:
+def timetable(stages: int, microbatches: int, virtual: int = 1,
+              schedule: Schedule = None) -> List[List[Unit]]:
   """Each device's unit (or None: idle) per slot, when every F and B takes one slot.
 
   A unit runs in the first slot after its device's previous unit and after
   what it needs: F(c, m) the forward F(c-1, m), B(c, m) the backward
-  B(c+1, m) (the last chunk: its own forward).
+  B(c+1, m) (the last chunk: its own forward). The orders are 1F1B's
+  (interleaved for `virtual` > 1), or `schedule`'s.
   """
-  orders = [order(stages, microbatches, virtual, k) for k in range(stages)]
+  orders = [order(stages, microbatches, virtual, k) if schedule is None else
+            schedule.order(stages, microbatches, k) for k in range(stages)]
   last, done, rows = virtual * stages - 1, {}, [[] for _ in orders]
   while any(len(o) for o in orders):
     ran = []
