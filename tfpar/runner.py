@@ -119,7 +119,7 @@ def _run(cfg: Config, cluster: Cluster) -> dict:
   devices = strategies.devices_per_worker(cfg)
   across = rules.check_worker_job(cfg, cluster.num_workers, devices)
   # One program per worker (tfpar.engines.stage_worker), or the chief's over every worker.
-  chief_runs_all = across and not remote.one_program_per_worker(cfg, cluster.num_workers, devices)
+  chief_runs_all = across and not rules.one_program_per_worker(cfg, cluster.num_workers, devices)
   if chief_runs_all and not cluster.is_chief:  # The chief places this worker's stages.
     remote.serve(cluster, cfg.train.model_dir)
     return {}

@@ -17,6 +17,7 @@ from absl import flags as absl_flags
 
 from tfpar import cluster as cluster_lib
 from tfpar import config as config_lib
+from tfpar import rules
 from tfpar import flags as tfpar_flags
 from tfpar.k8s import manifests
 
@@ -85,7 +86,7 @@ def parse(argv: Sequence[str]) -> manifests.Job:
       config_lib.check_batch(cfg.train.global_batch_size, replicas, cfg.parallel.microbatches,
                              flag=f"--data_parallel={replicas}")
       job = dataclasses.replace(job, model_parallel=True,
-                                stage_servers=config_lib.stages_across_workers(cfg, devices))
+                                stage_servers=rules.stage_servers(cfg, job.workers, devices))
   except config_lib.ConfigError as e:
     raise RenderError(f"training flags with --workers={job.workers}"
                       f"{f' --ps={job.ps}' if job.ps else ''}"

@@ -2,7 +2,7 @@
 
 Under `--strategy=multi_worker_mirrored`, when a replica's K x T devices are
 more than a worker holds (tfpar.rules.worker_layout: W = K x T / G workers per
-replica) and `one_program_per_worker` says no (plans of D > 1 replicas; D = 1
+replica) and `tfpar.rules.one_program_per_worker` says no (plans of D > 1 replicas; D = 1
 runs as one program per worker, tfpar.engines.stage_worker), the chief (worker 0) connects to the whole cluster
 (`tf.config.experimental_connect_to_cluster`) and every other worker only
 starts its gRPC server (`serve`). The chief's device list then names the other
@@ -45,24 +45,13 @@ import time
 
 import tensorflow as tf
 
-from tfpar import rules, status, storage
+from tfpar import status, storage
 from tfpar.cluster import Cluster
-from tfpar.config import Config
 from tfpar.parallel.parameter_server.server import reachable, start_server, watch_chief
 
 PEER_POLL_SECONDS = 1.0
 MARKER = ".preempted-"  # <model_dir>/.preempted-worker-1: that server was sent SIGTERM
 FINISHED = ".chief-finished"  # <model_dir>/.chief-finished: the chief's run succeeded
-
-
-def one_program_per_worker(cfg: Config, num_workers: int, devices_per_worker: int) -> bool:
-  """Whether a plan whose stages span workers runs as one program per worker
-  (tfpar.engines.stage_worker) rather than from the chief alone (this module).
-
-  So far: plans of one replica (D=1) of a language model (whose eval output is its loss).
-  """
-  d, _ = rules.worker_layout(cfg.parallel, num_workers, devices_per_worker, cfg.compression.method)
-  return d == 1 and cfg.model.task == "lm"
 
 
 class Workers:
