@@ -1,14 +1,15 @@
 """One program per worker: the engine of a pipeline whose stages are worker processes.
 
 When a plan's replica spans workers (tfpar.rules.worker_layout: W = K x T / G
-workers per replica) and D = 1, every worker of the job runs this engine in
-its own process, under the job's MultiWorkerMirroredStrategy (which sets up
-the collective executor and serves the loop's agreement on when to stop and
-save). Worker w holds only the chunks of the plan whose stage the plan puts on
-its devices (tfpar.parallel.plan: `stage_workers`); it builds only their
-weights and AdamW slots, and traces and runs only their ops
-(tfpar.parallel.stage_program): activations and their gradients cross to the
-neighbouring stages' workers by collective send/recv (tfpar.parallel.p2p).
+workers per replica, D = N / W copies) and tfpar.rules.one_program_per_worker
+says so, every worker of the job runs this engine in its own process, under
+the job's MultiWorkerMirroredStrategy (which sets up the collective executor
+and serves the loop's agreement on when to stop and save; it runs no step).
+Worker w holds only the chunks the plan puts on its devices (its copy d's row
+of `stage_workers`); it builds only their weights and AdamW slots, and traces
+and runs only their ops (tfpar.parallel.stage_program): activations and their
+gradients cross to the neighbouring stages' workers of its copy by collective
+send/recv (tfpar.parallel.p2p).
 
 The step on worker w, in the plan's schedule (GPipe, 1F1B, interleaved):
 
@@ -18,21 +19,23 @@ The step on worker w, in the plan's schedule (GPipe, 1F1B, interleaved):
      stage's worker holds a copy of the embedding too (as Megatron-LM does),
      and the two copies' gradients are summed between the first and the last
      stage's workers: both then apply the same update and stay equal;
-  3. one SUM over every worker of the replica of [the last stage's loss, the
-     worker's squared gradient norm] (the shared embedding counted once): the
-     step's loss and gradient norm, the numbers one device computes, so every
-     worker clips by the same factor and skips (--on_nonfinite=skip) alike;
-  4. its AdamW update of its own weights.
+  3. D > 1: one SUM of all its gradients (one vector) with the same stage's
+     workers of the other copies;
+  4. one SUM over every worker of the job of [its copy's last stage's loss
+     share, its squared gradient norm] (counted by copy 0 only, the shared
+     embedding once): the step's loss and gradient norm, the numbers one
+     device computes, so every worker clips by the same factor and skips
+     (--on_nonfinite=skip) alike;
+  5. its AdamW update of its own weights.
 
-Input: every worker iterates the same global batches (the data position
-follows from the step); the first stage's worker feeds the inputs, the last
-the targets. The chief logs, writes plan.json and checkpoints.
+Input: copy d's workers iterate slice d of D of every global batch (the data
+position follows from the step); the first stage's worker feeds the inputs,
+the last the targets. The chief logs, writes plan.json and checkpoints.
 
 Checkpoints stay canonical (tfpar.training.checkpoint): this process's layout
 holds every entry of the model at full shape; reading one gathers the whole
-state once per save (a SUM over the replica's workers, each contributing the
-entries it holds, zeros elsewhere, divided by the number of holders), so the
-chief writes one checkpoint that restores under any plan; restoring assigns
+state once per save (a SUM over the job's workers per entry: one holder of the
+entry contributes it, every other worker zeros), so the chief writes one checkpoint that restores under any plan; restoring assigns
 each worker the entries it holds.
 """
 
@@ -43,6 +46,7 @@ import tensorflow as tf
 
 from tfpar import strategies
 from tfpar.config import Config, ConfigError
+from tfpar.data import pipeline
 from tfpar.engines.base import Engine, build_model
 from tfpar.engines.model_parallel import _worker_devices, _worker_index, measured_bytes
 from tfpar.parallel import p2p, schedules, tensor
@@ -71,17 +75,17 @@ class StageWorkerEngine(Engine):
     local = strategies.compute_devices(cfg.dist.num_cpu_devices)
     workers = _worker_devices(resolver, local)
     self.plan = plan_lib.make_plan(cfg, [], worker_devices=workers, family=self.task.family)
-    if self.plan.data_parallel != 1:
-      raise ConfigError(f"one program per worker runs D=1 plans (this one: D="
-                        f"{self.plan.data_parallel})")
     self.worker_index = me = _worker_index(resolver)
-    self.num_replicas = 1
+    self.num_replicas = self.plan.data_parallel
     worker_of = {plan_lib.device_key(d): w for w, devices in enumerate(workers) for d in devices}
-    row = self.plan.devices[0]
-    chunk_workers = [worker_of[plan_lib.device_key(row[k][0])] for k, _ in self.plan.chunks]
-    self.members = sorted(set(chunk_workers))
+    rows = [[worker_of[plan_lib.device_key(row[k][0])] for k, _ in self.plan.chunks]
+            for row in self.plan.devices]  # rows[d][c]: the worker of copy d's chunk c
+    self.copy = next(d for d, ws in enumerate(rows) if me in ws)
+    row, chunk_workers = self.plan.devices[self.copy], rows[self.copy]
+    self.members = sorted({w for ws in rows for w in ws})  # The whole job.
     self.first, self.last = chunk_workers[0], chunk_workers[-1]
     mine = [c for c, w in enumerate(chunk_workers) if w == me]
+    self.copies = sorted(ws[mine[0]] for ws in rows)  # This stage's worker in every copy.
     self.groups = p2p.Groups(len(workers), timeout=cfg.dist.collective_timeout,
                              gpu=bool(tf.config.list_logical_devices("GPU")))
 
@@ -111,8 +115,9 @@ class StageWorkerEngine(Engine):
     # The embedding's gradient is summed between its two holders; the norm counts it once.
     self.shared = [i for i, v in enumerate(self.variables) if id(v) in embed_ids] \
         if self.first != self.last else []
+    # Counted once: by copy 0, the embedding by its first stage.
     self.counted = [i for i in range(len(self.variables))
-                    if i not in self.shared or me == self.first]
+                    if self.copy == 0 and (i not in self.shared or me == self.first)]
     with tf.device(row[chunks[mine[0]][0]][0]):
       self.optimizer = self.build_optimizer(self.variables)
     self.clip_norm = cfg.optim.clip_norm or None
@@ -136,7 +141,14 @@ class StageWorkerEngine(Engine):
 
   @property
   def input_strategy(self):
-    return None  # Each worker iterates the whole global batch of its one replica.
+    return None  # Each worker iterates its copy's slice of the global batches (`_dataset`).
+
+  def _dataset(self, split, start_step: int, shuffle: bool):
+    """Copy d's slice d of D of every global batch (the same for each of its workers)."""
+    d = self.num_replicas
+    ctx = tf.distribute.InputContext(d, self.copy, d)
+    shard = pipeline.shard_for_pipeline(ctx, self.cfg.train.global_batch_size)
+    return self.task.dataset(split, shard, start_step=start_step, shuffle=shuffle)
 
   def _initialise_like_one_device(self, device):
     """This worker's weights as one device initialises them, and the whole model's canonical
@@ -164,6 +176,11 @@ class StageWorkerEngine(Engine):
         parts = tf.split(summed, [self.variables[i].shape.num_elements() for i in self.shared])
         for i, part in zip(self.shared, parts):
           grads[i] = tf.reshape(part, self.variables[i].shape)
+      if len(self.copies) > 1:  # The data-parallel SUM among this stage's copies, one vector.
+        sizes = [v.shape.num_elements() for v in self.variables]
+        flat = tf.concat([tf.reshape(g, [-1]) for g in grads], 0)
+        parts = tf.split(self.groups.sum(flat, self.copies, self.keys.extra(3)), sizes)
+        grads = [tf.reshape(part, v.shape) for part, v in zip(parts, self.variables)]
       squares = tf.add_n([tf.reduce_sum(tf.square(grads[i])) for i in self.counted]) \
           if self.counted else tf.zeros([])
       stats = self.groups.sum(tf.stack([tf.cast(loss, tf.float32), squares]), self.members,
@@ -198,16 +215,20 @@ class StageWorkerEngine(Engine):
     """Every canonical entry at full shape, as a view (`_Entry`) onto the gathered state."""
     own = self._own_layout()
     self._entries["optimizer/iterations"] = ((), tf.int64)
-    self._holders = self._count_holders().numpy()  # Of each float entry: 1, or 2 (the embedding).
     return {name: (None, [_Entry(self, name, shape, dtype, own.get(name))])
             for name, (shape, dtype) in self._entries.items()}
 
-  @tf.function
-  def _count_holders(self):
-    own = self._own_layout()
-    with tf.device(self.device):
-      flags = tf.constant([float(name in own) for name in self._entries])
-      return self.groups.sum(flags, self.members, self.keys.extra(3))
+  def _contributes(self, name: str, own) -> bool:
+    """Whether this worker's value of entry `name` is the one saved: copy 0's, and of the
+    embedding (held by the first and the last stage) the first stage's."""
+    if name not in own or self.copy != 0:
+      return False
+    return self.worker_index == self.first or not self._is_shared(name, own)
+
+  def _is_shared(self, name: str, own) -> bool:
+    ids = {id(self.variables[i]) for i in self.shared}
+    base = own.get(name.split("@")[0])
+    return base is not None and any(id(v) in ids for v in base[1])
 
   def gathered(self) -> Dict[str, np.ndarray]:
     """The whole model's state at full shape, gathered from the replica's workers (one
@@ -218,20 +239,20 @@ class StageWorkerEngine(Engine):
 
   @tf.function
   def _gather(self):
-    """Each float entry: the SUM of its holders' values (zeros elsewhere) over their number;
-    each integer one (the step, dropout's RNG states): the largest value held."""
+    """Each float entry: the SUM of one holder's value (`_contributes`) and zeros from the
+    rest; each integer one (the step, dropout's RNG states): the largest value held."""
     own, out = self._own_layout(), {}
     with tf.device(self.device):
       for i, (name, (shape, dtype)) in enumerate(self._entries.items()):
-        if name in own:
+        if self._contributes(name, own) or (not dtype.is_floating and name in own):
           axis, shards = own[name]
           parts = [tf.convert_to_tensor(getattr(v, "value", v)) for v in shards]
           value = parts[0] if len(parts) == 1 else tf.concat(parts, axis)
         else:
           value = tf.zeros(shape, dtype) if dtype.is_floating else tf.fill(shape, dtype.min)
         key = self.keys.extra(4 + i)
-        if dtype.is_floating:
-          out[name] = self.groups.sum(value, self.members, key) / self._holders[i]
+        if dtype.is_floating:  # One worker's value, zeros from the rest.
+          out[name] = self.groups.sum(value, self.members, key)
         else:
           out[name] = self.groups.max(value, self.members, key)
     return out
