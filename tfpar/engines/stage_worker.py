@@ -265,9 +265,9 @@ class StageWorkerEngine(Engine):
 
   def describe(self) -> dict:
     p = self.plan
-    return {"strategy": f"one program per worker, stages {p.stage_workers[0]}",
-            "replicas": 1,
-            "plan": f"D=1 x K={p.pipeline_stages} x T={p.tensor_parallel}, M={p.microbatches}, "
+    return {"strategy": f"one program per worker, stages {p.stage_workers[self.copy]}",
+            "replicas": p.data_parallel,
+            "plan": f"D={p.data_parallel} x K={p.pipeline_stages} x T={p.tensor_parallel}, M={p.microbatches}, "
                     f"{p.schedule}{f' v={p.virtual_stages}' if p.virtual_stages > 1 else ''}, "
                     f"bubble {p.bubble:.1%}, remat {p.remat}, "
                     f"xla {'per stage/shard' if self.cfg.train.jit_compile else 'off'}",
