@@ -147,13 +147,18 @@ def test_each_workers_units_pair_every_send_with_a_receive_in_one_order(name, st
 
 
 def test_group_keys_name_each_set_of_workers_once():
-  from tfpar.parallel import p2p  # pylint: disable=import-outside-toplevel
-  groups = p2p.Groups(8)
+  """The sets a D x K job over N = D K workers uses: every pair, each stage's D copies, the
+  whole job; distinct keys, the same for any order of members, within an int32."""
   import itertools  # pylint: disable=import-outside-toplevel
-  sets = [s for r in range(2, 9) for s in itertools.combinations(range(8), r)]
+  from tfpar.parallel import p2p  # pylint: disable=import-outside-toplevel
+  d, k = 3, 4
+  groups = p2p.Groups(d * k)
+  sets = list(itertools.combinations(range(d * k), 2)) + [tuple(range(d * k))] + \
+      [tuple(c * k + s for c in range(d)) for s in range(k)]
   keys = [groups.key(s) for s in sets]
   assert len(set(keys)) == len(sets) and min(keys) >= p2p.GROUP_BASE
   assert groups.key((3, 1)) == groups.key((1, 3))
+  assert p2p.Groups(46000).key((45998, 45999)) < 2 ** 31
   assert p2p.Keys(4, 3).extra(0) > max(p2p.Keys(4, 3).backward(3, 2), p2p.Keys(4, 3).forward(3, 2))
 
 

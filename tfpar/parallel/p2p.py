@@ -13,7 +13,8 @@ rest:
 
 Keys. A group is a set of workers (by index in the job, chief first); its
 `group_key` is fixed by that set alone, so every member computes the same one
-without asking (`Groups`). Keys start at GROUP_BASE, far above the few that a
+without asking (`Groups.key`): the sets used are pairs (neighbouring stages,
+the first and last stage), a stage's copies, and the whole job. Keys start at GROUP_BASE, far above the few that a
 MultiWorkerMirroredStrategy hands out from 1 for its own collectives. Within
 a group each transfer of a step has its own `instance_key`, the same on both
 sides (`instance`): a step's ops may be pending at once and are matched by
@@ -29,7 +30,6 @@ gRPC. `timeout_seconds` (--collective_timeout) bounds every wait: a peer that
 died ends the step with an error naming its task.
 """
 
-import itertools
 from typing import Dict, Sequence, Tuple
 
 import tensorflow as tf
@@ -46,13 +46,18 @@ class Groups:
     self.hint = "nccl" if gpu else "auto"
 
   def key(self, members: Sequence[int]) -> int:
-    """A set's key: its rank among the job's subsets of its size (members sorted)."""
-    members = tuple(sorted(set(members)))
-    offset = sum(_binomial(self.num_workers, r) for r in range(1, len(members)))
-    for rank, subset in enumerate(itertools.combinations(range(self.num_workers), len(members))):
-      if subset == members:
-        return GROUP_BASE + offset + rank
-    raise ValueError(f"workers {members} are not all in a job of {self.num_workers}")
+    """A set's key: a pair (a < b) a * N + b, the whole job one key, any other set (a stage's
+    copies: each worker is in one such set) its first member's; all above GROUP_BASE and
+    within an int32 for N up to 46,000 workers."""
+    members = sorted(set(members))
+    n = self.num_workers
+    if not members or members[0] < 0 or members[-1] >= n:
+      raise ValueError(f"workers {members} are not all in a job of {n}")
+    if len(members) == 2:
+      return GROUP_BASE + members[0] * n + members[1]
+    if len(members) == n:
+      return GROUP_BASE + n * n
+    return GROUP_BASE + n * n + 1 + members[0]
 
   def send(self, tensor: tf.Tensor, me: int, peer: int, instance: int) -> tf.Operation:
     """Sends `tensor` to worker `peer` (who calls `recv` with the same `instance`)."""
@@ -83,13 +88,6 @@ class Groups:
         input=tensor, group_size=len(members), group_key=self.key(members),
         instance_key=instance, ordering_token=[], merge_op=merge_op, final_op="Id",
         communication_hint=self.hint, timeout_seconds=self.timeout)
-
-
-def _binomial(n: int, r: int) -> int:
-  out = 1
-  for i in range(r):
-    out = out * (n - i) // (i + 1)
-  return out
 
 
 class Keys:
