@@ -34,7 +34,7 @@ def flags(num_layers: int, workers: int):
   return ["--num_layers=%d" % num_layers, "--d_model=32", "--num_heads=4", "--d_ff=64",
           "--seq_len=32", "--global_batch_size=8", "--strategy=multi_worker_mirrored",
           f"--pipeline_stages={workers}", "--microbatches=2", "--pipeline_schedule=gpipe",
-          "--jit_compile=false", "--model_dir="]
+          "--jit_compile=false", "--model_dir=/tmp/tfpar_worker_trace"]
 
 
 def op_count(graph) -> int:
@@ -64,7 +64,7 @@ def child(args):
       tf.distribute.Server(tf.train.ClusterSpec({"worker": json.loads(args.spec)}),
                            job_name="worker", task_index=args.role)
       time.sleep(3600)
-    strategy = remote.connect("/tmp")
+    strategy = remote.connect("/tmp/tfpar_worker_trace")
     from tfpar.engines.model_parallel import ModelParallelEngine  # pylint: disable=import-outside-toplevel
     engine = ModelParallelEngine(cfg, strategy, corpus, task=task)
   else:
