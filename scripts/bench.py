@@ -30,8 +30,8 @@ runs these sections (`--sections`), each a table:
     d_model 128, seq 128, batch 16) on one device, as a 2-stage x 4
     micro-batch pipeline and 2-way tensor parallel on 2 logical CPUs, and as
     the same pipeline across 2 worker processes (`pipeline_across`: the child
-    is the chief, worker 0, and starts `python -m tfpar.train` as worker 1,
-    which serves stage 1; activations cross by gRPC on loopback). The
+    is worker 0 and starts worker 1, each running its own stage's program;
+    activations cross by collective send/recv on loopback). The
     logical devices and local workers share the same cores, so the ratio to
     one_device measures the overhead of splitting, not a speed-up:
 
@@ -97,6 +97,8 @@ flags.DEFINE_bool("quick", False, "Tiny shapes and a small matmul: a smoke test,
 flags.DEFINE_integer("steps_per_call", 10, "tfpar's --steps_per_call.")
 flags.DEFINE_integer("steps_per_execution", 1, "keras-hub's compile(steps_per_execution=...).")
 flags.DEFINE_string("out", None, "Also write every run and the tables here as JSON.")
+flags.DEFINE_bool("peer", False, "Child mode, with --only: worker 1 of a job of one program "
+                  "per worker (AcrossWorkersSystem), running the steps worker 0 times.")
 flags.DEFINE_string("only", None, "Child mode: measure this one system in this process and "
                     "print its result as one JSON line.")
 
@@ -171,11 +173,15 @@ class TfparSystem:
     from tfpar.layers import attention  # pylint: disable=import-outside-toplevel
     from tfpar.parallel import remote  # pylint: disable=import-outside-toplevel
 
+    from tfpar.config import rules  # pylint: disable=import-outside-toplevel
+    from tfpar.config.cluster import from_env  # pylint: disable=import-outside-toplevel
+
     keras.mixed_precision.set_global_policy(precision)
-    if strategies.stages_across_workers(cfg):
+    cluster = from_env() if os.environ.get("TF_CONFIG") else Cluster()
+    if rules.stage_servers(cfg, max(1, cluster.num_workers), strategies.devices_per_worker(cfg)):
       strategy = remote.connect(self.model_dir)
-    else:
-      strategy = strategies.make_strategy(cfg.dist, Cluster())
+    else:  # One program per worker (tfpar.engines.stage_worker) under TF_CONFIG's strategy.
+      strategy = strategies.make_strategy(cfg.dist, cluster)
     corpus = pipeline.load_corpus(cfg.data.data, seq_len=cfg.model.seq_len,
                                   eval_fraction=cfg.data.eval_fraction)
     self.engine = engines.make(cfg, strategy, corpus)
@@ -200,25 +206,37 @@ class TfparSystem:
 
 
 class AcrossWorkersSystem(TfparSystem):
-  """TfparSystem as the chief (worker 0) of a 2-worker job on free loopback ports; worker 1 is
-  `python -m tfpar.train` with the same flags, started here, serving its stage until `close`."""
+  """TfparSystem as worker 0 of a 2-worker job on free loopback ports. Worker 1 is started
+  here: where each worker runs its own program (tfpar.config.rules.one_program_per_worker) it is
+  this child again (`--peer`), running the same steps as worker 1; else `python -m
+  tfpar.train` with the same flags, serving its stage until `close`. (`--peer` itself: the
+  plain TfparSystem of worker 1.)"""
 
   def __init__(self, shape: dict, precision: str, total_steps: int, extra_flags: List[str]):
-    from tfpar.config import cluster  # pylint: disable=import-outside-toplevel
+    if FLAGS.peer:
+      super().__init__(shape, precision, total_steps, extra_flags)
+      return
     from tfpar.cli import launch  # pylint: disable=import-outside-toplevel
+    from tfpar.config import cluster, config, rules  # pylint: disable=import-outside-toplevel
+    from tfpar.config import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
     spec = {"worker": [f"127.0.0.1:{port}" for port in launch.free_ports(2)]}
     model_dir = tempfile.mkdtemp(prefix="tfpar_bench_")
+    args = tfpar_args(shape, precision, total_steps, extra_flags, model_dir)
+    cfg = config.from_flags(tfpar_flags.parse(args))
+    peer = ([os.path.abspath(__file__), *sys.argv[1:], "--peer"]
+            if rules.one_program_per_worker(cfg, 2, cfg.dist.num_cpu_devices)
+            else ["-m", "tfpar.train", *args])
     self.server = subprocess.Popen(
-        [sys.executable, "-m", "tfpar.train",
-         *tfpar_args(shape, precision, total_steps, extra_flags, model_dir)],
+        [sys.executable, *peer],
         env=dict(os.environ, TF_CONFIG=cluster.tf_config(spec, "worker", 1), PYTHONPATH=REPO),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     os.environ["TF_CONFIG"] = cluster.tf_config(spec, "worker", 0)
     super().__init__(shape, precision, total_steps, extra_flags, model_dir)
 
   def close(self) -> None:
-    self.server.kill()
-    self.server.wait()
+    if not FLAGS.peer:
+      self.server.kill()
+      self.server.wait()
     super().close()
 
 
@@ -407,6 +425,13 @@ def measure(name: str, precision: str) -> dict:
   shape = QUICK if FLAGS.quick else section.shape
   total = FLAGS.warmup + FLAGS.steps + 1
   system = section.systems[name].build(shape, precision, total)
+  if FLAGS.peer:  # Worker 1 of a job whose worker 0 measures: the same steps, untimed.
+    try:
+      system.run(FLAGS.warmup)
+      system.run(FLAGS.steps)
+    finally:
+      system.close()
+    return {"system": name, "peer": True}
   try:
     system.run(FLAGS.warmup)  # Compiles, then runs a few steps untimed.
     n = QUICK_MATMUL if FLAGS.quick else MATMUL

@@ -4,7 +4,12 @@ Real processes on 127.0.0.1 (tfpar.launch), started with the session's first
 test (conftest.EARLY) and shared by every test here:
 
   two     2 workers x 1 stage each (D=1, K=2), 1F1B over M=4 micro-batches,
-          XLA on, 4 steps;
+          XLA on, 4 steps: one program per worker (tfpar.engines.stage_worker);
+  k4      4 workers x 1 stage each (D=1, K=4, 4 blocks), GPipe over M=2, XLA
+          off, 4 steps: one program per worker;
+  d2      4 workers as D=2 x K=2, interleaved 1F1B over v=2 chunks per stage
+          (4 blocks), XLA off, 4 steps: one program per worker, each stage's
+          gradients summed with its copy's by a collective;
   four    4 workers as D=2 x K=2, interleaved 1F1B over v=2 chunks per stage
           (4 blocks), XLA off, --optimizer_sharding=zero2 (each copy's shard
           of m and v on its own devices, every copy in the chief's one
@@ -13,10 +18,10 @@ test (conftest.EARLY) and shared by every test here:
   bf16    4 workers as D=2 x K=2, 1F1B, --precision=mixed_bfloat16 (XLA off:
           its default) and --grad_compression=powersgd, 4 steps.
 
-Each of the first three is held to one device's loss per step at relative
-1e-5 and its gradient norm at 1e-4; the 2-worker run's and the 4-worker
-zero2 run's final weights and AdamW slots (zero2's gathered from its shards)
-to one device's; the 2-worker run's step-2 checkpoint restores on one device
+Each of `two`, `k4`, `d2` and `four` is held to one device's loss per step at relative
+1e-5 and its gradient norm at 1e-4; their final weights and AdamW slots
+(zero2's gathered from its shards, k4's and d2's gathered from their 4
+workers) to one device's; the 2-worker run's step-2 checkpoint restores on one device
 and trains on to the same losses. (The unsharded float32 sum of D=2 copies
 in one program: `bf16`'s uncompressed small tensors, and
 test_a_codec_sums_copies_in_one_program_as_replicas_do; the unsharded
@@ -27,11 +32,11 @@ residual and Q included). The cast codecs (fp16, bf16) are held to replica
 context on fixed gradients (test_a_codec_sums_copies_in_one_program_...).
 
   faults  2 workers x 1 stage, GPipe, XLA off, under `tfpar.launch
-          --max_restarts=1`: SIGTERM to worker 1 (a stage server, not the
-          chief) at step 3, then, once the job has restarted and trained 2
-          steps on, SIGKILL to the new worker 1.
+          --max_restarts=1`, each worker its own program: SIGTERM to worker 1
+          (not the chief) at step 3, then, once the job has restarted and
+          trained 2 steps on, SIGKILL to the new worker 1.
 
-The SIGTERM must end in a save at the step the chief reached, exit 75 from
+The SIGTERM must end in a save at a step both workers agree on, exit 75 from
 both tasks and an uncounted restart that resumes at the next step; the
 SIGKILL in the one counted restart of the whole job, which resumes from that
 checkpoint again and finishes. Its metrics hold every step once, each at one
@@ -64,6 +69,12 @@ TWO = CROSS + ["--microbatches=4", "--pipeline_schedule=1f1b"]
 FOUR_MODEL = ["--num_layers=4"] + NO_XLA
 FOUR = ["--microbatches=2", "--pipeline_schedule=interleaved", "--virtual_stages=2",
         "--optimizer_sharding=zero2"] + FOUR_MODEL
+# Four stages, one per worker, one program per worker (D=1), against one_nojit.
+K4 = ["--strategy=multi_worker_mirrored", "--pipeline_stages=4", "--microbatches=2",
+      "--pipeline_schedule=gpipe"] + FOUR_MODEL
+# Two copies of two stages over 4 workers, interleaved, one program per worker.
+D2 = CROSS + ["--microbatches=2", "--pipeline_schedule=interleaved", "--virtual_stages=2"] + \
+    FOUR_MODEL
 # bf16 precision (XLA off: its default) and PowerSGD (rank 2, every matrix, error feedback
 # carried), D=2 x K=2 across 4 workers and in one.
 # Both sides without XLA's auto-clustering (mirrored's bf16 default; refused across workers).
@@ -91,7 +102,7 @@ def launch_args(num_workers, args):
 
 def run_cross_worker(tmp_path):
   """({name: model_dir}, the 4-worker launchers' output) of the module docstring's runs."""
-  names = ("two", "one_nojit", "bf16", "bf16_in_worker", "four")
+  names = ("two", "one_nojit", "bf16", "bf16_in_worker", "four", "k4", "d2")
   dirs = {name: str(tmp_path / name) for name in names}
   first = run_modules([
       ("tfpar.launch", launch_args(2, TWO + [f"--model_dir={dirs['two']}"]), {"timeout": 600}),
@@ -105,9 +116,16 @@ def run_cross_worker(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   shutil.copytree(dirs["one_nojit"], dirs["four"])
   drop_checkpoint(dirs["four"], STEPS)
-  four = run_module("tfpar.launch", launch_args(4, CROSS + FOUR + [f"--model_dir={dirs['four']}"]),
-                    timeout=600)
-  return dirs, {"four": four.stdout + four.stderr, "bf16": first[2].stdout + first[2].stderr}
+  four, k4, d2 = run_modules([
+      ("tfpar.launch", launch_args(4, CROSS + FOUR + [f"--model_dir={dirs['four']}"]),
+       {"timeout": 600}),
+      ("tfpar.launch", launch_args(4, K4 + [f"--model_dir={dirs['k4']}"]), {"timeout": 600}),
+      ("tfpar.launch", launch_args(4, D2 + [f"--model_dir={dirs['d2']}"]), {"timeout": 600})])
+  for proc in (four, k4, d2):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return dirs, {"four": four.stdout + four.stderr, "bf16": first[2].stdout + first[2].stderr,
+                "two": first[0].stdout + first[0].stderr, "k4": k4.stdout + k4.stderr,
+                "d2": d2.stdout + d2.stderr}
 
 
 def run_stage_worker_faults(tmp_path):
@@ -155,8 +173,28 @@ def assert_same_steps(model_dir, reference_dir, steps):
 
 
 def test_two_workers_one_stage_each_match_one_device(cross_worker_runs, one_device):
-  dirs, _ = cross_worker_runs
+  dirs, outs = cross_worker_runs
+  assert "one program per worker, stages ['worker:0', 'worker:1']" in outs["two"]
   assert_same_steps(dirs["two"], one_device, range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize("name,stages,plan", [
+    ("k4", "['worker:0', 'worker:1', 'worker:2', 'worker:3']", "D=1 x K=4 x T=1, M=2, gpipe"),
+    ("d2", "['worker:0', 'worker:1']", "D=2 x K=2 x T=1, M=2, interleaved v=2")])
+def test_four_workers_each_in_its_own_program_match_one_device(cross_worker_runs, name, stages,
+                                                               plan):
+  """K=4 under GPipe, and D=2 x K=2 interleaved, each worker its own program: one device's
+  losses, gradient norms and final checkpoint (gathered from the workers' parts: weights,
+  AdamW slots, step)."""
+  from tfpar.training.checkpoint import read_checkpoint  # pylint: disable=import-outside-toplevel
+  dirs, outs = cross_worker_runs
+  assert f"one program per worker, stages {stages}" in outs[name]
+  assert plan in outs[name]
+  assert_same_steps(dirs[name], dirs["one_nojit"], range(1, STEPS + 1))
+  got, want = (read_checkpoint(os.path.join(dirs[n], "checkpoints", f"ckpt-{STEPS}"))
+               for n in (name, "one_nojit"))
+  assert sorted(got) == sorted(want)
+  assert_same_state(got, want, f"{name}: 4 workers vs one device at the last step")
 
 
 def test_plan_says_which_worker_holds_which_stage_under_which_schedule(cross_worker_runs):
@@ -247,20 +285,20 @@ def test_a_stage_worker_s_sigterm_saves_and_its_kill_9_restarts_the_whole_job(
   code, job, model_dir = stage_worker_faults
   out = job.output
   assert code == 0, out[-4000:]
-  # SIGTERM: the server serves on and tells the chief, which saves at the step it reached.
-  assert re.search(r"^\[worker 1\] tfpar: worker 1: SIGTERM: the chief saves", out, re.M), out
-  assert re.search(r"^\[worker 0\] tfpar: worker 1 was sent SIGTERM: saving after this chunk",
-                   out, re.M), out[-4000:]
+  # SIGTERM: both workers agree on the step after the chunk, both save and exit 75 (each worker
+  # runs its own program: tfpar.engines.stage_worker; the chief writes the gathered checkpoint).
   saved = re.search(r"^\[worker 0\] tfpar: preempted \(SIGTERM\), saved .*ckpt-(\d+) at step "
                     r"(\d+); the next start resumes at step (\d+)$", out, re.M)
   assert saved, out[-4000:]
   step = int(saved.group(2))
   assert int(saved.group(1)) == step and int(saved.group(3)) == step + 1
   assert 3 <= step < FAULT_STEPS - 2
-  # The chief exited 75; the launcher restarts at once (not counted) and stops the server.
-  assert re.search(r"^tfpar\.launch: worker 0 exited with status 75: every task saved; "
-                   r"restarting the job \(a preemption restart, not counted in --max_restarts\)",
-                   out, re.M), out[-4000:]
+  assert re.search(rf"^\[worker 1\] tfpar: worker 1: preempted \(SIGTERM\), saved its part at "
+                   rf"step {step}; the next start resumes at step {step + 1}$", out, re.M), out
+  # Both exited 75; the launcher restarts at once (not counted).
+  assert re.search(r"^tfpar\.launch: (worker \d, )*worker \d exited with status 75: every task "
+                   r"saved; restarting the job \(a preemption restart, not counted in "
+                   r"--max_restarts\)", out, re.M), out[-4000:]
   # SIGKILL: the one counted restart of the whole job; both starts resume at the saved step.
   assert "tfpar.launch: worker 1 was killed by SIGKILL: stopped every task; restarting the job " \
          "(restart 1 of 1, in 0.5 s)" in out

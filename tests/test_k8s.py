@@ -55,14 +55,17 @@ VARIANTS = {  # name -> (render flags, train flags)
     "one_worker_pvc": (["--workers=1", "--pvc=runs-claim"],
                        ["--model_dir=/mnt/tfpar/runs/gpt", "--data=/mnt/tfpar/data/*.txt"]),
     # Pipeline stages across workers: a replica of 2 stages spans 2 CPU workers (D=2)...
-    "stages_across": (["--workers=4"], MWMS + ["--pipeline_stages=2", "--microbatches=2"]),
+    # (zero1 keeps it on the chief's program: tfpar.config.rules.stage_servers)
+    "stages_across": (["--workers=4"], MWMS + ["--pipeline_stages=2", "--microbatches=2",
+                                               "--optimizer_sharding=zero1"]),
     # ...or 2x4 devices span 2 workers of 4 GPUs; and 2 stages fit in one such worker.
     "stages_across_gpus": (["--workers=2", "--gpus_per_worker=4"],
                            MWMS + ["--pipeline_stages=2", "--tensor_parallel=4"]),
     "stages_within_gpus": (["--workers=2", "--gpus_per_worker=4"],
                            MWMS + ["--pipeline_stages=2", "--microbatches=2"]),
 }
-STAGE_SERVERS = {"stages_across", "stages_across_gpus"}  # Workers 1.. serve worker 0's stages.
+# Workers 1.. serve worker 0's stages (D=2); D=1 runs one program per worker, every pod trains.
+STAGE_SERVERS = {"stages_across"}
 
 
 def render(kind, flags, train_flags, name="gpt"):
@@ -367,7 +370,7 @@ def test_a_pod_whose_peers_never_appear_exits_1_with_one_line(tmp_path):
 
 POD_TRAIN_FLAGS = [*TINY, "--strategy=multi_worker_mirrored", "--jit_compile=false",
                    "--eval_steps=0", "--train_steps=2", "--checkpoint_every=2"]
-# A replica of 2 stages on 2 CPU pods: pod 1 serves pod 0's second stage.
+# A replica of 2 stages on 2 CPU pods: each pod runs its own stage's program.
 STAGES = ["--pipeline_stages=2", "--microbatches=2"]
 
 
@@ -438,13 +441,13 @@ def test_two_pods_of_a_rendered_indexed_job_train_together(pods_run):
   assert os.path.exists(f"{tmp_path}/runs/gpt/checkpoints/checkpoint")
 
 
-def test_two_pods_of_a_rendered_stage_jobset_train_and_the_server_exits_0(stage_pods_run):
-  """Pod 1 serves pod 0's second stage; it ends by itself, status 0, once pod 0 succeeded
-  (not 600 s later with status 1), as the JobSet's policies expect."""
+def test_two_pods_of_a_rendered_stage_jobset_train_and_both_exit_0(stage_pods_run):
+  """Each pod runs its own stage's program (tfpar.engines.stage_worker) and both end with
+  status 0, as the JobSet's policies expect."""
   tmp_path, codes, outputs = stage_pods_run
   assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
-  assert "chief 127.0.0.1:" in outputs[1] and "finished the run, exiting" in outputs[1], (
-      outputs[1][-2000:])
+  assert "one program per worker, stages ['worker:0', 'worker:1']" in outputs[0], (
+      outputs[0][-2000:])
   assert [r["step"] for r in read_metrics(f"{tmp_path}/runs/gpt")] == [1, 2]
   with open(f"{tmp_path}/runs/gpt/plan.json") as f:
     assert json.load(f)["stage_workers"] == [["worker:0", "worker:1"]]

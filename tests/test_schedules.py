@@ -118,6 +118,54 @@ def test_orders_run_without_deadlock_in_the_bubble_the_formula_gives(stages, mic
       microbatches <= stages
 
 
+@pytest.mark.parametrize("name,stages,microbatches,virtual",
+                         [("gpipe", 4, 3, 1), ("1f1b", 4, 6, 1), ("interleaved", 2, 4, 2)])
+def test_each_workers_units_pair_every_send_with_a_receive_in_one_order(name, stages,
+                                                                       microbatches, virtual):
+  """One program per worker (tfpar.parallel.stage_program): each worker's units, in the
+  timetable's order, hold every chunk and micro-batch once each way; every boundary's
+  transfers come in the same order on both sides; GPipe's order runs every forward first."""
+  from tfpar.parallel import p2p  # pylint: disable=import-outside-toplevel
+  from tfpar.parallel.stage_program import StageProgram  # pylint: disable=import-outside-toplevel
+
+  class Pipe:  # The two attributes StageProgram reads to order units.
+    schedule = schedules.make(name, virtual)
+
+  Pipe.microbatches = microbatches
+  chunks = stages * virtual
+  workers = [c % stages for c in range(chunks)]
+  units = [StageProgram(Pipe, workers, w, p2p.Groups(stages), ((), None)).units()
+           for w in range(stages)]
+  for w, mine in enumerate(units):
+    assert sorted(mine) == sorted((kind, c, m) for kind in "FB" for c in range(w, chunks, stages)
+                                  for m in range(microbatches))
+    if name == "gpipe":
+      assert [u[0] for u in mine] == ["F"] * microbatches + ["B"] * microbatches
+  for c in range(chunks - 1):  # Chunk c's sends to chunk c+1's worker and its receives.
+    sent = [(kind, m) for kind, cc, m in units[workers[c]] if cc == c and kind == "F"]
+    got = [(kind, m) for kind, cc, m in units[workers[c + 1]] if cc == c + 1 and kind == "F"]
+    assert [m for _, m in sent] == [m for _, m in got]
+    back = [m for kind, cc, m in units[workers[c + 1]] if cc == c + 1 and kind == "B"]
+    taken = [m for kind, cc, m in units[workers[c]] if cc == c and kind == "B"]
+    assert back == taken
+
+
+def test_group_keys_name_each_set_of_workers_once():
+  """The sets a D x K job over N = D K workers uses: every pair, each stage's D copies, the
+  whole job; distinct keys, the same for any order of members, within an int32."""
+  import itertools  # pylint: disable=import-outside-toplevel
+  from tfpar.parallel import p2p  # pylint: disable=import-outside-toplevel
+  d, k = 3, 4
+  groups = p2p.Groups(d * k)
+  sets = list(itertools.combinations(range(d * k), 2)) + [tuple(range(d * k))] + \
+      [tuple(c * k + s for c in range(d)) for s in range(k)]
+  keys = [groups.key(s) for s in sets]
+  assert len(set(keys)) == len(sets) and min(keys) >= p2p.GROUP_BASE
+  assert groups.key((3, 1)) == groups.key((1, 3))
+  assert p2p.Groups(46000).key((45998, 45999)) < 2 ** 31
+  assert p2p.Keys(4, 3).extra(0) > max(p2p.Keys(4, 3).backward(3, 2), p2p.Keys(4, 3).forward(3, 2))
+
+
 def test_the_docstring_draws_the_timetables():
   assert schedule_lib.draw(4, 6) in schedules.__doc__
   assert schedule_lib.draw(2, 4, 2) in schedules.__doc__

@@ -45,7 +45,7 @@ class Family:
     hub: the keras-hub conversion module (CLASS, NAMES, FIXED, CAUSAL_LM,
       flags_of, backbone_config: tfpar.hub), or None.
     norm_statistics, mlp_values: what one block keeps for its backward per
-      position, besides its matmuls' inputs (tfpar.parallel.plan's activation
+      position, besides its matmuls' inputs (tfpar.layout.placement's activation
       model): per norm (LayerNorm 3, RMSNorm 1), and per MLP hidden unit and
       tensor shard (a GELU MLP 5, SwiGLU 4).
   """

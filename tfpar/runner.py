@@ -117,16 +117,20 @@ class Built(NamedTuple):
   num_workers: int  # Workers reading input (the parameter server's: its engine's).
 
 
-def build(cfg: Config, cluster: Cluster, *, across: bool = False) -> Built:
+def build(cfg: Config, cluster: Cluster, *, across: bool = False,
+          chief_runs_all: bool = False) -> Built:
   """The strategy, task, data and engine of this process, which drives the replicas (a
   single process, a chief, or a multi_worker_mirrored worker); devices already set up.
 
   Args:
-    across: pipeline stages on other workers (tfpar.parallel.remote; their
-      stage servers are up): the chief reads every replica's input.
+    across: pipeline stages on other workers: each worker reads its replica's
+      input (one program per worker, tfpar.engines.stage_worker), or
+    chief_runs_all: the chief's one program places every worker's stages
+      (tfpar.parallel.remote; their stage servers are up) and reads every
+      replica's input.
   """
   keras.mixed_precision.set_global_policy(cfg.train.precision)
-  if across:
+  if chief_runs_all:
     strategy = remote.connect(cfg.train.model_dir)
   else:
     strategy = strategies.make_strategy(cfg.dist, cluster)
@@ -137,7 +141,7 @@ def build(cfg: Config, cluster: Cluster, *, across: bool = False) -> Built:
   num_workers = cluster.num_workers if cfg.dist.strategy == "multi_worker_mirrored" else 1
   worker_index = cluster.worker_index if num_workers > 1 else 0
   task = tasks.make(cfg)
-  data, sharding = task.load_data(worker_index=worker_index,
+  data, sharding = task.load_data(worker_index=0 if across else worker_index,
                                   num_workers=1 if across else num_workers)
   engine = engines.make(cfg, strategy, data, sharding=sharding, task=task)
   if cfg.dist.strategy == "parameter_server":
@@ -154,11 +158,14 @@ def _run(cfg: Config, cluster: Cluster) -> dict:
     parameter_server.serve(cluster)
     return {}
   # Every task of a model-parallel job checks its layout here, before any server starts.
-  across = rules.check_worker_job(cfg, cluster.num_workers, strategies.devices_per_worker(cfg))
-  if across and not cluster.is_chief:  # The chief places this worker's stages (parallel/remote).
+  devices = strategies.devices_per_worker(cfg)
+  across = rules.check_worker_job(cfg, cluster.num_workers, devices)
+  # One program per worker (tfpar.engines.stage_worker), or the chief's over every worker.
+  chief_runs_all = across and not rules.one_program_per_worker(cfg, cluster.num_workers, devices)
+  if chief_runs_all and not cluster.is_chief:  # The chief places this worker's stages.
     remote.serve(cluster, cfg.train.model_dir)
     return {}
-  built = build(cfg, cluster, across=across)
+  built = build(cfg, cluster, across=across, chief_runs_all=chief_runs_all)
   task, data, sharding, engine = built.task, built.data, built.sharding, built.engine
   is_chief, worker_index, num_workers = cluster.is_chief, built.worker_index, built.num_workers
   if is_chief:
@@ -179,7 +186,7 @@ def _run(cfg: Config, cluster: Cluster) -> dict:
     if len(cluster.spec.get("worker", [])) + len(cluster.spec.get("chief", [])) < 2:
       raise
     raise PeerError(_peer_message(e, cluster, cfg.dist.collective_timeout)) from None
-  if across:  # The stage servers may go: the job is done (tfpar.parallel.remote).
+  if chief_runs_all:  # The stage servers may go: the job is done (tfpar.parallel.remote).
     remote.finish(cfg.train.model_dir)
   return result
 

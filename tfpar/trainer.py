@@ -7,7 +7,7 @@
 
 `python -m tfpar.train` is this path behind flags: it parses them into the same
 Config (tfpar.config.from_flags) and calls `Trainer(cfg).fit()`. Every check
-runs before TensorFlow's runtime starts: the settings (tfpar.rules), the job's
+runs before TensorFlow's runtime starts: the settings (tfpar.config.rules), the job's
 TF_CONFIG, then the host CPU is split into --num_cpu_devices logical devices
 in the Trainer's constructor. Make the Trainer before running any TensorFlow
 op in the process (importing TensorFlow or Keras, and defining layers and
@@ -93,7 +93,7 @@ class Trainer:
     config: a Config (make_config, or tfpar.config.from_flags).
     model: the model family to train, a registered name or a `tfpar.Family`
       (registered now); default config's `architecture`.
-    cluster: the job's cluster (tfpar.cluster.Cluster); default TF_CONFIG's.
+    cluster: the job's cluster (tfpar.config.cluster.Cluster); default TF_CONFIG's.
     verbosity: TensorFlow's C++ log level while it starts (None: errors only).
 
   Raises:

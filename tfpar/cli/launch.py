@@ -191,7 +191,7 @@ def _check_train_flags(cfg: LaunchConfig) -> bool:
     cluster_lib.check_job_shape(strategy, cfg.num_workers, cfg.num_ps)
   except cluster_lib.ClusterError as e:
     raise LaunchError(str(e)) from None
-  return rules.stages_across_workers(train, train.dist.num_cpu_devices)
+  return rules.stage_servers(train, cfg.num_workers, train.dist.num_cpu_devices)
 
 
 def cluster_tasks(cfg: LaunchConfig) -> List[Task]:

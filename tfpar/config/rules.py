@@ -408,6 +408,26 @@ def stages_across_workers(cfg: Config, devices_per_worker: int) -> bool:
           p.pipeline_stages * p.tensor_parallel > devices_per_worker)
 
 
+def one_program_per_worker(cfg: Config, num_workers: int, devices_per_worker: int) -> bool:
+  """Whether a plan whose replica spans workers runs as one program per worker
+  (tfpar.engines.stage_worker) rather than from the chief's program over every worker
+  (tfpar.parallel.remote, whose other workers only serve): so far plans of a language
+  model (whose eval output is its loss) with the plain float32 sum between copies (D=1,
+  or no --grad_compression or --optimizer_sharding)."""
+  if not stages_across_workers(cfg, devices_per_worker):
+    return False
+  d, _ = worker_layout(cfg.parallel, num_workers, devices_per_worker, cfg.compression.method)
+  plain = cfg.compression.method == "none" and cfg.parallel.optimizer_sharding == "none"
+  return (d == 1 or plain) and cfg.model.task == "lm"
+
+
+def stage_servers(cfg: Config, num_workers: int, devices_per_worker: int) -> bool:
+  """Whether the workers other than the chief only serve the chief's program (the job then
+  follows the chief: tfpar.launch, tfpar.k8s)."""
+  return (stages_across_workers(cfg, devices_per_worker) and
+          not one_program_per_worker(cfg, num_workers, devices_per_worker))
+
+
 def check_worker_job(cfg: Config, num_workers: int, devices_per_worker: int) -> bool:
   """A model-parallel job over workers, on every process before its servers start.
 

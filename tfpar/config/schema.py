@@ -88,7 +88,7 @@ class ModelConfig:
   architecture: str = setting(
       families.default("lm"), "--task=lm: the model family, one of tfpar/models/ ("
       f"{', '.join(families.names('lm'))}; each folder's docstring says what it is), or one "
-      "registered with tfpar.register from Python (checked by tfpar.rules).")
+      "registered with tfpar.register from Python (checked by tfpar.config.rules).")
   num_kv_heads: Optional[int] = setting(  # None: --num_heads (see kv_heads).
       None, "Key/value heads of grouped-query attention (default --num_heads; 1: multi-query); "
       "must divide --num_heads; fewer than --num_heads needs a family with grouped-query "

@@ -1,5 +1,6 @@
 """The engines, and the one choice of engine for a config (`make`).
 
+  stages on different workers, one program per worker             StageWorkerEngine
   model-parallel plan (--pipeline_stages or --tensor_parallel > 1)  ModelParallelEngine
   --strategy=parameter_server (the chief)                         ParameterServerEngine
   every other strategy                                            DataParallelEngine
@@ -15,6 +16,9 @@ from tfpar.engines.base import Engine
 def make(cfg: Config, strategy, data, *, sharding: str = "data", task=None) -> Engine:
   """The engine cfg's plan and strategy call for, training `task` (default: cfg's) on `data`."""
   # Each engine module imports its own machinery (pipelines, ps patches) only when chosen.
+  if cfg.parallel.model_parallel and _stages_are_workers(cfg, strategy):
+    from tfpar.engines.stage_worker import StageWorkerEngine  # pylint: disable=import-outside-toplevel
+    return StageWorkerEngine(cfg, strategy, data, sharding=sharding, task=task)
   if cfg.parallel.model_parallel:
     from tfpar.engines.model_parallel import ModelParallelEngine  # pylint: disable=import-outside-toplevel
     return ModelParallelEngine(cfg, strategy, data, sharding=sharding, task=task)
@@ -23,6 +27,15 @@ def make(cfg: Config, strategy, data, *, sharding: str = "data", task=None) -> E
     return ParameterServerEngine(cfg, strategy, data, task=task)
   from tfpar.engines.data_parallel import DataParallelEngine  # pylint: disable=import-outside-toplevel
   return DataParallelEngine(cfg, strategy, data, sharding=sharding, task=task)
+
+
+def _stages_are_workers(cfg: Config, strategy) -> bool:
+  """A multi-worker plan whose stages are on different workers, each worker its own program."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tfpar import strategies  # pylint: disable=import-outside-toplevel
+  from tfpar.config import rules  # pylint: disable=import-outside-toplevel
+  return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and
+          rules.stages_across_workers(cfg, strategies.devices_per_worker(cfg)))
 
 
 __all__ = ["make"]

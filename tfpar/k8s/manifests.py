@@ -21,8 +21,10 @@ on every interface. What differs is who writes TF_CONFIG and who restarts:
   parameter servers the Job succeeds when the chief (index 0) does.
 
 Pipeline stages across workers (`stage_servers`: multi_worker_mirrored with a
-replica's K x T devices more than a worker's G, tfpar.config.rules.worker_layout):
-worker 0 is the only client and the other workers serve its stages. The job
+replica's K x T devices more than a worker's G, tfpar.config.rules.worker_layout, and
+D > 1 replicas: tfpar.config.rules.stage_servers; a D=1 plan runs one program per
+worker and its pods are plain workers): worker 0 is the only client and the
+other workers serve its stages. The job
 follows worker 0, as parameter-server jobs follow their chief: the workers'
 Indexed Job succeeds when index 0 does (a Job success policy; in a JobSet, the
 `worker` Job's), a TFJob by the operator's default rule (worker 0 completed);

@@ -79,14 +79,17 @@ def order(stages: int, microbatches: int, virtual: int, device: int) -> List[Uni
   return out + [("B", *u) for u in backwards[v * m_all - warmup:]]
 
 
-def timetable(stages: int, microbatches: int, virtual: int = 1) -> List[List[Unit]]:
+def timetable(stages: int, microbatches: int, virtual: int = 1,
+              schedule=None) -> List[List[Unit]]:
   """Each device's unit (or None: idle) per slot, when every F and B takes one slot.
 
   A unit runs in the first slot after its device's previous unit and after
   what it needs: F(c, m) the forward F(c-1, m), B(c, m) the backward
-  B(c+1, m) (the last chunk: its own forward).
+  B(c+1, m) (the last chunk: its own forward). The orders are 1F1B's
+  (interleaved for `virtual` > 1), or `schedule.order(stages, microbatches, k)`'s.
   """
-  orders = [order(stages, microbatches, virtual, k) for k in range(stages)]
+  orders = [order(stages, microbatches, virtual, k) if schedule is None else
+            schedule.order(stages, microbatches, k) for k in range(stages)]
   last, done, rows = virtual * stages - 1, {}, [[] for _ in orders]
   while any(len(o) for o in orders):
     ran = []

@@ -148,6 +148,10 @@ class Pipeline:
     """Stage (chunk) k's training forward of one micro-batch, (x or h, y) -> h (the last: its loss)."""
     return self._stage(k, True, self.loss_fn)
 
+  def eval_chunk(self, k: int):
+    """Stage (chunk) k's eval forward of one micro-batch (the last: its eval outputs)."""
+    return self._stage(k, False, self.eval_fn)
+
   def split(self, batch) -> list:
     """A batch (a tensor or a nest of them, e.g. a dict of targets) as the M micro-batches."""
     return split_batch(batch, self.microbatches)

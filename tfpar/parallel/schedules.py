@@ -91,8 +91,10 @@ dataflow's dependencies): it draws the diagrams above, finds the bubble the
 formulas give, and would raise on an order that deadlocks.
 """
 
+from typing import List
+
 from tfpar.config.schema import ConfigError
-from tfpar.layout.schedule import timetable
+from tfpar.layout.schedule import Unit, order, timetable
 
 # TensorFlow is imported where a schedule builds ops, not here.
 
@@ -113,11 +115,23 @@ class Schedule:
     """(this replica's loss, dense gradients of pipeline.model.trainable_variables on their devices)."""
     raise NotImplementedError
 
+  def order(self, stages: int, microbatches: int, device: int) -> List[Unit]:
+    """Device `device`'s sequence of forwards and backwards (what each worker's own program
+    runs when the devices are processes: tfpar.parallel.stage_program)."""
+    return order(stages, microbatches, self.virtual, device)
+
 
 class GPipe(Schedule):
   """Every forward, then every backward: one tf.gradients of the summed micro-batch losses."""
 
   name = "gpipe"
+
+  def order(self, stages: int, microbatches: int, device: int) -> List[Unit]:
+    """Every forward, then the backwards in reverse: the diagram's order, where one program's
+    greedy executor cannot choose it (stages in processes of their own)."""
+    del stages
+    return ([("F", device, m) for m in range(microbatches)] +
+            [("B", device, m) for m in reversed(range(microbatches))])
 
   def loss_and_grads(self, pipeline, inputs, targets):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel

@@ -1,0 +1,307 @@
+"""One program per worker: the engine of a pipeline whose stages are worker processes.
+
+When a plan's replica spans workers (tfpar.config.rules.worker_layout: W = K x T / G
+workers per replica, D = N / W copies) and tfpar.config.rules.one_program_per_worker
+says so, every worker of the job runs this engine in its own process, under
+the job's MultiWorkerMirroredStrategy (which sets up the collective executor
+and serves the loop's agreement on when to stop and save; it runs no step).
+Worker w holds only the chunks the plan puts on its devices (its copy d's row
+of `stage_workers`); it builds only their weights and AdamW slots, and traces
+and runs only their ops (tfpar.parallel.stage_program): activations and their
+gradients cross to the neighbouring stages' workers of its copy by collective
+send/recv (tfpar.parallel.p2p).
+
+The step on worker w, in the plan's schedule (GPipe, 1F1B, interleaved):
+
+  1. its units F(c, m) and B(c, m) in the timetable's order, each backward
+     starting from the output gradient it received;
+  2. the tied token embedding: the last stage's head reads it, so the last
+     stage's worker holds a copy of the embedding too (as Megatron-LM does),
+     and the two copies' gradients are summed between the first and the last
+     stage's workers: both then apply the same update and stay equal;
+  3. D > 1: one SUM of all its gradients (one vector) with the same stage's
+     workers of the other copies;
+  4. one SUM over every worker of the job of [its copy's last stage's loss
+     share, its squared gradient norm] (counted by copy 0 only, the shared
+     embedding once): the step's loss and gradient norm, the numbers one
+     device computes, so every worker clips by the same factor and skips
+     (--on_nonfinite=skip) alike;
+  5. its AdamW update of its own weights.
+
+Input: copy d's workers iterate slice d of D of every global batch (the data
+position follows from the step); the first stage's worker feeds the inputs,
+the last the targets. The chief logs, writes plan.json and checkpoints.
+
+Checkpoints stay canonical (tfpar.training.checkpoint): this process's layout
+holds every entry of the model at full shape; reading one gathers the whole
+state once per save (a SUM over the job's workers per entry: one holder of the
+entry contributes it, every other worker zeros), so the chief writes one checkpoint that restores under any plan; restoring assigns
+each worker the entries it holds.
+"""
+
+from typing import Dict, List
+
+import numpy as np
+import tensorflow as tf
+
+from tfpar import strategies
+from tfpar.config.schema import Config, ConfigError
+from tfpar.data import pipeline
+from tfpar.engines.base import Engine, build_model
+from tfpar.engines.model_parallel import _worker_devices, _worker_index, measured_bytes
+from tfpar.layout import placement as plan_lib
+from tfpar.parallel import p2p, schedules, tensor
+from tfpar.parallel.pipeline import Pipeline
+from tfpar.parallel.stage_program import StageProgram
+from tfpar.parallel.zero import clip_factor
+from tfpar.training.checkpoint import assign_canonical, model_layout, read_canonical
+from tfpar.training.optimizer import inner_optimizer
+from tfpar.training.step import apply_or_skip
+
+
+class StageWorkerEngine(Engine):
+  """This worker's stages of a D=1 plan whose stages are on different workers (module docstring).
+
+  Args:
+    cfg: the run's config.
+    strategy: the job's MultiWorkerMirroredStrategy.
+    data, sharding, task: as for tfpar.engines.base.Engine.
+  """
+
+  def __init__(self, cfg: Config, strategy, data, *, sharding: str = "data", task=None):
+    super().__init__(cfg, data, sharding=sharding, task=task)
+    self.strategy = strategy  # The loop's agreement and same-step check; not the step's.
+    resolver = strategy.cluster_resolver
+    local = strategies.compute_devices(cfg.dist.num_cpu_devices)
+    workers = _worker_devices(resolver, local)
+    self.plan = plan_lib.make_plan(cfg, [], worker_devices=workers, family=self.task.family)
+    self.worker_index = me = _worker_index(resolver)
+    self.num_replicas = self.plan.data_parallel
+    worker_of = {plan_lib.device_key(d): w for w, devices in enumerate(workers) for d in devices}
+    rows = [[worker_of[plan_lib.device_key(row[k][0])] for k, _ in self.plan.chunks]
+            for row in self.plan.devices]  # rows[d][c]: the worker of copy d's chunk c
+    self.copy = next(d for d, ws in enumerate(rows) if me in ws)
+    row, chunk_workers = self.plan.devices[self.copy], rows[self.copy]
+    self.members = sorted({w for ws in rows for w in ws})  # The whole job.
+    self.first, self.last = chunk_workers[0], chunk_workers[-1]
+    mine = [c for c, w in enumerate(chunk_workers) if w == me]
+    self.copies = sorted(ws[mine[0]] for ws in rows)  # This stage's worker in every copy.
+    self.groups = p2p.Groups(len(workers), timeout=cfg.dist.collective_timeout,
+                             gpu=bool(tf.config.list_logical_devices("GPU")))
+
+    # The model: this worker's chunks only (and the embedding where the head reads it).
+    self.model = model = self.task.build_model(tensor_shards=self.plan.tensor_parallel,
+                                               seed=cfg.train.seed)
+    chunks = self.plan.chunks
+    embed_device = row[chunks[mine[0]][0]][0] if mine[0] == 0 else row[chunks[mine[-1]][0]][0]
+    before = {id(v) for v in model.variables}
+    if 0 in mine or len(chunks) - 1 in mine:
+      with tf.device(embed_device):
+        model.build_embed()
+    embed_ids = {id(v) for v in model.variables} - before
+    for c in mine:
+      k, blocks = chunks[c]
+      for i in blocks:
+        block = model.blocks[i]
+        tensor.place_shards(block, row[k], jit_compile=cfg.train.jit_compile,
+                            sequence_parallel=cfg.parallel.sequence_parallel)
+        with tf.device(row[k][0]):
+          block.build(model.block_shape)
+    if len(chunks) - 1 in mine:
+      with tf.device(row[chunks[-1][0]][0]):
+        model.build_head()
+    model.built = True
+    self.variables = list(model.trainable_variables)
+    # The embedding's gradient is summed between its two holders; the norm counts it once.
+    self.shared = [i for i, v in enumerate(self.variables) if id(v) in embed_ids] \
+        if self.first != self.last else []
+    # Counted once: by copy 0, the embedding by its first stage.
+    self.counted = [i for i in range(len(self.variables))
+                    if self.copy == 0 and (i not in self.shared or me == self.first)]
+    with tf.device(row[chunks[mine[0]][0]][0]):
+      self.optimizer = self.build_optimizer(self.variables)
+    self.clip_norm = cfg.optim.clip_norm or None
+    inner_optimizer(self.optimizer).global_clipnorm = None  # Clipped by the replica's norm here.
+    self.pipeline = Pipeline(model, stage_blocks=[blocks for _, blocks in chunks],
+                             stage_devices=[row[k][0] for k, _ in chunks],
+                             microbatches=self.plan.microbatches, loss_fn=self.task.loss,
+                             eval_fn=self.task.eval_outputs, remat=self.plan.remat,
+                             jit_compile=cfg.train.jit_compile,
+                             schedule=schedules.make(self.plan.schedule, self.plan.virtual_stages))
+    self.program = StageProgram(self.pipeline, chunk_workers, me, self.groups,
+                                (tuple(model.block_shape[1:]), _compute_dtype()))
+    self.keys = self.program.keys
+    self.device = row[chunks[mine[0]][0]][0]
+    self._initialise_like_one_device(embed_device)
+    self._gathered = None
+    self.layouts = [self._state_layout()]
+    if me == 0 and cfg.train.model_dir:
+      print(f"tfpar: {self.plan.format()}", flush=True)
+      self.plan.write(cfg.train.model_dir, measured=self.measured_bytes())
+
+  @property
+  def input_strategy(self):
+    return None  # Each worker iterates its copy's slice of the global batches (`_dataset`).
+
+  def _dataset(self, split, start_step: int, shuffle: bool):
+    """Copy d's slice d of D of every global batch (the same for each of its workers)."""
+    d = self.num_replicas
+    ctx = tf.distribute.InputContext(d, self.copy, d)
+    shard = pipeline.shard_for_pipeline(ctx, self.cfg.train.global_batch_size)
+    return self.task.dataset(split, shard, start_step=start_step, shuffle=shuffle)
+
+  def _initialise_like_one_device(self, device):
+    """This worker's weights as one device initialises them, and the whole model's canonical
+    entries (names, shapes and dtypes: the checkpoint's)."""
+    with tf.device(device):
+      reference = build_model(self.cfg, task=self.task)
+    values = read_canonical(model_layout(reference))
+    self.parameters = int(sum(np.prod(v.shape) for v in reference.trainable_variables))
+    entries = {name: (value.shape, tf.as_dtype(value.dtype)) for name, value in values.items()}
+    for name in model_layout(reference, slots=lambda v: (v, v)):  # AdamW's m and v of each weight
+      entries.setdefault(name, (values[name.split("@")[0]].shape, tf.float32))
+    self._entries = dict(sorted(entries.items()))
+    del reference
+    assign_canonical(model_layout(self.model), values)
+
+  # --- the step -----------------------------------------------------------------
+  def _replica_step(self, inputs, targets, compressed):
+    del compressed  # D=1: no gradient exchange.
+    loss, grads = self.program.loss_and_grads(inputs, targets, self.variables)
+    me = self.worker_index
+    with tf.device(self.device):
+      if self.shared and me in (self.first, self.last):
+        flat = tf.concat([tf.reshape(grads[i], [-1]) for i in self.shared], 0)
+        summed = self.groups.sum(flat, [self.first, self.last], self.keys.extra(0))
+        parts = tf.split(summed, [self.variables[i].shape.num_elements() for i in self.shared])
+        for i, part in zip(self.shared, parts):
+          grads[i] = tf.reshape(part, self.variables[i].shape)
+      if len(self.copies) > 1:  # The data-parallel SUM among this stage's copies, one vector.
+        sizes = [v.shape.num_elements() for v in self.variables]
+        flat = tf.concat([tf.reshape(g, [-1]) for g in grads], 0)
+        parts = tf.split(self.groups.sum(flat, self.copies, self.keys.extra(3)), sizes)
+        grads = [tf.reshape(part, v.shape) for part, v in zip(parts, self.variables)]
+      squares = tf.add_n([tf.reduce_sum(tf.square(grads[i])) for i in self.counted]) \
+          if self.counted else tf.zeros([])
+      stats = self.groups.sum(tf.stack([tf.cast(loss, tf.float32), squares]), self.members,
+                              self.keys.extra(1))
+      loss, norm = stats[0], tf.sqrt(stats[1])
+      if self.clip_norm:
+        factor = clip_factor(norm, self.clip_norm)
+        grads = [g * factor for g in grads]
+    apply_or_skip(self.optimizer, grads, self.variables, norm,
+                  skip_nonfinite=self.cfg.train.on_nonfinite == "skip")
+    return loss, norm
+
+  def _eval_batch(self, iterator):
+    inputs, targets = next(iterator)
+    outputs, last = self.program.eval_outputs(inputs, targets)
+    if last and set(outputs) != {"loss"}:
+      raise ConfigError("stages on different workers evaluate tasks whose eval outputs are the "
+                        "loss alone")
+    with tf.device(self.device):
+      loss = tf.cast(outputs["loss"], tf.float32)
+      return {"loss": self.groups.sum(loss[None], self.members, self.keys.extra(2))[0]}
+
+  def train(self, iterator, num_steps: int):
+    self._gathered = None  # The weights move: a save gathers them again.
+    return super().train(iterator, num_steps)
+
+  # --- state --------------------------------------------------------------------
+  def _own_layout(self) -> Dict:
+    return model_layout(self.model, self.optimizer)
+
+  def _state_layout(self) -> Dict:
+    """Every canonical entry at full shape, as a view (`_Entry`) onto the gathered state."""
+    own = self._own_layout()
+    self._entries["optimizer/iterations"] = ((), tf.int64)
+    return {name: (None, [_Entry(self, name, shape, dtype, own.get(name))])
+            for name, (shape, dtype) in self._entries.items()}
+
+  def _contributes(self, name: str, own) -> bool:
+    """Whether this worker's value of entry `name` is the one saved: copy 0's, and of the
+    embedding (held by the first and the last stage) the first stage's."""
+    if name not in own or self.copy != 0:
+      return False
+    return self.worker_index == self.first or not self._is_shared(name, own)
+
+  def _is_shared(self, name: str, own) -> bool:
+    ids = {id(self.variables[i]) for i in self.shared}
+    base = own.get(name.split("@")[0])
+    return base is not None and any(id(v) in ids for v in base[1])
+
+  def gathered(self) -> Dict[str, np.ndarray]:
+    """The whole model's state at full shape, gathered from the replica's workers (one
+    collective per entry: every worker calls this at the same save)."""
+    if self._gathered is None:
+      self._gathered = {k: v.numpy() for k, v in self._gather().items()}
+    return self._gathered
+
+  @tf.function
+  def _gather(self):
+    """Each float entry: the SUM of one holder's value (`_contributes`) and zeros from the
+    rest; each integer one (the step, dropout's RNG states): the largest value held."""
+    own, out = self._own_layout(), {}
+    with tf.device(self.device):
+      for i, (name, (shape, dtype)) in enumerate(self._entries.items()):
+        if self._contributes(name, own) or (not dtype.is_floating and name in own):
+          axis, shards = own[name]
+          parts = [tf.convert_to_tensor(getattr(v, "value", v)) for v in shards]
+          value = parts[0] if len(parts) == 1 else tf.concat(parts, axis)
+        else:
+          value = tf.zeros(shape, dtype) if dtype.is_floating else tf.fill(shape, dtype.min)
+        key = self.keys.extra(4 + i)
+        if dtype.is_floating:  # One worker's value, zeros from the rest.
+          out[name] = self.groups.sum(value, self.members, key)
+        else:
+          out[name] = self.groups.max(value, self.members, key)
+    return out
+
+  def measured_bytes(self) -> dict:
+    return measured_bytes([self])
+
+  def memory_devices(self):
+    return sorted({v.value.device for v in self.model.variables})
+
+  def describe(self) -> dict:
+    p = self.plan
+    return {"strategy": f"one program per worker, stages {p.stage_workers[self.copy]}",
+            "replicas": p.data_parallel,
+            "plan": f"D={p.data_parallel} x K={p.pipeline_stages} x T={p.tensor_parallel}, M={p.microbatches}, "
+                    f"{p.schedule}{f' v={p.virtual_stages}' if p.virtual_stages > 1 else ''}, "
+                    f"bubble {p.bubble:.1%}, remat {p.remat}, "
+                    f"xla {'per stage/shard' if self.cfg.train.jit_compile else 'off'}",
+            "parameters": self.parameters,
+            "measured_bytes_per_device": {
+                dev: f"params {plan_lib.kib(b['parameters'])} + "
+                     f"optimizer {plan_lib.kib(b['optimizer'])}"
+                for dev, b in self.measured_bytes().items()}}
+
+
+def _compute_dtype():
+  import keras  # pylint: disable=import-outside-toplevel
+  return tf.as_dtype(keras.mixed_precision.global_policy().compute_dtype)
+
+
+class _Entry:
+  """One canonical checkpoint entry at full shape: read from the gathered state, assigned to
+  this worker's variable (if it holds it)."""
+
+  def __init__(self, engine: StageWorkerEngine, name: str, shape, dtype, own):
+    self.engine, self.name, self.shape, self.dtype, self.own = engine, name, tuple(shape), dtype, own
+
+  @property
+  def value(self):
+    return self.engine.gathered()[self.name]
+
+  def assign(self, value) -> None:
+    self.engine._gathered = None  # pylint: disable=protected-access
+    if self.own is None:
+      return
+    axis, shards = self.own
+    parts = [value] if len(shards) == 1 else np.split(value, len(shards), axis=axis)
+    for var, part in zip(shards, parts):
+      var.assign(part)
+
+
+__all__: List[str] = ["StageWorkerEngine"]

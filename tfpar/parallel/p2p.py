@@ -1,0 +1,119 @@
+"""Collectives between the worker processes of one pipeline: point to point and among a few.
+
+Each worker process runs its own program (tfpar.engines.stage_worker). What
+crosses between two of them goes by TensorFlow's collective ops with explicit
+group and instance keys, so any subset of the job's tasks can talk without the
+rest:
+
+  send / recv   CollectiveBcastSendV2 / CollectiveBcastRecvV2 in a group of 2:
+                an activation to the next stage's worker, its gradient back;
+  sum           CollectiveReduceV2 (SUM) among the workers of a group: the
+                tied embedding's gradient between the first and the last stage,
+                the loss and the squared gradient norm over every stage.
+
+Keys. A group is a set of workers (by index in the job, chief first); its
+`group_key` is fixed by that set alone, so every member computes the same one
+without asking (`Groups.key`): the sets used are pairs (neighbouring stages,
+the first and last stage), a stage's copies, and the whole job. Keys start at GROUP_BASE, far above the few that a
+MultiWorkerMirroredStrategy hands out from 1 for its own collectives. Within
+a group each transfer of a step has its own `instance_key`, the same on both
+sides (`instance`): a step's ops may be pending at once and are matched by
+key, not by arrival. A step traced once reuses its keys every step, as
+MultiWorkerMirroredStrategy's own collectives do.
+
+Setup. The ops need the process's collective executor configured for the
+job, which creating a `tf.distribute.MultiWorkerMirroredStrategy` does (it
+starts the task's server and names the group leader); the first op of a group
+resolves the group through that leader. On GPUs `communication_hint="nccl"`
+makes them NCCL's point-to-point and all-reduce kernels; on CPUs they go over
+gRPC. `timeout_seconds` (--collective_timeout) bounds every wait: a peer that
+died ends the step with an error naming its task.
+"""
+
+from typing import Dict, Sequence, Tuple
+
+import tensorflow as tf
+
+GROUP_BASE = 1 << 20  # Above MultiWorkerMirroredStrategy's own group keys (1, 2, ...).
+
+
+class Groups:
+  """Group keys of sets of workers, the same on every worker of a job of `num_workers`."""
+
+  def __init__(self, num_workers: int, *, timeout: float = 0, gpu: bool = False):
+    self.num_workers = num_workers
+    self.timeout = float(timeout or 0)
+    self.hint = "nccl" if gpu else "auto"
+
+  def key(self, members: Sequence[int]) -> int:
+    """A set's key: a pair (a < b) a * N + b, the whole job one key, any other set (a stage's
+    copies: each worker is in one such set) its first member's; all above GROUP_BASE and
+    within an int32 for N up to 46,000 workers."""
+    members = sorted(set(members))
+    n = self.num_workers
+    if not members or members[0] < 0 or members[-1] >= n:
+      raise ValueError(f"workers {members} are not all in a job of {n}")
+    if len(members) == 2:
+      return GROUP_BASE + members[0] * n + members[1]
+    if len(members) == n:
+      return GROUP_BASE + n * n
+    return GROUP_BASE + n * n + 1 + members[0]
+
+  def send(self, tensor: tf.Tensor, me: int, peer: int, instance: int) -> tf.Operation:
+    """Sends `tensor` to worker `peer` (who calls `recv` with the same `instance`)."""
+    return tf.raw_ops.CollectiveBcastSendV2(
+        input=tensor, group_size=2, group_key=self.key((me, peer)), instance_key=instance,
+        communication_hint=self.hint, timeout_seconds=self.timeout)
+
+  def recv(self, shape, dtype, me: int, peer: int, instance: int) -> tf.Tensor:
+    """What worker `peer` sends with the same `instance` (its shape and dtype known here)."""
+    return tf.raw_ops.CollectiveBcastRecvV2(
+        group_size=2, group_key=self.key((me, peer)), instance_key=instance,
+        shape=tf.constant(list(shape), tf.int32), T=dtype, communication_hint=self.hint,
+        timeout_seconds=self.timeout)
+
+  def sum(self, tensor: tf.Tensor, members: Sequence[int], instance: int) -> tf.Tensor:
+    """The SUM of `tensor` over the workers `members` (every one of them calls it)."""
+    return self._reduce(tensor, members, instance, "Add")
+
+  def max(self, tensor: tf.Tensor, members: Sequence[int], instance: int) -> tf.Tensor:
+    """The elementwise largest `tensor` over the workers `members`."""
+    return self._reduce(tensor, members, instance, "Max")
+
+  def _reduce(self, tensor, members, instance, merge_op):
+    members = sorted(set(members))
+    if len(members) == 1:
+      return tf.identity(tensor)
+    return tf.raw_ops.CollectiveReduceV2(
+        input=tensor, group_size=len(members), group_key=self.key(members),
+        instance_key=instance, ordering_token=[], merge_op=merge_op, final_op="Id",
+        communication_hint=self.hint, timeout_seconds=self.timeout)
+
+
+class Keys:
+  """Instance keys of one step's transfers, the same on both sides of every boundary.
+
+  F(c, m)'s output goes to chunk c+1 under `forward(c, m)`, B(c, m)'s input
+  gradient to chunk c-1 under `backward(c, m)`; `extra(i)` numbers the step's
+  other collectives (after every transfer's key).
+  """
+
+  def __init__(self, chunks: int, microbatches: int):
+    self.chunks, self.microbatches = chunks, microbatches
+
+  def forward(self, chunk: int, microbatch: int) -> int:
+    return 1 + 2 * (chunk * self.microbatches + microbatch)
+
+  def backward(self, chunk: int, microbatch: int) -> int:
+    return 2 + 2 * (chunk * self.microbatches + microbatch)
+
+  def extra(self, i: int) -> int:
+    return 1 + 2 * self.chunks * self.microbatches + i
+
+
+def owners(chunk_workers: Sequence[int]) -> Dict[int, Tuple[int, ...]]:
+  """{worker: its chunks} of one replica whose chunk c runs on worker chunk_workers[c]."""
+  out: Dict[int, list] = {}
+  for c, w in enumerate(chunk_workers):
+    out.setdefault(w, []).append(c)
+  return {w: tuple(cs) for w, cs in out.items()}
