@@ -357,6 +357,10 @@ class CanonicalCheckpointer:
     self.background = background
     self.log = log
     self.restored_slices = [p for layout in self.layouts for p in layout_slices(layout)]
+    # Copy 0's state may be a view that gathers shards (ZeRO) with collectives, which every
+    # worker must run in the same order: a worker that writes none of it still reads it.
+    self.read_only_slices = layout_slices(self.layouts[0]) if write is None and not is_chief \
+        else []
     if write is None:
       write = layout_slices(self.layouts[0]) if is_chief else []
     self.written_slices = write
@@ -385,6 +389,8 @@ class CanonicalCheckpointer:
       tfpar.storage.DiskFullError: no room for it; its partial files are removed.
     """
     self.wait()
+    for p in self.read_only_slices:  # The same collectives as the chief's copy (see __init__).
+      tf.convert_to_tensor(_tf_var(p.variable))
     groups = self._snapshot(step)
     if not self.background:
       self._finish(step, groups)
