@@ -79,6 +79,8 @@ def _sampler(initializer, shape: Sequence[int], dtype):
   if isinstance(initializer, keras.initializers.Ones):
     return lambda s, seed: tf.ones(s, dtype)
   if isinstance(initializer, keras.initializers.Constant):
+    if np.ndim(initializer.value):  # Values per element: made whole, then sliced.
+      return None
     value = float(initializer.value)
     return lambda s, seed: tf.fill(s, tf.constant(value, dtype))
   if kind is keras.initializers.RandomNormal:
