@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tfpar.launch import free_ports  # pylint: disable=wrong-import-position
+from tfpar.cli.launch import free_ports  # pylint: disable=wrong-import-position
 
 
 def flags(num_layers: int, workers: int):

@@ -536,7 +536,7 @@ def test_bad_input_is_one_line_exit_2_and_prints_no_manifest(argv, message, caps
 
 
 def test_the_command_renders_without_importing_tensorflow():
-  script = ("import sys\nfrom tfpar.k8s.__main__ import main\n"
+  script = ("import sys\nfrom tfpar.cli.k8s import main\n"
             "code = main(sys.argv[1:])\n"
             "assert 'tensorflow' not in sys.modules, 'rendering imported TensorFlow'\n"
             "sys.exit(code)\n")
