@@ -11,11 +11,12 @@ import pytest
 
 def test_gpipe_is_the_plans_schedule_and_its_bubble():
   from tfpar.config.schema import ConfigError  # pylint: disable=import-outside-toplevel
+  from tfpar.layout import schedule  # pylint: disable=import-outside-toplevel
   from tfpar.parallel import schedules  # pylint: disable=import-outside-toplevel
   gpipe = schedules.make("gpipe")
   assert isinstance(gpipe, schedules.GPipe)
-  assert gpipe.bubble(4, 4) == pytest.approx(3 / 7)
-  assert gpipe.bubble(1, 8) == 0
+  assert schedule.bubble(4, 4, gpipe.virtual) == pytest.approx(3 / 7)
+  assert schedule.bubble(1, 8, gpipe.virtual) == 0
   with pytest.raises(ConfigError, match="pipeline schedule 'zigzag' is unknown"):
     schedules.make("zigzag")
 

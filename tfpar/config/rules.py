@@ -418,7 +418,7 @@ def one_program_per_worker(cfg: Config, num_workers: int, devices_per_worker: in
     return False
   d, _ = worker_layout(cfg.parallel, num_workers, devices_per_worker, cfg.compression.method)
   plain = cfg.compression.method == "none" and cfg.parallel.optimizer_sharding == "none"
-  return (d == 1 or plain) and cfg.model.task == "lm"
+  return (d == 1 or plain) and tasks.spec(cfg.model.task).eval_is_loss
 
 
 def stage_servers(cfg: Config, num_workers: int, devices_per_worker: int) -> bool:

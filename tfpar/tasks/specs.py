@@ -30,6 +30,7 @@ class TaskSpec:
   model = ""  # What the start-up line calls the model ("ViT classifier").
   tool = "tfpar.predict"  # What runs a trained model of this task (tfpar.generate, tfpar.predict).
   splits_sequence = False  # Runs under --sequence_parallel (its blocks' sequence is --seq_len).
+  eval_is_loss = False  # Its held-out outputs are its loss alone (one program per worker runs it).
 
   def check_model(self, m) -> None:
     """The model flags (a tfpar.config.schema.ModelConfig) this task cannot build."""
@@ -49,7 +50,7 @@ class TaskSpec:
 
 class LanguageModelingSpec(TaskSpec):
   name, tool = "lm", "tfpar.generate"
-  splits_sequence = True
+  splits_sequence = eval_is_loss = True
 
   def model_name(self, m):
     family = families.get(m.architecture)

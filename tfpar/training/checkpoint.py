@@ -563,14 +563,14 @@ class CanonicalCheckpointer:
       CheckpointMismatchError: the checkpoint was written for another model.
       CheckpointUnreadableError: checkpoints exist and none can be read.
     """
-    if self.is_chief and not path:
-      self.remove_unfinished()
     candidates = [path] if path else [p for _, p in list_checkpoints(self.directory)]
     problems = []
     if not path:  # Newer than any indexed one: else passed over without a word.
       newest = list_checkpoints(self.directory)[0][0] if candidates else -1
       problems += [f"ckpt-{step} (its ckpt-{step}.index is missing: a save cut short, or the "
                    "index lost)" for step in without_index(self.directory) if step > newest]
+    if self.is_chief and not path:  # Once named above: what no restore can read goes.
+      self.remove_unfinished()
     for prefix in candidates:
       try:
         fresh = self._restore_one(prefix)
