@@ -329,7 +329,7 @@ def check_model_split(m: ModelConfig, p: ParallelConfig, precision: str = "float
     raise ConfigError(f"--remat with --dropout={m.dropout} would recompute blocks with other "
                       "dropout masks than the forward used: use --dropout=0 with --remat, or "
                       "--remat=selective")
-  if precision == "mixed_float16":
+  if precision == "mixed_float16" and p.pipeline_stages * p.tensor_parallel > 1:
     raise ConfigError("--precision=mixed_float16 does not combine with model parallelism "
                       "(no loss scaling there yet): use --precision=mixed_bfloat16 or float32")
 
