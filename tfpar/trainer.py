@@ -105,7 +105,8 @@ class Trainer:
                verbosity: Optional[int] = None):
     if model is not None:
       config = _with_family(config, model)
-    rules.validate(config)
+    # A resumed run from a preset that has moved since: its checkpoint holds the weights.
+    rules.validate(config, resumed=config_lib.resumed_preset(config.train.model_dir) is not None)
     self.config = config
     self.cluster = cluster if cluster is not None else cluster_lib.from_env()
     if self.cluster.spec:  # TF_CONFIG against the strategy: before TensorFlow starts.

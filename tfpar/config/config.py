@@ -50,7 +50,7 @@ def _section(kind, f, **resolved):
                  for s in settings(kind)})
 
 
-def _resumed_preset(model_dir: Optional[str]) -> Optional[dict]:
+def resumed_preset(model_dir: Optional[str]) -> Optional[dict]:
   """The model section of the run in a local --model_dir that started from a keras-hub preset
   (--init_from), else None; read before TensorFlow starts (check_run reads it again, and
   says what is wrong with a config.json that cannot be read)."""
@@ -110,7 +110,7 @@ def _vocab_size(f, spec: str) -> int:
 
 def model_from_flags(f, resumed: Optional[dict] = None) -> ModelConfig:
   """The validated model shape alone (tfpar.plan needs no model_dir or data); `resumed`: the
-  model section of the run resumed (_resumed_preset)."""
+  model section of the run resumed (resumed_preset)."""
   family = rules_lib.family_of(f)
   init_from = _init_from(f, resumed)
   spec = _tokenizer(f, init_from, resumed)
@@ -180,7 +180,7 @@ def from_flags(f, warn=None) -> Config:
                   f.precision, jit, f.strategy)}
   sections = {s.name: _section(s.default.__class__, f, **resolved)
               for s in dataclasses.fields(Config) if s.name != "model"}
-  resumed = _resumed_preset(f.model_dir)
+  resumed = resumed_preset(f.model_dir)
   cfg = Config(model=model_from_flags(f, resumed), **sections)
   validate(cfg, resumed=resumed is not None)
   return cfg
