@@ -222,7 +222,10 @@ def assert_same_steps(got_steps, want_steps):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
     for got_slot, want_slot in zip(slots, want_slots):
       for got, want in zip(got_slot, want_slot):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
+        # Relative to the tensor's scale: a gradient element that is a near-cancelling sum
+        # of the replicas' partials carries their float32 rounding (~1e-7 of the partials),
+        # which is many times its own size; v squares it (seen: 3.5e-5 of one v element).
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("mode, jit_compile", [("zero1", True), ("zero2", False), ("none", True)])
