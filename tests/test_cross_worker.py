@@ -412,7 +412,7 @@ def test_a_stage_server_exits_0_only_after_the_chief_it_saw_finished(monkeypatch
   import socket  # pylint: disable=import-outside-toplevel
   import threading  # pylint: disable=import-outside-toplevel
   import types  # pylint: disable=import-outside-toplevel
-  from tfpar.engines.parameter_server import server  # pylint: disable=import-outside-toplevel
+  from tfpar.parallel import servers as server  # pylint: disable=import-outside-toplevel
 
   def exit_(code):
     raise Exited(code)
