@@ -41,7 +41,11 @@ class Family:
       way, and ignores the setting).
     grouped_query: whether it takes --num_kv_heads below --num_heads.
     default: the family a task builds when --architecture is not passed.
-    tables: other tables of the same variables (a ViT's per-task heads), by name.
+    tables: other tables of the same variables: an image family's per-task heads, each
+      named <name>_<task> ("vit_detect"), which --task=detect and segment look up.
+    dense: an image family's model with a per-patch head in place of its classifier
+      (--task=detect, segment), or "module:Class"; called as
+      `dense(model_config, head=, rules=, tensor_shards=T, seed=S)`.
     hub: the keras-hub conversion module (CLASS, NAMES, FIXED, CAUSAL_LM,
       flags_of, backbone_config: tfpar.hub), or None.
     norm_statistics, mlp_values: what one block keeps for its backward per
@@ -59,6 +63,7 @@ class Family:
   default: bool = False
   tables: Tuple[partitioning.Rules, ...] = ()
   hub: Optional[object] = None
+  dense: Union[str, Callable, None] = None
   norm_statistics: int = 3
   mlp_values: int = 5
 
@@ -69,10 +74,13 @@ class Family:
 
   def model_class(self):
     """The model class (imported now where `model` is a "module:Class" string)."""
-    if not isinstance(self.model, str):
-      return self.model
-    module, _, attr = self.model.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    return _resolve(self.model)
+
+  def dense_class(self):
+    """The model class with a per-patch head (`dense`), imported now."""
+    if self.dense is None:
+      raise KeyError(f"model family {self.name!r} has no dense-head model for detect/segment")
+    return _resolve(self.dense)
 
   def build(self, model_config, *, tensor_shards: int = 1, seed: int = 0):
     """A model of this family for `model_config` (a tfpar.Config's `model` section), holding
@@ -81,6 +89,14 @@ class Family:
     if getattr(model, "rules", None) is None:
       model.rules = self.rules
     return model
+
+
+def _resolve(target):
+  """A class given as itself or as "module:Class"."""
+  if not isinstance(target, str):
+    return target
+  module, _, attr = target.partition(":")
+  return getattr(importlib.import_module(module), attr)
 
 
 def _load_builtin() -> None:

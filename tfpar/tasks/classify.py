@@ -29,10 +29,8 @@ from typing import Dict, List
 import numpy as np
 import tensorflow as tf
 
-from tfpar import tasks
+from tfpar import families, tasks
 from tfpar.data import augment, digit_canvas, images, pipeline
-from tfpar.models.vit import rules as vit_rules
-from tfpar.models.vit.model import ViT
 from tfpar.tasks.task import Task, cross_entropy
 
 DIGITS_SPLIT_SEED = 0  # The digits' held-out split never moves.
@@ -65,7 +63,11 @@ class Classification(Task):
   """
 
   unit = "images"
-  family = vit_rules.RULES.family  # Its model's partitioning rules (tfpar.partitioning).
+
+  @classmethod
+  def family_of(cls, model_config) -> str:
+    del model_config
+    return families.default("classify")  # The registered image family (tfpar/models/vit).
 
   @property
   def units_per_step(self) -> int:
@@ -75,8 +77,9 @@ class Classification(Task):
   def global_count(self) -> int:
     return self.cfg.train.global_batch_size  # One label per image.
 
-  def build_model(self, *, tensor_shards: int = 1, seed: int = 0) -> ViT:
-    return self.computing(ViT(self.cfg.model, tensor_shards=tensor_shards, seed=seed))
+  def build_model(self, *, tensor_shards: int = 1, seed: int = 0):
+    return self.computing(families.get(self.family).build(
+        self.cfg.model, tensor_shards=tensor_shards, seed=seed))
 
   # --- data ---------------------------------------------------------------------
   def load_data(self, *, worker_index: int = 0, num_workers: int = 1):

@@ -14,8 +14,10 @@ Order and augmentation: tfpar.data.image_pipeline (a pure function of
 (seed, step)); in training, a random crop of up to --max_shift pixels and,
 with --random_flip, a left-right flip, boxes and masks moved with the pixels.
 
-Model: tfpar.models.ViT's patch embedding and blocks, its head replaced by a
-dense head over the patch tokens (tfpar.layers.dense_heads).
+Model: the image family's model with a dense head over the patch tokens in
+place of its classifier (its registered `dense` model: the ViT's DenseViT),
+the head from tfpar.layers.dense_heads and the partitioning table the family
+registered for the task (`tables`, by name <family>_<task>).
 """
 
 import dataclasses
@@ -25,7 +27,6 @@ import numpy as np
 
 from tfpar import families, tasks
 from tfpar.data import augment, digit_canvas, image_pipeline, images
-from tfpar.models.vit.model import ViT
 from tfpar.tasks.task import Task
 
 SPLIT_SEED = 0  # As --task=classify's digits split: the same held-out scans.
@@ -42,37 +43,17 @@ class VisionData:
   source: str
 
 
-class DenseViT(ViT):
-  """The ViT with its classifier replaced by a head over the patch tokens.
-
-  Args:
-    config: the ModelConfig.
-    head: a Keras layer, patch tokens [B, G*G, d] -> outputs.
-    rules: the ViT family with this head's shapes (tfpar.partitioning).
-    tensor_shards, seed: as for ViT.
-  """
-
-  def __init__(self, config, *, head, rules, tensor_shards: int = 1, seed: int = 0, **kwargs):
-    super().__init__(config, tensor_shards=tensor_shards, seed=seed, **kwargs)
-    self.dense_head = head
-    self.rules = rules
-
-  def build_head(self):
-    self.dense_head.build((None, self.num_patches, self.config.d_model))
-
-  def head(self, h):
-    """tokens [B, N (+1), d] -> the dense head's outputs (float32)."""
-    if self.config.pooling == "cls":
-      h = h[:, 1:]  # The class token: a dense head reads the patches only.
-    return self.dense_head(h)
-
-
 class DenseVisionTask(Task):
   """Base of the detection and segmentation tasks; subclasses set `kind` and the head's parts."""
 
   unit = "images"
   kind = ""  # "detect" or "segment": which labels the data carries.
-  family = ""  # Its ViT family in tfpar.partitioning (the head's shapes differ).
+
+  @classmethod
+  def family_of(cls, model_config) -> str:
+    """The image family's table for this task's head (the head's shapes differ)."""
+    del model_config
+    return f"{families.default('classify')}_{cls.kind}"
 
   @property
   def units_per_step(self) -> int:
@@ -85,10 +66,11 @@ class DenseVisionTask(Task):
   def make_head(self):
     raise NotImplementedError
 
-  def build_model(self, *, tensor_shards: int = 1, seed: int = 0) -> DenseViT:
-    return self.computing(DenseViT(self.cfg.model, head=self.make_head(),
-                                   rules=families.rules(self.family),
-                                   tensor_shards=tensor_shards, seed=seed))
+  def build_model(self, *, tensor_shards: int = 1, seed: int = 0):
+    family = families.get(families.default("classify"))
+    return self.computing(family.dense_class()(
+        self.cfg.model, head=self.make_head(), rules=families.rules(self.family),
+        tensor_shards=tensor_shards, seed=seed))
 
   # --- data ---------------------------------------------------------------------
   def load_data(self, *, worker_index: int = 0, num_workers: int = 1):

@@ -21,7 +21,6 @@ import tensorflow as tf
 
 from tfpar.console import count
 from tfpar.layers.dense_heads import DetectionHead
-from tfpar.models.vit import rules as vit_rules
 from tfpar.tasks.dense_vision import DenseVisionTask
 from tfpar.tasks.prediction import PALETTE
 from tfpar.vision import boxes as box_lib
@@ -45,7 +44,6 @@ class Detection(DenseVisionTask):
   """Object detection: inputs [B, S, S, C]; targets the per-patch encoding and the true boxes."""
 
   kind = "detect"
-  family = vit_rules.DETECT.family  # The ViT table with this head's shapes.
 
   @property
   def global_count(self) -> int:

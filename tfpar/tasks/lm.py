@@ -36,10 +36,6 @@ class LanguageModeling(Task):
     return m.architecture  # The family's name, and its partitioning table's.
 
   @property
-  def family(self) -> str:
-    return self.family_of(self.cfg.model)
-
-  @property
   def units_per_step(self) -> int:
     return self.cfg.train.global_batch_size * self.cfg.model.seq_len
 

@@ -18,7 +18,6 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar.layers.dense_heads import SegmentationHead
-from tfpar.models.vit import rules as vit_rules
 from tfpar.tasks import prediction
 from tfpar.tasks.dense_vision import DenseVisionTask
 from tfpar.tasks.task import cross_entropy
@@ -29,7 +28,6 @@ class Segmentation(DenseVisionTask):
   """Semantic segmentation: inputs [B, S, S, C]; targets {"mask" [B, S, S], "index" [B]}."""
 
   kind = "segment"
-  family = vit_rules.SEGMENT.family  # The ViT table with this head's shapes.
   writes_predictions = True  # The masks.
 
   @property

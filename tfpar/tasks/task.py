@@ -56,16 +56,18 @@ class Task:
   """
 
   unit = "examples"
-  family = None  # A subclass names its tfpar.partitioning family.
-
   def __init__(self, cfg):
     self.cfg = cfg
 
   @classmethod
   def family_of(cls, model_config) -> str:
-    """The model family this task builds for `model_config`, before any Task exists (the plan)."""
-    del model_config
-    return cls.family
+    """The partitioning table (tfpar.families) of the model this task builds for
+    `model_config`, before any Task exists (the plan)."""
+    raise NotImplementedError
+
+  @property
+  def family(self) -> str:
+    return self.family_of(self.cfg.model)
 
   @property
   def units_per_step(self) -> int:

@@ -46,7 +46,6 @@ class ViT(Transformer):
     d, p = config.d_model, config.patch_size
     self.num_patches = config.num_patches
     self.num_tokens = self.num_patches + (1 if config.pooling == "cls" else 0)
-    init = keras.initializers.RandomNormal(stddev=0.02)
     # A P x P convolution with stride P is one linear map per patch (Glorot-initialised,
     # as in the ViT paper's code: N(0, 0.02) on a few pixels would start the stream near 0).
     self.patch_embedding = keras.layers.Conv2D(d, p, strides=p, name="patch_embed")
@@ -89,3 +88,28 @@ class ViT(Transformer):
     """tokens [B, N (+1), d_model] -> logits [B, num_classes] in float32 (for a stable loss)."""
     pooled = h[:, 0] if self.config.pooling == "cls" else ops.mean(h, axis=1)  # [B, d]
     return ops.cast(self.classifier(self.ln_f(pooled)), "float32")
+
+
+class DenseViT(ViT):
+  """The ViT with its classifier replaced by a head over the patch tokens.
+
+  Args:
+    config: the ModelConfig.
+    head: a Keras layer, patch tokens [B, G*G, d] -> outputs.
+    rules: the ViT family with this head's shapes (tfpar.partitioning).
+    tensor_shards, seed: as for ViT.
+  """
+
+  def __init__(self, config, *, head, rules, tensor_shards: int = 1, seed: int = 0, **kwargs):
+    super().__init__(config, tensor_shards=tensor_shards, seed=seed, **kwargs)
+    self.dense_head = head
+    self.rules = rules
+
+  def build_head(self):
+    self.dense_head.build((None, self.num_patches, self.config.d_model))
+
+  def head(self, h):
+    """tokens [B, N (+1), d] -> the dense head's outputs (float32)."""
+    if self.config.pooling == "cls":
+      h = h[:, 1:]  # The class token: a dense head reads the patches only.
+    return self.dense_head(h)
