@@ -104,10 +104,11 @@ def test_two_zero3_workers_are_one_devices_twin(zero3_workers):
     assert_same_state(read_checkpoint(str(model_dir / "checkpoints" / f"ckpt-{step}")),
                       read_checkpoint(str(one_dir / "checkpoints" / f"ckpt-{step}")),
                       f"zero3 on 2 workers, step {step}")
-  plan = json.loads((model_dir / "plan.json").read_text())["bytes_per_replica"]
-  single = json.loads((one_dir / "plan.json").read_text())["bytes_per_replica"]["measured"]
-  assert plan["measured"] == {k: plan["predicted"][k] for k in plan["measured"]}
-  assert abs(plan["measured"]["weights"] / (single["weights"] / 2) - 1) < 0.1
+  plan = json.loads((model_dir / "plan.json").read_text())
+  single = json.loads((one_dir / "plan.json").read_text())["measured_bytes_per_device"]
+  assert plan["measured_bytes_per_device"] == plan["bytes_per_device"]
+  (measured,), (single,) = plan["measured_bytes_per_device"].values(), single.values()
+  assert abs(measured["parameters"] / (single["parameters"] / 2) - 1) < 0.1
 
 
 @pytest.fixture(scope="module", autouse=True)

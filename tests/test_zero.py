@@ -446,26 +446,28 @@ def test_a_sharded_x4_checkpoint_resumes_unsharded_then_sharded_x2(engine_runs, 
 def test_plan_json_measures_a_quarter_of_the_sharded_state_at_d4(engine_runs):
   """Per replica: zero1's slots, and zero3's weights and slots, within 10% of a quarter of
   unsharded (the step counter stays whole); plan.json predicts what it measures."""
-  plans = {}
+  plans, summed = {}, {}
   for plan in ("none x1", "zero1 x4", "zero3 x4"):
     model_dir, engine, _ = engine_runs[plan]
     with open(model_dir / "plan.json") as f:
-      plans[plan] = json.load(f)["bytes_per_replica"]
-    assert plans[plan]["measured"]["optimizer"] == plans[plan]["predicted"]["optimizer"]
-    assert plans[plan]["measured"]["weights"] == plans[plan]["predicted"]["weights"]
-  none, zero1, zero3 = (plans[p]["measured"] for p in ("none x1", "zero1 x4", "zero3 x4"))
+      record = json.load(f)
+    devices = record["measured_bytes_per_device"]
+    assert record["data_parallel"] == int(plan[-1]) and len(devices) == int(plan[-1])
+    assert devices == record["bytes_per_device"]  # Predicted as measured, on every replica.
+    plans[plan], summed[plan] = next(iter(devices.values())), record["summed_gradient_bytes"]
+  none, zero1, zero3 = (plans[p] for p in ("none x1", "zero1 x4", "zero3 x4"))
   counter = 8  # AdamW's int64 step, on every replica.
   assert abs((zero1["optimizer"] - counter) / ((none["optimizer"] - counter) / 4) - 1) < 0.1
-  assert zero1["weights"] == none["weights"]  # Replicated.
-  assert abs((zero3["weights"] + zero3["optimizer"] - counter) /
-             ((none["weights"] + none["optimizer"] - counter) / 4) - 1) < 0.1
-  assert abs(zero3["weights"] / (none["weights"] / 4) - 1) < 0.1
-  assert plans["zero1 x4"]["predicted"]["summed_gradient"] == none["weights"]
+  assert zero1["parameters"] == none["parameters"]  # Replicated.
+  assert abs((zero3["parameters"] + zero3["optimizer"] - counter) /
+             ((none["parameters"] + none["optimizer"] - counter) / 4) - 1) < 0.1
+  assert abs(zero3["parameters"] / (none["parameters"] / 4) - 1) < 0.1
+  assert summed["zero1 x4"] == none["parameters"]
   # zero2 holds 2 of the D shards of the summed gradient: half of it at D=4, all at D=2.
-  params = none["weights"] // 4
+  params = none["parameters"] // 4
   assert zero.state_bytes(params, 4, "zero2")["summed_gradient"] == 8 * -(-params // 4)
   assert zero.state_bytes(params, 2, "zero2")["summed_gradient"] == 4 * params
-  assert plans["zero3 x4"]["predicted"]["summed_gradient"] == 4 * -(-params // 4)
+  assert summed["zero3 x4"] == 4 * -(-params // 4)
 
 
 def test_zero3_slices_are_row_rectangles_of_the_canonical_state(engine_runs):

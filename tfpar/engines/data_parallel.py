@@ -170,12 +170,19 @@ class DataParallelEngine(Engine):
     return {device: one for device in self._local_devices}
 
   def write_files(self, model_dir: str) -> None:
-    """plan.json: per replica, the predicted bytes beside the measured (`bytes_report`)."""
-    plan = {"strategy": type(self.strategy).__name__, "data_parallel": self.num_replicas,
-            "optimizer_sharding": self.cfg.parallel.optimizer_sharding,
-            "bytes_per_replica": {"measured": self.measured_bytes(),
-                                  "predicted": self.predicted_bytes()}}
-    plan_lib.write_plan_json(model_dir, plan)
+    """plan.json in ParallelPlan.write's shape (the grid's sizes; per device, the predicted
+    bytes and beside them the measured), one entry per local replica's device."""
+    predicted, measured = self.predicted_bytes(), self.measured_bytes()
+    devices = [plan_lib.device_key(d) for d in self._local_devices]
+    per_device = lambda b: {d: {"parameters": b["weights"], "optimizer": b["optimizer"]}
+                            for d in devices}
+    plan_lib.write_plan_json(model_dir, {
+        "strategy": type(self.strategy).__name__, "data_parallel": self.num_replicas,
+        "pipeline_stages": 1, "tensor_parallel": 1,
+        "optimizer_sharding": self.cfg.parallel.optimizer_sharding,
+        "summed_gradient_bytes": predicted["summed_gradient"],
+        "bytes_per_device": per_device(predicted),
+        "measured_bytes_per_device": per_device(measured)})
 
   def bytes_report(self) -> str:
     measured, predicted = self.measured_bytes(), self.predicted_bytes()

@@ -22,7 +22,7 @@ Resolution: `local` is the TPU attached to this VM (a TPU VM); NAME a Cloud
 TPU found through the Cloud TPU API (needs the VM's credentials and
 metadata server); `grpc://host:8470` a TPU worker by address (older TPU Node
 setups). Connecting to a `grpc://` address that does not answer blocks inside
-TensorFlow for a long time (we saw no return in 60 s), so tfpar first opens a
+TensorFlow with no deadline of its own, so tfpar first opens a
 TCP connection itself and fails within CONNECT_TIMEOUT seconds with one line.
 
 None of this has run on TPU hardware: see docs/strategies_ps_tpu.md.

@@ -13,7 +13,7 @@ saves or shuts down: it changes nothing, the save goes on and the status is
 75. Once the process has decided to exit 75, `stand_down` sets both signals to
 SIG_IGN: CPython's finalization (3.11, `_PySignal_Fini`) restores SIG_DFL for
 every handler Python installed and leaves SIG_IGN alone, so a SIGTERM during
-the seconds of teardown after `sys.exit` (TensorFlow's threads) used to kill a
+the seconds of teardown after `sys.exit` (TensorFlow's threads) would kill a
 process that had saved, with status 143. A second SIGINT is a person who will
 not wait for the save: a thread (woken through `signal.set_wakeup_fd`, so it
 runs even while the main thread is inside a TensorFlow call, where Python

@@ -15,7 +15,7 @@ def make_step_counter_atomic(optimizer) -> None:
   implements as `assign(self + 1)`: a read, then a write. Two workers updating
   at once both read t and both write t + 1, so the counter (and the learning
   rate schedule and Adam's bias correction that read it) falls behind the
-  updates really applied: we saw 40 scheduled steps leave it at 37. The
+  updates really applied (docs/strategies_ps_tpu.md, "Keras' step counter"). The
   slot and weight updates are not affected (the TF optimizer routes them to
   tf.Variable.assign_add/assign_sub, one AssignAddVariableOp each).
   """
