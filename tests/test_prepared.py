@@ -3,8 +3,9 @@ prepare is streaming, parallel, byte-identical and atomic, every bad set is one 
 training on a prepared set of hundreds of MB holds the memory of a tiny one.
 
 The real runs share one module fixture: a tiny prepared set and its text trained one device
-in memory and streamed (equal losses), two workers streamed to step 3 then one device resumed
-to step 6 (equal losses), and two sets of 200 and 400 MB written with numpy (peak RSS)."""
+in memory and streamed (equal losses), two workers streamed to step 3 then resumed to step 6
+on one device and, from a copy, under a pipeline of 2 stages on 2 workers (equal losses), and
+two sets of 200 and 400 MB written with numpy (peak RSS)."""
 
 import json
 import os
@@ -71,7 +72,7 @@ def runs(tiny_set, tmp_path_factory):
   """{name: model_dir} of the module's training runs, and the peak RSS of the streamed ones."""
   from concurrent.futures import ThreadPoolExecutor  # pylint: disable=import-outside-toplevel
   root = tmp_path_factory.mktemp("runs")
-  dirs = {name: str(root / name) for name in ("text", "streamed", "two", "big", "bigger")}
+  dirs = {name: str(root / name) for name in ("text", "streamed", "two", "piped", "big", "bigger")}
   sets = {}
   for name, size in (("big", 200 << 20), ("bigger", 400 << 20)):
     sets[name] = str(root / f"set_{name}")
@@ -94,9 +95,14 @@ def runs(tiny_set, tmp_path_factory):
     two.result(), text.result()
   for name, (code, _) in rss.items():
     assert code == 0, open(root / f"{name}.log").read()[-3000:]
-  resumed = run_modules([("tfpar.train", ARGS + ["--strategy=one_device", f"--data={tiny_set}",
-                                                 f"--model_dir={dirs['two']}"],
-                          {"check": True})], at_once=1)[0]
+  # From the 2-worker checkpoint at step 3: one device, and a pipeline whose 2 stages are
+  # 2 worker processes (tfpar.engines.stage_worker: each stage's worker reads its windows).
+  shutil.copytree(dirs["two"], dirs["piped"])
+  resumed, _ = run_modules([
+      ("tfpar.train", ARGS + ["--strategy=one_device", f"--data={tiny_set}",
+                              f"--model_dir={dirs['two']}"], {"check": True}),
+      ("tfpar.launch", TWO_WORKERS + ["--pipeline_stages=2", f"--data={tiny_set}",
+                                      f"--model_dir={dirs['piped']}"], {"check": True})])
   for name in sets.values():
     shutil.rmtree(name)
   return dirs, {name: peak for name, (_, peak) in rss.items()}, resumed
@@ -119,6 +125,15 @@ def test_two_streamed_workers_then_one_device_resumed_give_the_uninterrupted_los
   assert two[0]["workers"] == 2 and two[-1]["workers"] == 1
   assert f"resumed from" in resumed.stdout + resumed.stderr
   np.testing.assert_allclose(losses(dirs["two"]), losses(dirs["text"]), rtol=1e-5)
+
+
+def test_a_run_resumed_under_a_pipeline_across_workers_gives_the_uninterrupted_loss(runs):
+  dirs, _, _ = runs
+  piped = read_metrics(dirs["piped"])
+  assert [r["step"] for r in piped] == list(range(1, STEPS + 1))
+  plan = json.load(open(os.path.join(dirs["piped"], "plan.json")))
+  assert plan["pipeline_stages"] == 2 and plan["stage_workers"] == [["worker:0", "worker:1"]], plan
+  np.testing.assert_allclose(losses(dirs["piped"]), losses(dirs["text"]), rtol=1e-5)
 
 
 def test_peak_rss_does_not_grow_with_the_prepared_corpus(runs):
