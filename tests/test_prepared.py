@@ -276,7 +276,8 @@ def test_text_past_the_in_memory_limit_is_refused_with_prepare(tmp_path):
 
 def test_cli_prepares_in_parallel_byte_identically_and_refuses_bad_input(tiny_set, tmp_path):
   """--workers=2 writes the bytes one process wrote; a replaced tokenizer, an incomplete set,
-  and --out on /proc or a file are one line, exit 2, nothing written."""
+  a truncated shard under a run's existing model_dir, and --out on /proc or a file are one
+  line, exit 2, nothing written and nothing lost."""
   sp_model = str(tmp_path / "sp.model")
   tokenizer.train(corpus.list_files(TEXT), vocab_size=500, out=sp_model)
   incomplete = damaged(tiny_set, tmp_path, "incomplete")
@@ -286,12 +287,16 @@ def test_cli_prepares_in_parallel_byte_identically_and_refuses_bad_input(tiny_se
       f"sentencepiece:{sp_model}"), sp_set)
   tokenizer.train(corpus.list_files(f"{STDLIB}/a*.py"), vocab_size=500, out=sp_model)  # Replaced.
   model_dir = str(tmp_path / "run")
+  truncated, earlier_run = damaged(tiny_set, tmp_path / "t", "truncated"), tmp_path / "earlier"
+  (earlier_run / "checkpoints").mkdir(parents=True)
+  (earlier_run / "checkpoints" / "checkpoint").write_text("a run's earlier state")
   runs = run_modules([
       ("tfpar.data", ["prepare", f"--data={TEXT}", f"--out={tmp_path / 'par'}", "--workers=2",
                       "--num_shards=3"]),
       ("tfpar.train", [*TINY, f"--data={sp_set}", f"--tokenizer=sentencepiece:{sp_model}",
                        "--vocab_size=500", f"--model_dir={model_dir}"]),
       ("tfpar.train", [*TINY, f"--data={incomplete}", f"--model_dir={model_dir}"]),
+      ("tfpar.train", [*TINY, f"--data={truncated}", f"--model_dir={earlier_run}"]),
       ("tfpar.data", ["prepare", "--out=/proc/tfpar_prep"]),
       ("tfpar.data", ["prepare", f"--out={tmp_path / 'file'}"]),
   ])
@@ -300,8 +305,12 @@ def test_cli_prepares_in_parallel_byte_identically_and_refuses_bad_input(tiny_se
     assert open(os.path.join(tiny_set, name), "rb").read() == \
         open(tmp_path / "par" / name, "rb").read(), name
   for proc, words in zip(runs[1:], ["as it was then (sha256", "this prepare is incomplete",
+                                    "tokens-00001-of-00003.bin is truncated or altered",
                                     "--out=/proc/tfpar_prep cannot be written", "is a file"]):
     assert proc.returncode == 2, proc.stderr
     assert words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
   assert not os.path.exists(model_dir)
+  assert [str(p.relative_to(earlier_run)) for p in sorted(earlier_run.rglob("*"))] == [
+      "checkpoints", "checkpoints/checkpoint"]
+  assert (earlier_run / "checkpoints" / "checkpoint").read_text() == "a run's earlier state"
