@@ -7,6 +7,7 @@ in memory and streamed (equal losses), two workers streamed to step 3 then resum
 on one device and, from a copy, under a pipeline of 2 stages on 2 workers (equal losses), and
 two sets of 200 and 400 MB written with numpy (peak RSS)."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -314,3 +315,58 @@ def test_cli_prepares_in_parallel_byte_identically_and_refuses_bad_input(tiny_se
   assert [str(p.relative_to(earlier_run)) for p in sorted(earlier_run.rglob("*"))] == [
       "checkpoints", "checkpoints/checkpoint"]
   assert (earlier_run / "checkpoints" / "checkpoint").read_text() == "a run's earlier state"
+
+
+def image_batches(data, steps=6):
+  """The first `steps` batches of 2 replicas' pipelines (replica 1's), augmented (shift, flip)."""
+  from tfpar.data import augment, image_pipeline  # pylint: disable=import-outside-toplevel
+
+  def transform(example, seed):
+    example = augment.augment(example, seed, max_shift=2, flip=True)
+    return example["image"], {k: v for k, v in example.items() if k != "image"}
+
+  ds = image_pipeline.image_dataset(data, Shard(8, 2, 1, 1), transform, seed=5, start_step=3)
+  return [(x.numpy(), {k: v.numpy() for k, v in y.items()}) for x, y in ds.take(steps)]
+
+
+def test_a_prepared_image_set_streams_the_batches_of_the_set_in_memory(tmp_path):
+  """Labels, boxes and masks: the prepared set, held out and augmented as in memory, gives
+  the same batches; a damaged or mismatched set is one line."""
+  from tfpar.data import digit_canvas, image_prepared, images  # pylint: disable=import-outside-toplevel
+  from tfpar.tasks.classify import load_digits  # pylint: disable=import-outside-toplevel
+  digits = load_digits().train
+  canvases = digit_canvas.make_canvases(digit_canvas.split_digits(0, 0.2)[0], 40, canvas_size=16,
+                                        scale=1, seed=1)
+  sets = {"classify": dataclasses.replace(digits, source_ids=None),
+          "detect": images.ImageSet(canvases.images, boxes=canvases.boxes,
+                                    classes=canvases.classes),
+          "segment": images.ImageSet(canvases.images, masks=canvases.masks)}
+  for task, data in sets.items():
+    out = str(tmp_path / task)
+    image_prepared.write_images(out, data, task, num_shards=3)
+    size, channels = data.images.shape[1], data.images.shape[3]
+    stream = image_prepared.open_images(out, task, image_size=size, channels=channels,
+                                        num_classes=10 if task != "segment" else 11)
+    assert isinstance(stream, image_prepared.ImageStream) and len(stream) == len(data)
+    for want_set, got_set in zip(images.split(data, 0.25, 0), images.split(stream, 0.25, 0)):
+      for (x, y), (u, v) in zip(image_batches(want_set), image_batches(got_set)):
+        np.testing.assert_array_equal(x, u)
+        assert sorted(y) == sorted(v), task
+        for k in y:
+          np.testing.assert_array_equal(y[k], v[k], err_msg=f"{task} {k}")
+  out = str(tmp_path / "classify")
+  with pytest.raises(corpus.DataError, match="is a prepared classify set, not a detect set"):
+    image_prepared.open_images(out, "detect", image_size=8, channels=1, num_classes=10)
+  with pytest.raises(corpus.DataError, match="holds images of 8x8x1, not --image_size=16"):
+    image_prepared.open_images(out, "classify", image_size=16, channels=1, num_classes=10)
+  with pytest.raises(corpus.DataError, match="has class id 9; --num_classes=5"):
+    image_prepared.open_images(out, "classify", image_size=8, channels=1, num_classes=5)
+  shard = os.path.join(out, image_prepared.shard_name(1, 3))
+  with open(shard, "r+b") as f:
+    f.seek(10)
+    f.write(b"\xff")
+  with pytest.raises(corpus.DataError, match="examples-00001-of-00003.bin is corrupt"):
+    image_prepared.open_images(out, "classify", image_size=8, channels=1, num_classes=10)
+  os.truncate(shard, 64)
+  with pytest.raises(corpus.DataError, match="examples-00001-of-00003.bin is truncated"):
+    image_prepared.open_images(out, "classify", image_size=8, channels=1, num_classes=10)
