@@ -370,3 +370,33 @@ def test_a_prepared_image_set_streams_the_batches_of_the_set_in_memory(tmp_path)
   os.truncate(shard, 64)
   with pytest.raises(corpus.DataError, match="examples-00001-of-00003.bin is truncated"):
     image_prepared.open_images(out, "classify", image_size=8, channels=1, num_classes=10)
+
+
+def test_a_prepared_image_set_trains_to_the_losses_of_its_images_in_memory(tmp_path):
+  """The digits as TFRecords of PNGs, trained in memory and, prepared by the CLI, streamed:
+  the same losses to 1e-5 (augmented, held out by --eval_fraction alike)."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tfpar.data import image_records  # pylint: disable=import-outside-toplevel
+  from tfpar.tasks.classify import load_digits  # pylint: disable=import-outside-toplevel
+  digits = load_digits().eval
+  records = str(tmp_path / "digits.tfrecord")
+  with tf.io.TFRecordWriter(records) as writer:
+    for image, label in zip(digits.images, digits.labels):
+      writer.write(image_records.classify_example(tf.io.encode_png(image).numpy(),
+                                                  label).SerializeToString())
+  vit = ["--task=classify", "--image_size=8", "--num_channels=1", "--num_classes=10",
+         "--patch_size=2", "--num_layers=2", "--d_model=32", "--num_heads=4", "--d_ff=64",
+         "--global_batch_size=16", "--learning_rate=3e-3", "--warmup_steps=0", "--log_every=1",
+         "--steps_per_call=1", "--eval_every=0", "--eval_steps=1", "--train_steps=4",
+         "--jit_compile=false", "--max_shift=1", "--strategy=one_device"]
+  prepared_set, dirs = str(tmp_path / "prep"), {n: str(tmp_path / n) for n in ("mem", "streamed")}
+  memory, prep = run_modules([
+      ("tfpar.train", vit + [f"--data={records}", f"--model_dir={dirs['mem']}"]),
+      ("tfpar.data", ["prepare", "--task=classify", f"--data={records}", f"--out={prepared_set}",
+                      "--image_size=8", "--num_channels=1", "--num_classes=10"])])
+  assert memory.returncode == 0 and prep.returncode == 0, memory.stderr[-2000:] + prep.stderr
+  streamed = run_modules([("tfpar.train", vit + [f"--data={prepared_set}",
+                                                 f"--model_dir={dirs['streamed']}"])])[0]
+  assert streamed.returncode == 0, streamed.stderr[-3000:]
+  assert len(losses(dirs["mem"])) == 4
+  np.testing.assert_allclose(losses(dirs["streamed"]), losses(dirs["mem"]), rtol=1e-5)
