@@ -124,7 +124,7 @@ def test_two_streamed_workers_then_one_device_resumed_give_the_uninterrupted_los
   two = read_metrics(dirs["two"])
   assert [r["step"] for r in two] == list(range(1, STEPS + 1))
   assert two[0]["workers"] == 2 and two[-1]["workers"] == 1
-  assert f"resumed from" in resumed.stdout + resumed.stderr
+  assert "resumed from" in resumed.stdout + resumed.stderr
   np.testing.assert_allclose(losses(dirs["two"]), losses(dirs["text"]), rtol=1e-5)
 
 

@@ -77,12 +77,12 @@ def _prepare_images(fv) -> None:
          "to decode them at, and the classes their labels count")
   from tfpar import tasks  # pylint: disable=import-outside-toplevel
   console.import_tensorflow_quietly()
-  from tfpar.data import image_prepared  # pylint: disable=import-outside-toplevel
+  from tfpar.data import image_prepared, image_records  # pylint: disable=import-outside-toplevel
   try:
-    manifest = image_prepared.prepare_images(
-        fv.data, tasks.spec(fv.task), fv.out, image_size=fv.image_size,
-        channels=fv.num_channels, num_classes=fv.num_classes, num_shards=fv.num_shards,
-        overwrite=fv.overwrite)
+    found = image_records.read_layout(fv.data, tasks.spec(fv.task), image_size=fv.image_size,
+                                      channels=fv.num_channels, num_classes=fv.num_classes)
+    manifest = image_prepared.write_images(fv.out, found, fv.task, num_shards=fv.num_shards,
+                                           overwrite=fv.overwrite)
   except corpus.DataError as e:
     fail(str(e))
   print(f"wrote {console.count(len(manifest['shards']), 'shard')} of "

@@ -191,12 +191,3 @@ def open_images(directory: str, task: str, *, image_size: int, channels: int, nu
     raise DataError(f"--data={directory} has class id {largest}; --num_classes={num_classes} "
                     f"holds ids 0..{num_classes - 1}: pass --num_classes={largest + 1} or more")
   return stream
-
-
-def prepare_images(data: str, spec, out: str, *, image_size: int, channels: int,
-                   num_classes: int, num_shards: int = 2, overwrite: bool = False) -> dict:
-  """Reads --data with the task's reader (`spec`: tfpar.tasks.specs) and writes its set."""
-  from tfpar.data import image_records  # pylint: disable=import-outside-toplevel
-  found = image_records.read_layout(data, spec, image_size=image_size, channels=channels,
-                                    num_classes=num_classes)
-  return write_images(out, found, spec.name, num_shards=num_shards, overwrite=overwrite)
