@@ -167,6 +167,30 @@ def test_streamed_windows_are_the_in_memory_windows(tiny_set):
   np.testing.assert_array_equal(everything, text.train[:len(everything) * 32:32])
 
 
+def test_each_input_pipeline_reads_only_its_own_replicas_windows(tmp_path):
+  """A set whose window k starts with k's two bytes: over 5 steps, each of 2 workers (2
+  replicas each of 4) reads exactly its replicas' G/2 windows a step, the two share none, and
+  together they read the windows one device reads."""
+  seq_len, n = 16, 1000
+  stream = np.zeros(n * seq_len + 1, np.uint8)
+  stream[0:n * seq_len:seq_len], stream[1:n * seq_len:seq_len] = np.divmod(np.arange(n), 256)
+  prepare.write_arrays(str(tmp_path / "set"), BYTES, [stream[:-1]], num_shards=3)
+  tokens = prepared.open_set(str(tmp_path / "set"), BYTES)
+
+  def windows(shard, steps=5):
+    batches = pipeline.window_dataset(tokens, seq_len, shard, seed=4, start_step=2).take(
+        steps * shard.local_replicas)
+    return [int(x[0]) * 256 + int(x[1]) for x, _ in batches.unbatch()]
+
+  one = windows(Shard(16))
+  workers = [windows(Shard(16, 4, 2 * w, 2)) for w in range(2)]
+  assert [len(w) for w in workers] == [5 * 8, 5 * 8] and not set(workers[0]) & set(workers[1])
+  assert sorted(workers[0] + workers[1]) == sorted(one)
+  for step in range(5):  # Worker w's share of each global batch: its replicas' slices.
+    assert workers[0][step * 8:(step + 1) * 8] == one[step * 16:step * 16 + 8]
+    assert workers[1][step * 8:(step + 1) * 8] == one[step * 16 + 8:(step + 1) * 16]
+
+
 def test_a_long_line_is_tokenized_in_pieces_the_same_way_everywhere(tmp_path):
   line = ("x = 'caf\u00e9' " * 300_000).encode()  # 3.9 MB on one line, 2-byte characters
   pieces = list(corpus.pieces(line))
