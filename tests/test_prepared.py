@@ -3,9 +3,11 @@ prepare is streaming, parallel, byte-identical and atomic, every bad set is one 
 training on a prepared set of hundreds of MB holds the memory of a tiny one.
 
 The real runs share one module fixture: a tiny prepared set and its text trained one device
-in memory and streamed (equal losses), two workers streamed to step 3 then one device resumed
-to step 6 (equal losses), and two sets of 200 and 400 MB written with numpy (peak RSS)."""
+in memory and streamed (equal losses), two workers streamed to step 3 then resumed to step 6
+on one device and, from a copy, under a pipeline of 2 stages on 2 workers (equal losses), and
+two sets of 200 and 400 MB written with numpy (peak RSS)."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -71,7 +73,7 @@ def runs(tiny_set, tmp_path_factory):
   """{name: model_dir} of the module's training runs, and the peak RSS of the streamed ones."""
   from concurrent.futures import ThreadPoolExecutor  # pylint: disable=import-outside-toplevel
   root = tmp_path_factory.mktemp("runs")
-  dirs = {name: str(root / name) for name in ("text", "streamed", "two", "big", "bigger")}
+  dirs = {name: str(root / name) for name in ("text", "streamed", "two", "piped", "big", "bigger")}
   sets = {}
   for name, size in (("big", 200 << 20), ("bigger", 400 << 20)):
     sets[name] = str(root / f"set_{name}")
@@ -94,9 +96,14 @@ def runs(tiny_set, tmp_path_factory):
     two.result(), text.result()
   for name, (code, _) in rss.items():
     assert code == 0, open(root / f"{name}.log").read()[-3000:]
-  resumed = run_modules([("tfpar.train", ARGS + ["--strategy=one_device", f"--data={tiny_set}",
-                                                 f"--model_dir={dirs['two']}"],
-                          {"check": True})], at_once=1)[0]
+  # From the 2-worker checkpoint at step 3: one device, and a pipeline whose 2 stages are
+  # 2 worker processes (tfpar.engines.stage_worker: each stage's worker reads its windows).
+  shutil.copytree(dirs["two"], dirs["piped"])
+  resumed, _ = run_modules([
+      ("tfpar.train", ARGS + ["--strategy=one_device", f"--data={tiny_set}",
+                              f"--model_dir={dirs['two']}"], {"check": True}),
+      ("tfpar.launch", TWO_WORKERS + ["--pipeline_stages=2", f"--data={tiny_set}",
+                                      f"--model_dir={dirs['piped']}"], {"check": True})])
   for name in sets.values():
     shutil.rmtree(name)
   return dirs, {name: peak for name, (_, peak) in rss.items()}, resumed
@@ -117,8 +124,17 @@ def test_two_streamed_workers_then_one_device_resumed_give_the_uninterrupted_los
   two = read_metrics(dirs["two"])
   assert [r["step"] for r in two] == list(range(1, STEPS + 1))
   assert two[0]["workers"] == 2 and two[-1]["workers"] == 1
-  assert f"resumed from" in resumed.stdout + resumed.stderr
+  assert "resumed from" in resumed.stdout + resumed.stderr
   np.testing.assert_allclose(losses(dirs["two"]), losses(dirs["text"]), rtol=1e-5)
+
+
+def test_a_run_resumed_under_a_pipeline_across_workers_gives_the_uninterrupted_loss(runs):
+  dirs, _, _ = runs
+  piped = read_metrics(dirs["piped"])
+  assert [r["step"] for r in piped] == list(range(1, STEPS + 1))
+  plan = json.load(open(os.path.join(dirs["piped"], "plan.json")))
+  assert plan["pipeline_stages"] == 2 and plan["stage_workers"] == [["worker:0", "worker:1"]], plan
+  np.testing.assert_allclose(losses(dirs["piped"]), losses(dirs["text"]), rtol=1e-5)
 
 
 def test_peak_rss_does_not_grow_with_the_prepared_corpus(runs):
@@ -149,6 +165,30 @@ def test_streamed_windows_are_the_in_memory_windows(tiny_set):
   everything = np.concatenate([x.numpy()[:, 0] for x, _ in pipeline.window_dataset(
       streamed.train, 32, Shard(64), seed=0, shuffle=False).take(len(text.train) // 32 // 64)])
   np.testing.assert_array_equal(everything, text.train[:len(everything) * 32:32])
+
+
+def test_each_input_pipeline_reads_only_its_own_replicas_windows(tmp_path):
+  """A set whose window k starts with k's two bytes: over 5 steps, each of 2 workers (2
+  replicas each of 4) reads exactly its replicas' G/2 windows a step, the two share none, and
+  together they read the windows one device reads."""
+  seq_len, n = 16, 1000
+  stream = np.zeros(n * seq_len + 1, np.uint8)
+  stream[0:n * seq_len:seq_len], stream[1:n * seq_len:seq_len] = np.divmod(np.arange(n), 256)
+  prepare.write_arrays(str(tmp_path / "set"), BYTES, [stream[:-1]], num_shards=3)
+  tokens = prepared.open_set(str(tmp_path / "set"), BYTES)
+
+  def windows(shard, steps=5):
+    batches = pipeline.window_dataset(tokens, seq_len, shard, seed=4, start_step=2).take(
+        steps * shard.local_replicas)
+    return [int(x[0]) * 256 + int(x[1]) for x, _ in batches.unbatch()]
+
+  one = windows(Shard(16))
+  workers = [windows(Shard(16, 4, 2 * w, 2)) for w in range(2)]
+  assert [len(w) for w in workers] == [5 * 8, 5 * 8] and not set(workers[0]) & set(workers[1])
+  assert sorted(workers[0] + workers[1]) == sorted(one)
+  for step in range(5):  # Worker w's share of each global batch: its replicas' slices.
+    assert workers[0][step * 8:(step + 1) * 8] == one[step * 16:step * 16 + 8]
+    assert workers[1][step * 8:(step + 1) * 8] == one[step * 16 + 8:(step + 1) * 16]
 
 
 def test_a_long_line_is_tokenized_in_pieces_the_same_way_everywhere(tmp_path):
@@ -261,7 +301,8 @@ def test_text_past_the_in_memory_limit_is_refused_with_prepare(tmp_path):
 
 def test_cli_prepares_in_parallel_byte_identically_and_refuses_bad_input(tiny_set, tmp_path):
   """--workers=2 writes the bytes one process wrote; a replaced tokenizer, an incomplete set,
-  and --out on /proc or a file are one line, exit 2, nothing written."""
+  a truncated shard under a run's existing model_dir, and --out on /proc or a file are one
+  line, exit 2, nothing written and nothing lost."""
   sp_model = str(tmp_path / "sp.model")
   tokenizer.train(corpus.list_files(TEXT), vocab_size=500, out=sp_model)
   incomplete = damaged(tiny_set, tmp_path, "incomplete")
@@ -271,12 +312,16 @@ def test_cli_prepares_in_parallel_byte_identically_and_refuses_bad_input(tiny_se
       f"sentencepiece:{sp_model}"), sp_set)
   tokenizer.train(corpus.list_files(f"{STDLIB}/a*.py"), vocab_size=500, out=sp_model)  # Replaced.
   model_dir = str(tmp_path / "run")
+  truncated, earlier_run = damaged(tiny_set, tmp_path / "t", "truncated"), tmp_path / "earlier"
+  (earlier_run / "checkpoints").mkdir(parents=True)
+  (earlier_run / "checkpoints" / "checkpoint").write_text("a run's earlier state")
   runs = run_modules([
       ("tfpar.data", ["prepare", f"--data={TEXT}", f"--out={tmp_path / 'par'}", "--workers=2",
                       "--num_shards=3"]),
       ("tfpar.train", [*TINY, f"--data={sp_set}", f"--tokenizer=sentencepiece:{sp_model}",
                        "--vocab_size=500", f"--model_dir={model_dir}"]),
       ("tfpar.train", [*TINY, f"--data={incomplete}", f"--model_dir={model_dir}"]),
+      ("tfpar.train", [*TINY, f"--data={truncated}", f"--model_dir={earlier_run}"]),
       ("tfpar.data", ["prepare", "--out=/proc/tfpar_prep"]),
       ("tfpar.data", ["prepare", f"--out={tmp_path / 'file'}"]),
   ])
@@ -285,8 +330,97 @@ def test_cli_prepares_in_parallel_byte_identically_and_refuses_bad_input(tiny_se
     assert open(os.path.join(tiny_set, name), "rb").read() == \
         open(tmp_path / "par" / name, "rb").read(), name
   for proc, words in zip(runs[1:], ["as it was then (sha256", "this prepare is incomplete",
+                                    "tokens-00001-of-00003.bin is truncated or altered",
                                     "--out=/proc/tfpar_prep cannot be written", "is a file"]):
     assert proc.returncode == 2, proc.stderr
     assert words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
   assert not os.path.exists(model_dir)
+  assert [str(p.relative_to(earlier_run)) for p in sorted(earlier_run.rglob("*"))] == [
+      "checkpoints", "checkpoints/checkpoint"]
+  assert (earlier_run / "checkpoints" / "checkpoint").read_text() == "a run's earlier state"
+
+
+def image_batches(data, steps=6):
+  """The first `steps` batches of 2 replicas' pipelines (replica 1's), augmented (shift, flip)."""
+  from tfpar.data import augment, image_pipeline  # pylint: disable=import-outside-toplevel
+
+  def transform(example, seed):
+    example = augment.augment(example, seed, max_shift=2, flip=True)
+    return example["image"], {k: v for k, v in example.items() if k != "image"}
+
+  ds = image_pipeline.image_dataset(data, Shard(8, 2, 1, 1), transform, seed=5, start_step=3)
+  return [(x.numpy(), {k: v.numpy() for k, v in y.items()}) for x, y in ds.take(steps)]
+
+
+def test_a_prepared_image_set_streams_the_batches_of_the_set_in_memory(tmp_path):
+  """Labels, boxes and masks: the prepared set, held out and augmented as in memory, gives
+  the same batches; a damaged or mismatched set is one line."""
+  from tfpar.data import digit_canvas, image_prepared, images  # pylint: disable=import-outside-toplevel
+  from tfpar.tasks.classify import load_digits  # pylint: disable=import-outside-toplevel
+  digits = load_digits().train
+  canvases = digit_canvas.make_canvases(digit_canvas.split_digits(0, 0.2)[0], 40, canvas_size=16,
+                                        scale=1, seed=1)
+  sets = {"classify": dataclasses.replace(digits, source_ids=None),
+          "detect": images.ImageSet(canvases.images, boxes=canvases.boxes,
+                                    classes=canvases.classes),
+          "segment": images.ImageSet(canvases.images, masks=canvases.masks)}
+  for task, data in sets.items():
+    out = str(tmp_path / task)
+    image_prepared.write_images(out, data, task, num_shards=3)
+    size, channels = data.images.shape[1], data.images.shape[3]
+    stream = image_prepared.open_images(out, task, image_size=size, channels=channels,
+                                        num_classes=10 if task != "segment" else 11)
+    assert isinstance(stream, image_prepared.ImageStream) and len(stream) == len(data)
+    for want_set, got_set in zip(images.split(data, 0.25, 0), images.split(stream, 0.25, 0)):
+      for (x, y), (u, v) in zip(image_batches(want_set), image_batches(got_set)):
+        np.testing.assert_array_equal(x, u)
+        assert sorted(y) == sorted(v), task
+        for k in y:
+          np.testing.assert_array_equal(y[k], v[k], err_msg=f"{task} {k}")
+  out = str(tmp_path / "classify")
+  with pytest.raises(corpus.DataError, match="is a prepared classify set, not a detect set"):
+    image_prepared.open_images(out, "detect", image_size=8, channels=1, num_classes=10)
+  with pytest.raises(corpus.DataError, match="holds images of 8x8x1, not --image_size=16"):
+    image_prepared.open_images(out, "classify", image_size=16, channels=1, num_classes=10)
+  with pytest.raises(corpus.DataError, match="has class id 9; --num_classes=5"):
+    image_prepared.open_images(out, "classify", image_size=8, channels=1, num_classes=5)
+  shard = os.path.join(out, image_prepared.shard_name(1, 3))
+  with open(shard, "r+b") as f:
+    f.seek(10)
+    f.write(b"\xff")
+  with pytest.raises(corpus.DataError, match="examples-00001-of-00003.bin is corrupt"):
+    image_prepared.open_images(out, "classify", image_size=8, channels=1, num_classes=10)
+  os.truncate(shard, 64)
+  with pytest.raises(corpus.DataError, match="examples-00001-of-00003.bin is truncated"):
+    image_prepared.open_images(out, "classify", image_size=8, channels=1, num_classes=10)
+
+
+def test_a_prepared_image_set_trains_to_the_losses_of_its_images_in_memory(tmp_path):
+  """The digits as TFRecords of PNGs, trained in memory and, prepared by the CLI, streamed:
+  the same losses to 1e-5 (augmented, held out by --eval_fraction alike)."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tfpar.data import image_records  # pylint: disable=import-outside-toplevel
+  from tfpar.tasks.classify import load_digits  # pylint: disable=import-outside-toplevel
+  digits = load_digits().eval
+  records = str(tmp_path / "digits.tfrecord")
+  with tf.io.TFRecordWriter(records) as writer:
+    for image, label in zip(digits.images, digits.labels):
+      writer.write(image_records.classify_example(tf.io.encode_png(image).numpy(),
+                                                  label).SerializeToString())
+  vit = ["--task=classify", "--image_size=8", "--num_channels=1", "--num_classes=10",
+         "--patch_size=2", "--num_layers=2", "--d_model=32", "--num_heads=4", "--d_ff=64",
+         "--global_batch_size=16", "--learning_rate=3e-3", "--warmup_steps=0", "--log_every=1",
+         "--steps_per_call=1", "--eval_every=0", "--eval_steps=1", "--train_steps=4",
+         "--jit_compile=false", "--max_shift=1", "--strategy=one_device"]
+  prepared_set, dirs = str(tmp_path / "prep"), {n: str(tmp_path / n) for n in ("mem", "streamed")}
+  memory, prep = run_modules([
+      ("tfpar.train", vit + [f"--data={records}", f"--model_dir={dirs['mem']}"]),
+      ("tfpar.data", ["prepare", "--task=classify", f"--data={records}", f"--out={prepared_set}",
+                      "--image_size=8", "--num_channels=1", "--num_classes=10"])])
+  assert memory.returncode == 0 and prep.returncode == 0, memory.stderr[-2000:] + prep.stderr
+  streamed = run_modules([("tfpar.train", vit + [f"--data={prepared_set}",
+                                                 f"--model_dir={dirs['streamed']}"])])[0]
+  assert streamed.returncode == 0, streamed.stderr[-3000:]
+  assert len(losses(dirs["mem"])) == 4
+  np.testing.assert_allclose(losses(dirs["streamed"]), losses(dirs["mem"]), rtol=1e-5)

@@ -2,6 +2,8 @@
 
     python -m tfpar.data prepare --data='corpus/*.txt' --out=/data/prep --workers=8
         [--tokenizer=sentencepiece:sp.model] [--num_shards=4] [--overwrite]
+    python -m tfpar.data prepare --task=classify|detect|segment --data=IMAGES --out=DIR
+        --image_size=S --num_channels=C --num_classes=N [--num_shards=4] [--overwrite]
 
 Training then streams the ids the set holds (--data=DIR) instead of tokenizing
 on every start (docs/data.md). Bad input ends with one line on stderr and exit status 2.
@@ -33,6 +35,13 @@ def main(argv: Sequence[str]) -> None:
   flags.DEFINE_integer("num_shards", 4, "Shard files to write (equal token counts).",
                        flag_values=fv)
   flags.DEFINE_integer("workers", 1, "Processes tokenizing files in parallel.", flag_values=fv)
+  flags.DEFINE_enum("task", "lm", ["lm", "classify", "detect", "segment"], "lm: tokenize text; "
+                    "a vision task: its images (--data in the layouts tfpar.train reads for it) "
+                    "decoded at --image_size with their labels (tfpar.data.image_prepared).",
+                    flag_values=fv)
+  flags.DEFINE_integer("image_size", None, "Vision tasks: as tfpar.train's.", flag_values=fv)
+  flags.DEFINE_integer("num_channels", 3, "Vision tasks: as tfpar.train's.", flag_values=fv)
+  flags.DEFINE_integer("num_classes", None, "Vision tasks: as tfpar.train's.", flag_values=fv)
   flags.DEFINE_bool("overwrite", False, "Replace a non-empty --out (once the new set is "
                     "complete).", flag_values=fv)
 
@@ -46,6 +55,8 @@ def main(argv: Sequence[str]) -> None:
     fail(f"--num_shards={fv.num_shards} must be >= 1")
   if fv.workers < 1:
     fail(f"--workers={fv.workers} must be >= 1")
+  if fv.task != "lm":
+    return _prepare_images(fv)
   console.import_tensorflow_quietly()
   try:
     tok = tokenizer_lib.load(fv.tokenizer)
@@ -57,6 +68,25 @@ def main(argv: Sequence[str]) -> None:
   print(f"wrote {console.count(len(manifest['shards']), 'shard')} of {manifest['dtype']} ids, "
         f"{manifest['tokens']:,} tokens of {manifest['documents']:,} documents, to {fv.out} "
         f"({tok.spec})", flush=True)
+
+
+def _prepare_images(fv) -> None:
+  """A vision task's images and labels as a prepared image set."""
+  if not (fv.data and fv.image_size and fv.num_classes):
+    fail(f"--task={fv.task} needs --data, --image_size and --num_classes: the images, the size "
+         "to decode them at, and the classes their labels count")
+  from tfpar import tasks  # pylint: disable=import-outside-toplevel
+  console.import_tensorflow_quietly()
+  from tfpar.data import image_prepared, image_records  # pylint: disable=import-outside-toplevel
+  try:
+    found = image_records.read_layout(fv.data, tasks.spec(fv.task), image_size=fv.image_size,
+                                      channels=fv.num_channels, num_classes=fv.num_classes)
+    manifest = image_prepared.write_images(fv.out, found, fv.task, num_shards=fv.num_shards,
+                                           overwrite=fv.overwrite)
+  except corpus.DataError as e:
+    fail(str(e))
+  print(f"wrote {console.count(len(manifest['shards']), 'shard')} of "
+        f"{manifest['examples']:,} {fv.task} examples to {fv.out}", flush=True)
 
 
 if __name__ == "__main__":

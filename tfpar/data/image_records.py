@@ -167,8 +167,12 @@ def read_tfrecords(files: Sequence[str], labels: Format, *, image_size: int, cha
 
 def read_layout(data: str, spec, **kwargs) -> ImageSet:
   """Reads --data in the layout of a task's spec (tfpar.tasks.specs.VisionSpec): a directory,
-  TFRecord shards, or the one file its layout has (a COCO JSON)."""
+  TFRecord shards, or the one file its layout has (a COCO JSON); a prepared image set is
+  opened as an ImageStream (tfpar.data.image_prepared), which training streams."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tfpar.data import image_prepared  # pylint: disable=import-outside-toplevel
+  if tf.io.gfile.isdir(data) and image_prepared.is_image_set(data):
+    return image_prepared.open_images(data, spec.name, **kwargs)  # Streamed, not read.
   if tf.io.gfile.isdir(data):
     return spec.read_directory(data, **kwargs)
   files = sorted(tf.io.gfile.glob(data))

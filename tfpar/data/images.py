@@ -13,6 +13,7 @@ label be checked once before training starts.
 | a COCO instances `*.json` | detect | `images`, `annotations` (`bbox` = [x, y, width, height] in pixels), `categories`; `file_name` relative to the JSON's directory |
 | a directory with `images/` and `masks/` | segment | `images/NAME.png|jpg` with `masks/NAME.png`; a mask pixel is its class id (0 background; palette PNGs read by index) |
 | TFRecord shards | any | see `tfpar.data.image_records` |
+| a prepared image set (`python -m tfpar.data prepare --task=...`) | its task | streamed, not read into memory: `tfpar.data.image_prepared` |
 
 Bad data (an empty or unreadable folder, a class id outside --num_classes, a
 COCO box outside its image, a COCO entry without a field tfpar reads or with
@@ -58,6 +59,10 @@ class ImageSet:
 
   def __len__(self):
     return len(self.images)
+
+  @property
+  def image_shape(self) -> Tuple[int, ...]:
+    return tuple(self.images.shape[1:])
 
   def take(self, index: np.ndarray) -> "ImageSet":
     """The examples at `index` (a subset, in that order)."""

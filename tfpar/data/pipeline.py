@@ -171,7 +171,9 @@ def window_dataset(tokens, seq_len: int, shard: Shard, *, seed: int,
     dtype = tf.as_dtype(tokens.dtype)
     ds = ds.unbatch().interleave(_read_windows(tokens, seq_len), cycle_length=8,
                                  num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    ds = ds.batch(shard.per_replica_batch).map(
+    # drop_remainder: the stream is endless, and a static batch size is what a pipeline's
+    # micro-batch split and its stages' transfers are shaped by.
+    ds = ds.batch(shard.per_replica_batch, drop_remainder=True).map(
         lambda raw: split(tf.io.decode_raw(raw, dtype, little_endian=True)),
         num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   else:

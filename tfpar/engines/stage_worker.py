@@ -28,9 +28,10 @@ The step on worker w, in the plan's schedule (GPipe, 1F1B, interleaved):
      (--on_nonfinite=skip) alike;
   5. its AdamW update of its own weights.
 
-Input: copy d's workers iterate slice d of D of every global batch (the data
-position follows from the step); the first stage's worker feeds the inputs,
-the last the targets. The chief logs, writes plan.json and checkpoints.
+Input: copy d's first and last stages' workers iterate slice d of D of every
+global batch (the data position follows from the step); the first stage's
+worker feeds the inputs, the last the targets; a middle stage's worker reads
+no data. The chief logs, writes plan.json and checkpoints.
 
 Checkpoints stay canonical (tfpar.training.checkpoint): this process's layout
 holds every entry of the model at full shape; reading one gathers the whole
@@ -144,11 +145,17 @@ class StageWorkerEngine(Engine):
     return None  # Each worker iterates its copy's slice of the global batches (`_dataset`).
 
   def _dataset(self, split, start_step: int, shuffle: bool):
-    """Copy d's slice d of D of every global batch (the same for each of its workers)."""
+    """Copy d's slice d of D of every global batch, read by its first and last stages' workers
+    (the inputs' and the targets' windows); a middle stage's worker, whose units take
+    activations, reads nothing: zeros of the batch's shape."""
     d = self.num_replicas
     ctx = tf.distribute.InputContext(d, self.copy, d)
     shard = pipeline.shard_for_pipeline(ctx, self.cfg.train.global_batch_size)
-    return self.task.dataset(split, shard, start_step=start_step, shuffle=shuffle)
+    ds = self.task.dataset(split, shard, start_step=start_step, shuffle=shuffle)
+    if self.worker_index in (self.first, self.last):
+      return ds
+    return tf.data.Dataset.from_tensors(tf.nest.map_structure(
+        lambda s: tf.zeros(s.shape, s.dtype), ds.element_spec)).repeat()
 
   def _initialise_like_one_device(self, device):
     """This worker's weights as one device initialises them, and the whole model's canonical

@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar import families, tasks
-from tfpar.data import augment, digit_canvas, images, pipeline
+from tfpar.data import augment, digit_canvas, image_pipeline, images
 from tfpar.tasks.task import Task, cross_entropy
 
 DIGITS_SPLIT_SEED = 0  # The digits' held-out split never moves.
@@ -94,7 +94,7 @@ class Classification(Task):
     return data, "data"  # In memory: every worker reads its slice of each global batch.
 
   def describe_data(self, data) -> str:
-    shape = "x".join(map(str, data.train.images.shape[1:]))
+    shape = "x".join(map(str, data.train.image_shape))
     return (f"{data.source}, {len(data.train):,} train / {len(data.eval):,} held-out images "
             f"of {shape}")
 
@@ -102,27 +102,18 @@ class Classification(Task):
     return data.train.class_names  # The class folders' names (none for the digits).
 
   def dataset(self, split, shard, *, start_step: int = 0, shuffle: bool = True):
-    seed, n, d = self.cfg.train.seed, len(split), self.cfg.data
-    pixels, labels = tf.constant(split.images), tf.constant(split.labels)
+    d = self.cfg.data
     augmented = shuffle and (d.max_shift > 0 or d.random_flip)
 
-    def example(position):
-      i = pipeline.index_at(position, n, seed=seed, shuffle=shuffle)
-      image = tf.cast(pixels[i], tf.float32) / 255.0  # [S, S, C] in [0, 1]
+    def transform(example, seeds):
+      image = example["image"]  # [S, S, C] in [0, 1]
       if augmented:
-        seeds = tf.stack([tf.constant(seed, tf.int64), position])
         image = augment.augment({"image": image}, seeds, max_shift=d.max_shift,
                                 flip=d.random_flip)["image"]
-      return image, {"label": labels[i], "index": i}
+      return image, {"label": example["label"], "index": example["index"]}
 
-    ds = pipeline.sample_positions(shard, start_step=start_step).unbatch()
-    ds = ds.map(example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    ds = ds.batch(shard.per_replica_batch, drop_remainder=True)
-    options = tf.data.Options()
-    options.deterministic = True
-    # We shard by construction (tfpar.data.pipeline): tell tf.distribute not to.
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
+    return image_pipeline.image_dataset(split, shard, transform, seed=self.cfg.train.seed,
+                                        start_step=start_step, shuffle=shuffle)
 
   # --- loss and metrics ------------------------------------------------------------
   def loss(self, outputs, targets):

@@ -89,7 +89,7 @@ class DenseVisionTask(Task):
     return data, "data"  # In memory: every worker reads its slice of each global batch.
 
   def describe_data(self, data) -> str:
-    shape = "x".join(map(str, data.train.images.shape[1:]))
+    shape = "x".join(map(str, data.train.image_shape))
     return (f"{data.source}, {len(data.train):,} train / {len(data.eval):,} held-out images "
             f"of {shape}")
 
