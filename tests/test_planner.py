@@ -547,8 +547,44 @@ PLAN_ERRORS = [
     (["--train_tokens=-5"], "--train_tokens=-5 must be positive"),
     (["--pipeline_stages=2", "--pipeline_schedule=interleaved", "--virtual_stages=3"],
      "interleaved needs K x --virtual_stages to divide --num_layers"),
-    (["--tensor_parallel=16", "--num_heads=16", "--d_ff=64"], "sit in one node"),
+    (["--tensor_parallel=16", "--num_heads=16", "--d_ff=64"],
+     "a tensor-parallel group sits in one node"),
 ]
+
+# A refused plan names the one rule it breaks (and the fix), not the list of every rule:
+# (flags on a100-80gb:8 with gpt_tiny's 4 blocks, 4 heads, batch 16; the rule's words).
+RULES = {
+    "heads": "T divides --num_heads", "node": "a tensor-parallel group sits in one node",
+    "layers": "K <= --num_layers", "devices": "D x K x T uses every device",
+    "batch": "D divides the batch", "micro": "M divides the per-replica batch",
+    "interleaved": "interleaved needs", "zero": "optimizer sharding needs D > 1",
+    "zero3": "zero3 runs whole data-parallel replicas"}
+REFUSALS = [
+    (["--tensor_parallel=3"], "heads", "use one of 1, 2, 4"),
+    (["--pipeline_stages=5"], "layers", "use at most 4"),
+    (["--data_parallel=2", "--pipeline_stages=2", "--tensor_parallel=4"], "devices",
+     "2 x 2 x 4 = 16, not the 8"),
+    (["--data_parallel=3"], "devices", "--data_parallel = 3 does not divide the 8 devices"),
+    (["--data_parallel=8", "--global_batch_size=12"], "batch", "use a multiple of 8"),
+    (["--data_parallel=2", "--microbatches=3"], "micro", "use one of 1, 2, 4, 8"),
+    (["--pipeline_stages=4", "--virtual_stages=2"], "interleaved", "4 x 2 does not"),
+    (["--data_parallel=1", "--optimizer_sharding=zero1"], "zero", "drop it"),
+    (["--optimizer_sharding=zero3", "--pipeline_stages=2"], "zero3", "drop --pipeline_stages"),
+]
+
+
+@pytest.mark.parametrize("args, rule, fix", REFUSALS)
+def test_a_refusal_names_the_rule_that_failed_and_its_fix(args, rule, fix):
+  from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
+  from tfpar.config import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+  from tfpar.cli import plan as plan_cli  # pylint: disable=import-outside-toplevel
+  fv = tfpar_flags.define_plan_flags(absl_flags.FlagValues())
+  fv(["plan", "--flagfile=configs/gpt_tiny.flags", "--cluster=a100-80gb:8"] + args)
+  with pytest.raises(plan_cli.PlanError) as error:
+    plan_cli.answer(fv)
+  line = str(error.value)
+  assert "\n" not in line and RULES[rule] in line and fix in line, line
+  assert not [other for name, other in RULES.items() if name != rule and other in line], line
 
 
 @pytest.mark.parametrize("args, words", PLAN_ERRORS)
@@ -667,7 +703,8 @@ BAD_INPUT = [
     (["--cluster=cpu:4", "--system=megatron", "--optimizer_sharding=zero2"],
      ["--optimizer_sharding=zero2 is not in --system=megatron's", "none, zero1"]),
     (["--cluster=cpu:4", "--optimizer_sharding=zero1", "--precision=mixed_float16"],
-     ["--optimizer_sharding=zero1 cannot use", "no mixed_float16"]),
+     ["optimizer sharding needs no mixed_float16",
+      "--optimizer_sharding=zero1 with --precision=mixed_float16"]),
     (["--cluster=cpu:4", "--dropout=0.1", "--remat"],
      ["--remat=full with --dropout=0.1", "tfpar.train refuses it", "--remat=selective"]),
 ]

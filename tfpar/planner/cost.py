@@ -98,7 +98,10 @@ class System:
     schedules: the pipeline schedules it runs (the search tries each); the first
       is the one a plan that names none gets.
     vocab_parallel: embedding and logits split over the T shards.
-    uniform_stages: L/K blocks per stage (K must divide L); else balanced by parameters.
+    uniform_stages: L/K blocks per stage; else balanced by parameters. Where K does not
+      divide L (Megatron-LM refuses it; Megatron-DeepSpeed runs it), stage sizes differ by
+      one block, the smaller stages at the ends (tfpar.layout.placement.even_stages): the
+      search tries only K dividing L, a given K is evaluated so.
     scatter_gather: a stage boundary sends 1/T of the activation from each of the T
       shards and all-gathers it inside the node (Narayanan et al. 2021, section 4.1);
       else one device sends all of it.
@@ -256,8 +259,8 @@ def stages(m: ModelConfig, k: int, t: int, system: System, uniform: bool = False
 def _stages(m: ModelConfig, k: int, t: int, system_name: str, uniform: bool) -> Stages:
   system = SYSTEMS[system_name]
   c = plan_lib.count_params(m, t)
-  if uniform:
-    blocks = np.full(k, m.num_layers // k)
+  if uniform:  # L/K each; sizes differing by one where K does not divide L.
+    blocks = np.array(plan_lib.even_stages(m.num_layers, k))
   else:
     blocks = np.array(plan_lib.balance_stages(m.num_layers, k, c.block, c.embedding, c.head))
   params = blocks * (c.block_shard + c.block_unsplit)
