@@ -208,7 +208,11 @@ def refusal(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost.Sy
   node = f"nodes of {dpn}" if n > dpn else f"{n} devices"
 
   def divisors_of(x, most=None):
-    return ", ".join(str(i) for i in divisors(x) if most is None or i <= most)
+    """x's divisors (up to `most`), the first 12 of them."""
+    small = [i for i in range(1, math.isqrt(x) + 1) if x % i == 0]
+    found = sorted(set(small + [x // i for i in small]))
+    found = [i for i in found if most is None or i <= most]
+    return ", ".join(str(i) for i in found[:12]) + (", ..." if len(found) > 12 else "")
 
   def first_broken():
     if t is not None:
