@@ -35,18 +35,24 @@ selective recompute q (0 or 1), optimizer sharding none, zero1, zero2 or zero3:
                                 interleaved (2(K-k-1) + (v-1)K + 1) / v  (Narayanan et al. 2021)
   pipeline bubble:              (K - 1) / (v M + K - 1) of the step, v = 1 unless interleaved
   stage-boundary send (per micro-batch, forward and backward, v times when interleaved):
-                                b s h act bytes on the inter-node link once K T spans nodes
+                                b s h act bytes on the inter-node link once K T spans nodes;
+                                2 transfers per micro-batch on the critical path, 4 under
+                                DeepSpeed's blocking pipeline instructions
   ring all-reduce of n bytes over p devices:  2 (p-1)/p n / bw + 2 (p-1) latency
   data parallel:                the ring all-reduce of the busiest device's gradient over the
                                 D replicas (tfpar sharded: and an all-gather of its new weights);
-                                tfpar's D copies of a replica spanning nodes run in one program
-                                and sum by placement instead (`in_program_seconds`); zero3:
+                                a tfpar replica spanning nodes runs one program per worker, its
+                                copies all-reduced by collective, the tied embedding summed
+                                between the first and last stage; under zero1/zero2 its D copies
+                                still run in the chief's program, summed by placement
+                                (`in_program_seconds`); zero3:
                                 each of the L + 2 parts all-gathers its weights in the forward
                                 and again in the backward and all-reduces its gradient
                                 (`zero3_seconds`)
   compute efficiency:           e_max / (1 + w/(h/T) + r0/(b s))    (constants fitted)
 
-Two Systems share the physics and differ in layout: "tfpar" is what tfpar
+Three Systems share the physics and differ in layout (the third, Megatron-DeepSpeed,
+for the published runs of tfpar.planner.megatron): "tfpar" is what tfpar
 runs (the embedding, tied output projection and LayerNorms unsplit on a
 stage's first device; stages balanced by parameters, L/(K v) blocks per chunk
 when interleaved; float32 variables), "megatron" is Megatron-LM as in
