@@ -118,9 +118,11 @@ class System:
       plans only, every block recomputed).
     sharding_with_float16: whether it shards the optimizer under mixed_float16 (tfpar: no,
       its loss scaling is not sharded).
-    copies_in_one_program: a replica whose K x T devices span nodes runs its D copies in
-      one program (tfpar: stages on different workers, every copy in the chief's program),
-      which sums by placement, not collectives (`in_program_seconds`); else collectives.
+    copies_in_one_program: tfpar's runtime for a replica whose K x T devices span nodes:
+      one program per worker (its copies all-reduced by collective, the last stage's worker
+      holding its own copy of the tied embedding), except under zero1 and zero2, whose D
+      copies run in the chief's one program, summed by placement (`in_program_seconds`);
+      else (Megatron) collectives everywhere.
     sharding_all_reduces: a sharded step all-reduces the gradient and then all-gathers
       the new weights (tfpar: ReplicaContext has no reduce-scatter); else it
       reduce-scatters and all-gathers, the bytes of one all-reduce.
