@@ -2,6 +2,7 @@
 
   python scripts/planner_table.py          # the table (Narayanan et al. 2021, Table 1)
   python scripts/planner_table.py --fit    # re-fit the efficiency constants (grid search)
+  python scripts/planner_table.py --published  # runs outside the fit: MT-NLG 530B, BLOOM 176B
 
 For every row the planner evaluates the published D x K x T with full
 recompute (it picks the micro-batch size), predicts per-GPU TFLOP/s as the
@@ -14,7 +15,7 @@ import sys
 
 import numpy as np
 
-from tfpar.planner import clusters, megatron
+from tfpar.planner import clusters, cost, megatron
 
 
 def fit():
@@ -36,6 +37,14 @@ def fit():
 def main(argv):
   if "--fit" in argv:
     fit()
+    return
+  if "--published" in argv:
+    print("Published runs the constants were not fitted to, each its own layout under "
+          "Megatron-DeepSpeed's pipeline (tfpar.planner.cost.MEGATRON_DEEPSPEED), and under "
+          "Megatron-LM's (cost.MEGATRON) for comparison:\n")
+    print(megatron.published_table())
+    print()
+    print(megatron.published_table(cost.MEGATRON))
     return
   print(f"A100 80 GB ({clusters.BUILT_IN['a100-80gb']['peak_flops']['float16'] / 1e12:.0f} "
         f"TFLOP/s fp16), efficiency constants {clusters.Efficiency()}:\n")

@@ -83,20 +83,8 @@ def plan(m, cluster, *, global_batch, precision, system, fixed) -> search.Ranked
   """Searches (or evaluates the fixed plan); raises PlanError when nothing can run or fit."""
   start = time.perf_counter()
   plans = search.candidates(m, cluster, global_batch, system, precision=precision, **fixed)
-  if not len(plans):
-    given = {k: v for k, v in fixed.items() if v is not None}
-    what = ", ".join(f"--{k}={v}" for k, v in given.items()) or "any plan"
-    raise PlanError(
-        f"{what} cannot use the {console.count(cluster.devices, 'device')} of {cluster.name} with "
-        f"--global_batch_size={global_batch}: D x K x T must equal the devices, D divide the "
-        "batch, T divide --num_heads and --d_ff and sit in one node, K <= --num_layers; "
-        "interleaved needs K x --virtual_stages to divide --num_layers and K the micro-batches"
-        + ("; optimizer sharding needs D > 1" + (
-            " and no mixed_float16 in tfpar"
-            if system is cost.TFPAR else "")
-           if fixed.get("optimizer_sharding") not in (None, "none") else "")
-        + (" (tfpar runs only data parallelism on TPUs)" if cluster.kind == "tpu" and
-           system is cost.TFPAR else ""))
+  if not len(plans):  # The first rule the fixed values break, and its fix.
+    raise PlanError(search.refusal(m, cluster, global_batch, system, fixed, precision))
   ranked = search.rank(m, cluster, plans, global_batch=global_batch, precision=precision,
                        system=system)
   if not ranked.results["fits"].any():

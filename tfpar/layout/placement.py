@@ -135,6 +135,19 @@ def balance_stages(num_layers: int, stages: int, block: int, first_extra: int,
   return tuple(int(c) for c in reversed(counts))
 
 
+def even_stages(num_layers: int, stages: int) -> Tuple[int, ...]:
+  """Blocks per stage differing by at most one: L/K each where K divides L, else the
+  L mod K stages of one more block in the middle and the smaller ones at both ends (which
+  also hold the embedding and the head). 70 blocks on 12 stages: 5, 6 x 10, 5, as BLOOM's
+  Megatron-DeepSpeed run placed them (its partition counted the two embeddings as blocks)."""
+  small, extra = divmod(num_layers, stages)
+  if small == 0:
+    raise ValueError(f"{stages} stages need at least {stages} blocks, not {num_layers}")
+  ends = stages - extra  # Stages of `small` blocks: split between the two ends.
+  head = (ends + 1) // 2
+  return (small,) * head + (small + 1,) * extra + (small,) * (ends - head)
+
+
 def activation_bytes_per_block(m: ModelConfig, b, t, remat, precision: str,
                                sequence_parallel=False, *, regather: bool = False,
                                counts: str = "paper"):

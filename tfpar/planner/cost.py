@@ -35,18 +35,24 @@ selective recompute q (0 or 1), optimizer sharding none, zero1, zero2 or zero3:
                                 interleaved (2(K-k-1) + (v-1)K + 1) / v  (Narayanan et al. 2021)
   pipeline bubble:              (K - 1) / (v M + K - 1) of the step, v = 1 unless interleaved
   stage-boundary send (per micro-batch, forward and backward, v times when interleaved):
-                                b s h act bytes on the inter-node link once K T spans nodes
+                                b s h act bytes on the inter-node link once K T spans nodes;
+                                2 transfers per micro-batch on the critical path, 4 under
+                                DeepSpeed's blocking pipeline instructions
   ring all-reduce of n bytes over p devices:  2 (p-1)/p n / bw + 2 (p-1) latency
   data parallel:                the ring all-reduce of the busiest device's gradient over the
                                 D replicas (tfpar sharded: and an all-gather of its new weights);
-                                tfpar's D copies of a replica spanning nodes run in one program
-                                and sum by placement instead (`in_program_seconds`); zero3:
+                                a tfpar replica spanning nodes runs one program per worker, its
+                                copies all-reduced by collective, the tied embedding summed
+                                between the first and last stage; under zero1/zero2 its D copies
+                                still run in the chief's program, summed by placement
+                                (`in_program_seconds`); zero3:
                                 each of the L + 2 parts all-gathers its weights in the forward
                                 and again in the backward and all-reduces its gradient
                                 (`zero3_seconds`)
   compute efficiency:           e_max / (1 + w/(h/T) + r0/(b s))    (constants fitted)
 
-Two Systems share the physics and differ in layout: "tfpar" is what tfpar
+Three Systems share the physics and differ in layout (the third, Megatron-DeepSpeed,
+for the published runs of tfpar.planner.megatron): "tfpar" is what tfpar
 runs (the embedding, tied output projection and LayerNorms unsplit on a
 stage's first device; stages balanced by parameters, L/(K v) blocks per chunk
 when interleaved; float32 variables), "megatron" is Megatron-LM as in
@@ -98,7 +104,10 @@ class System:
     schedules: the pipeline schedules it runs (the search tries each); the first
       is the one a plan that names none gets.
     vocab_parallel: embedding and logits split over the T shards.
-    uniform_stages: L/K blocks per stage (K must divide L); else balanced by parameters.
+    uniform_stages: L/K blocks per stage; else balanced by parameters. Where K does not
+      divide L (Megatron-LM refuses it; Megatron-DeepSpeed runs it), stage sizes differ by
+      one block, the smaller stages at the ends (tfpar.layout.placement.even_stages): the
+      search tries only K dividing L, a given K is evaluated so.
     scatter_gather: a stage boundary sends 1/T of the activation from each of the T
       shards and all-gathers it inside the node (Narayanan et al. 2021, section 4.1);
       else one device sends all of it.
@@ -109,15 +118,22 @@ class System:
       plans only, every block recomputed).
     sharding_with_float16: whether it shards the optimizer under mixed_float16 (tfpar: no,
       its loss scaling is not sharded).
-    copies_in_one_program: a replica whose K x T devices span nodes runs its D copies in
-      one program (tfpar: stages on different workers, every copy in the chief's program),
-      which sums by placement, not collectives (`in_program_seconds`); else collectives.
+    copies_in_one_program: tfpar's runtime for a replica whose K x T devices span nodes:
+      one program per worker (its copies all-reduced by collective, the last stage's worker
+      holding its own copy of the tied embedding), except under zero1 and zero2, whose D
+      copies run in the chief's one program, summed by placement (`in_program_seconds`);
+      else (Megatron) collectives everywhere.
     sharding_all_reduces: a sharded step all-reduces the gradient and then all-gathers
       the new weights (tfpar: ReplicaContext has no reduce-scatter); else it
       reduce-scatters and all-gathers, the bytes of one all-reduce.
     activation_counts: whose count of the activations a block and the head keep
       (tfpar.layout.placement.activation_bytes_per_block: "paper", Korthikanti et al.'s
       count of Megatron-LM's; "tfpar", what tfpar's backward reads, measured).
+    transfers_per_microbatch: stage-boundary transfers on a stage's critical path per
+      micro-batch (and chunk): 2 where a send and the matching receive run as one exchange
+      (Megatron-LM's batched send/recv pairs; tfpar's receives, its sends not waited for);
+      4 where the activation's send and receive and the gradient's are four blocking
+      instructions one after another (DeepSpeed's pipeline engine, TrainSchedule).
     regather: under sequence parallelism each shard keeps only its slice of the gathered
       input of the column-parallel matmuls and gathers it again in the backward
       (Megatron-LM); else it keeps it whole (tfpar). tfpar.layout.placement has the counts.
@@ -137,6 +153,7 @@ class System:
   sharding_all_reduces: bool = False
   regather: bool = False
   activation_counts: str = "paper"
+  transfers_per_microbatch: int = 2
 
 
 _FP32 = plan_lib.BYTES_PER_PARAM
@@ -163,6 +180,13 @@ MEGATRON = System(
     # zero1 is Megatron-LM's distributed optimizer (--use-distributed-optimizer): master
     # weights, m and v split over the data-parallel group, the gradient buffer whole.
     shardings=SHARDINGS[:2], regather=True)
+# Megatron-DeepSpeed (MT-NLG 530B, BLOOM 176B): Megatron-LM's tensor parallelism and model,
+# DeepSpeed's pipeline engine: 1F1B only (its TrainSchedule), stages of L/K blocks or one
+# apart (its partitioner), every tensor-parallel rank sending the whole activation (no
+# scatter/gather) as separate blocking send and receive instructions, ZeRO-1 over the copies.
+MEGATRON_DEEPSPEED = dataclasses.replace(
+    MEGATRON, name="megatron-deepspeed", schedules=(schedule_lib.SCHEDULES[1],),
+    scatter_gather=False, transfers_per_microbatch=4)
 SYSTEMS = {"tfpar": TFPAR, "megatron": MEGATRON}
 
 
@@ -254,10 +278,10 @@ def stages(m: ModelConfig, k: int, t: int, system: System, uniform: bool = False
 
 @functools.lru_cache(maxsize=None)
 def _stages(m: ModelConfig, k: int, t: int, system_name: str, uniform: bool) -> Stages:
-  system = SYSTEMS[system_name]
+  system = {**SYSTEMS, MEGATRON_DEEPSPEED.name: MEGATRON_DEEPSPEED}[system_name]
   c = plan_lib.count_params(m, t)
-  if uniform:
-    blocks = np.full(k, m.num_layers // k)
+  if uniform:  # L/K each; sizes differing by one where K does not divide L.
+    blocks = np.array(plan_lib.even_stages(m.num_layers, k))
   else:
     blocks = np.array(plan_lib.balance_stages(m.num_layers, k, c.block, c.embedding, c.head))
   params = blocks * (c.block_shard + c.block_unsplit)
@@ -347,9 +371,16 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   grad_share = np.where(z == 2, np.minimum(1.0, system.zero2_gradient_shards / D),
                         np.where(z == ZERO3, 1 / D, 1.0))
   weight_share = np.where(z == ZERO3, 1 / D, 1.0)
-  # A replica spanning nodes whose D copies run in one program: sums placed on devices.
-  placed = copies_in_one_program(system, cluster, D, K, T)
-  grad_share = np.where(placed, in_program_gradients(D, z), grad_share)
+  # A replica spanning nodes (stages on different workers): one program per worker, its
+  # copies summed by a collective (the flat vector and its sum held); under ZeRO its D copies
+  # still run in the chief's one program, summed by placement.
+  spanning = replica_spans_nodes(system, cluster, D, K, T)
+  own_programs = one_program_per_worker(system, cluster, K, T) & ~copies_in_one_program(
+      system, cluster, D, K, T, z)
+  embedding = plan_lib.count_params(m).embedding
+  placed = copies_in_one_program(system, cluster, D, K, T, z)
+  grad_share = np.where(placed, in_program_gradients(D, z),
+                        np.where(spanning & (z == 0), 1.0 + PER_WORKER_SUM_GRADIENTS, grad_share))
   slot = np.zeros(n)
   interleaved = sched == schedule_lib.INTERLEAVED
   for k, t, uniform in set(zip(plans.K.tolist(), plans.T.tolist(), interleaved.tolist())):
@@ -391,24 +422,29 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
     logits_in_flight = np.where(sched[idx, None] == schedule_lib.GPIPE, mi, 1.0)
     acts = acts + st.logits * head_activation_bytes(m, bi, precision, system.activation_counts,
                                                     tv) * logits_in_flight
-    state = st.params * (per_param[0] * weight_share[idx, None] +
-                         per_param[1] * grad_share[idx, None] +
-                         per_param[2] * optimizer_share[idx, None])
+    # One program per worker: the last stage's worker holds its own copy of the embedding
+    # (tfpar.engines.stage_worker), weights, gradients and AdamW state.
+    params = st.params[None, :] + np.where(own_programs[idx, None] & (k > 1),
+                                           embedding * (np.arange(k) == k - 1), 0.0)
+    state = params * (per_param[0] * weight_share[idx, None] +
+                      per_param[1] * grad_share[idx, None] +
+                      per_param[2] * optimizer_share[idx, None])
     worst = np.argmax(acts + state, axis=1)
     for part, bytes_per, share in zip(("weights", "gradients", "optimizer"), per_param,
                                       (weight_share[idx], grad_share[idx], optimizer_share[idx])):
-      out[part][idx] = st.params[worst] * bytes_per * share
+      out[part][idx] = params[rows, worst] * bytes_per * share
     out["activations"][idx] = acts[rows, worst]
     out["pipeline_buffers"][idx] = np.where(k > 1, 2 * b[idx] * s * h * act, 0.0)
     # The device holding the most parameters (its gradients are the largest all-reduce).
-    out["params_per_device"][idx] = st.params.max()
+    out["params_per_device"][idx] = params.max(axis=1)
   # zero3: one part's weights gathered whole, its full gradient and that gradient's sum.
   gathered = np.where(z == ZERO3, zero3_part_params(m), 0.0)
   out["weights"] += gathered * per_param[0]
   out["gradients"] += 2 * gathered * per_param[1]
   # Pipeline: activations to the next stage and gradients back, per micro-batch and
   # boundary (v boundaries per device when interleaved), on the link K x T spans.
-  p2p = np.where(K > 1, 2 * stage_send_seconds(b * s * h * act, K, T, cluster, system), 0.0)
+  p2p = np.where(K > 1, system.transfers_per_microbatch *
+                 stage_send_seconds(b * s * h * act, K, T, cluster, system), 0.0)
   out["pipeline_comm"] = M * v * p2p
   # On a shared host a stage's idle time is another stage's working time: no bubble cost.
   # Else the fill and drain: K - 1 chunk slots (a chunk is 1/v of a stage) and sends.
@@ -422,6 +458,12 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
       np.where(z == ZERO3, zero3_seconds(grads, weights, D, m.num_layers + 2, bw(D), lat(D)),
                collective_seconds(grads, weights, D, z, bw(D * K * T), lat(D * K * T),
                                   system)))
+  # The tied embedding's two copies (first and last stage) sum their gradients once a step:
+  # Megatron-LM's vocabulary-parallel shards, tfpar's workers of one program each.
+  tied = (m.vocab_size * m.d_model / T if system.vocab_parallel else
+          np.where(own_programs, embedding, 0.0)) * system.grad_bytes[precision]
+  out["data_comm"] = out["data_comm"] + np.where(
+      (K > 1) & (tied > 0), all_reduce_seconds(tied, 2, bw(K * T), lat(K * T)), 0.0)
   out["M"] = M
   out["schedule"], out["v"], out["remat"], out["sharding"] = sched, v, rm, z
   out["sequence_parallel"] = sp
@@ -440,11 +482,31 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   return out
 
 
-def copies_in_one_program(system: System, cluster: Cluster, D, K, T) -> np.ndarray:
-  """Which plans' D copies run in one program (tfpar: a replica's K x T devices span nodes,
-  its stages on different workers; the chief's program holds every copy), not collectives."""
+# tfpar.engines.stage_worker sums a stage's copies as one flat vector: it holds that vector
+# and its sum beside the accumulated gradients (modelled from the code, not measured).
+PER_WORKER_SUM_GRADIENTS = 1.0
+
+
+def replica_spans_nodes(system: System, cluster: Cluster, D, K, T) -> np.ndarray:
+  """Which plans have D > 1 copies of a replica whose K x T devices span nodes (tfpar: stages
+  on different workers, one program per worker, tfpar.engines.stage_worker)."""
   D, span = np.asarray(D, dtype=float), np.asarray(K, dtype=float) * T
   return system.copies_in_one_program & (D > 1) & (span > cluster.devices_per_node)
+
+
+def one_program_per_worker(system: System, cluster: Cluster, K, T) -> np.ndarray:
+  """Which plans put a replica's stages on different workers, each its own program
+  (tfpar.engines.stage_worker; under ZeRO with D > 1, `copies_in_one_program` instead)."""
+  span = np.asarray(K, dtype=float) * T
+  return system.copies_in_one_program & (np.asarray(K) > 1) & (span > cluster.devices_per_node)
+
+
+def copies_in_one_program(system: System, cluster: Cluster, D, K, T, z) -> np.ndarray:
+  """Which plans' D copies still run in the chief's one program, summed by placement, not
+  collectives: ZeRO (zero1, zero2) on a replica spanning nodes (tfpar.config.rules.
+  one_program_per_worker runs only the plain sum as one program per worker)."""
+  z = np.asarray(z)
+  return replica_spans_nodes(system, cluster, D, K, T) & ((z == 1) | (z == 2))
 
 
 def collective_seconds(grads, weights, D, z, bandwidth, latency, system: System):

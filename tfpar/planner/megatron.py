@@ -136,3 +136,99 @@ def table(comparisons: List[Comparison]) -> str:
         f"{p['step_seconds'] / k['step_seconds']:.2f}x | "
         f"{k['memory_bytes_per_device'] / 2 ** 30:.1f} |")
   return "\n".join(lines)
+
+
+# --- Published runs outside the calibration set ------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+  """A published training run the constants were not fitted to, as its authors report it."""
+  name: str
+  source: str
+  layers: int
+  hidden: int
+  heads: int
+  vocab: int
+  tp: int
+  pp: int
+  gpus: int
+  batch: int
+  microbatch: int
+  step_seconds: float  # reported seconds per step (iteration)
+  tflops: float  # reported per GPU, recompute included (Narayanan et al.'s count)
+  precision: str = "mixed_float16"
+  inter_bandwidth: float = 0.0  # bytes/s one way per GPU between nodes; 0: a100-80gb's
+
+  @property
+  def model(self) -> ModelConfig:
+    return ModelConfig(vocab_size=self.vocab, seq_len=SEQ_LEN, num_layers=self.layers,
+                       d_model=self.hidden, num_heads=self.heads, d_ff=4 * self.hidden)
+
+  @property
+  def dp(self) -> int:
+    return self.gpus // (self.tp * self.pp)
+
+  @property
+  def cluster(self) -> clusters.Cluster:
+    cluster = clusters.parse(f"a100-80gb:{self.gpus}")
+    if self.inter_bandwidth:
+      cluster = dataclasses.replace(cluster, inter_bandwidth=self.inter_bandwidth)
+    return cluster
+
+
+# Smith et al. 2022, "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B", section
+# 2.4: batch 1920 on 280, 350 and 420 DGX A100 nodes of Selene (the Table 1 machine), 8-way
+# tensor and 35-way pipeline parallelism, micro-batch 1 (GPT-2's vocabulary, padded as Megatron
+# pads it for T = 8). BLOOM 176B (BigScience 2022), Megatron-DeepSpeed on 48 nodes of Jean Zay:
+# TP 4, PP 12, micro-batch 2, batch 2048, bf16, full recompute, 70 blocks on 12 stages (its
+# 'type:transformer|embedding' partition: 5, 6 x 10, 5), four 100 Gb/s Omni-Path links per node
+# of 8 GPUs (bigscience-workshop/bigscience train/tr11-176B-ml: the slurm script; chronicles.md:
+# 105.22 s per step, 149.02 TFLOPs at batch 2048).
+PUBLISHED = [
+    Published("MT-NLG 530B, 280 nodes", "Smith et al. 2022", 105, 20480, 128, 51200, 8, 35,
+              2240, 1920, 1, 60.1, 126),
+    Published("MT-NLG 530B, 350 nodes", "Smith et al. 2022", 105, 20480, 128, 51200, 8, 35,
+              2800, 1920, 1, 50.2, 121),
+    Published("MT-NLG 530B, 420 nodes", "Smith et al. 2022", 105, 20480, 128, 51200, 8, 35,
+              3360, 1920, 1, 44.4, 113),
+    Published("BLOOM 176B, 48 nodes", "BigScience 2022", 70, 14336, 112, 250880, 4, 12, 384,
+              2048, 2, 105.22, 149.02, precision="mixed_bfloat16", inter_bandwidth=4 * 100e9 / 8 / 8),
+]
+
+
+def predict_published(run: Published, system: cost.System = cost.MEGATRON_DEEPSPEED) -> dict:
+  """The planner's evaluation of a published run's own layout (1F1B, full recompute, the
+  distributed optimizer): the plan's row, with `stage_blocks` added."""
+  m, cluster = run.model, run.cluster
+  plans = search.candidates(m, cluster, run.batch, system, data_parallel=run.dp,
+                            pipeline_stages=run.pp, tensor_parallel=run.tp, remat="full",
+                            optimizer_sharding="zero1", sequence_parallel=False,
+                            microbatches=run.batch // (run.dp * run.microbatch),
+                            pipeline_schedule="1f1b")
+  ranked = search.rank(m, cluster, plans, global_batch=run.batch, precision=run.precision,
+                       system=system)
+  row = ranked.row(ranked.order[0])
+  row["stage_blocks"] = [int(x) for x in cost.stages(m, run.pp, run.tp, system).blocks]
+  row["narayanan_tflops"] = cost.narayanan_flops(m, run.batch) / row["step_seconds"] / \
+      run.gpus / 1e12
+  return row
+
+
+def published_table(system: cost.System = cost.MEGATRON_DEEPSPEED) -> str:
+  """The docs/planner.md table of published runs: reported against predicted."""
+  lines = ["| run | source | GPUs | TP x PP x DP, micro-batch | stages (blocks) | reported s/step "
+           "| predicted s/step | reported TFLOP/s | predicted TFLOP/s | predicted / reported "
+           "throughput | GiB/GPU |",
+           "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+  for run in PUBLISHED:
+    row = predict_published(run, system)
+    blocks = row["stage_blocks"]
+    shown = (f"{blocks[0]} x {run.pp}" if len(set(blocks)) == 1 else
+             ", ".join(str(b) for b in blocks[:2]) + f", ..., {blocks[-1]}")
+    lines.append(
+        f"| {run.name} | {run.source} | {run.gpus} | {run.tp} x {run.pp} x {run.dp}, "
+        f"{run.microbatch} | {shown} | {run.step_seconds:.1f} | {row['step_seconds']:.1f} | "
+        f"{run.tflops:.0f} | {row['narayanan_tflops']:.1f} | "
+        f"{run.step_seconds / row['step_seconds']:.3f} | "
+        f"{row['memory_bytes_per_device'] / 2 ** 30:.1f} |")
+  return "\n".join(lines)

@@ -106,6 +106,9 @@ def text(m, cluster, ranked: search.Ranked, top: int, precision: str, system) ->
             "  step: " + ", ".join(f"{k.replace('_', ' ')} {v:.4g} s"
                                    for k, v in best["time"].items()) +
             f" = {best['step_seconds']:.4g} s"]
+  uneven = uneven_stages(m, best, system)
+  if uneven:
+    lines.append(uneven)
   if "wall_seconds" in best:
     lines.append(training_run(best, cluster))
   why = rejected(ranked, top)
@@ -115,6 +118,33 @@ def text(m, cluster, ranked: search.Ranked, top: int, precision: str, system) ->
   lines += ["", f"searched {count(len(ranked.plans), 'plan')} "
             f"({int(ranked.results['fits'].sum()):,} fit) in {ranked.seconds:.2f} s"]
   return "\n".join(lines)
+
+
+def uneven_stages(m, row: dict, system) -> str:
+  """A line for a layout of L/K blocks per stage whose K does not divide L: its stage sizes,
+  and which runtimes run it; '' otherwise."""
+  k = row["pipeline_stages"]
+  if not system.uniform_stages or m.num_layers % k == 0:
+    return ""
+  blocks = plan_lib.even_stages(m.num_layers, k)
+  small = min(blocks)
+  sizes = ", ".join(f"{b}" if n == 1 else f"{b} x {n}" for b, n in _runs(blocks))
+  return (f"  stages: {sizes} blocks ({k} stages do not divide {m.num_layers} blocks; the "
+          f"{blocks.count(small)} of {small} at the ends): Megatron-LM refuses this layout "
+          f"(its --num-layers must be a multiple of --pipeline-model-parallel-size); "
+          f"Megatron-DeepSpeed runs it, and tfpar.train as --stage_layers="
+          f"{','.join(str(b) for b in blocks)}")
+
+
+def _runs(values):
+  """(value, how many in a row) of a sequence."""
+  out = []
+  for x in values:
+    if out and out[-1][0] == x:
+      out[-1][1] += 1
+    else:
+      out.append([x, 1])
+  return out
 
 
 def to_json(m, cluster, ranked: search.Ranked, top: int, precision: str, system) -> dict:
@@ -156,7 +186,7 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
          system.optimizer_bytes[precision])
   grads_held = round(r["gradients"][i] / bpp[1] / (r["weights"][i] / bpp[0]), 6)  # x its weights
   sharded = p["optimizer_sharding"] != "none"
-  placed = bool(cost.copies_in_one_program(system, cluster, D, K, T))
+  placed = bool(cost.copies_in_one_program(system, cluster, D, K, T, cost.SHARDINGS.index(p['optimizer_sharding'])))
   lines = [
       "", "how the best plan's numbers come about (docs/planner.md has the sources):",
       f"  layer FLOPs/sequence = 2s(4h^2 + 2hf) + 4s^2h = 2*{s}*(4*{h}^2 + 2*{h}*{f}) + "

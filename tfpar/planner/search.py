@@ -17,6 +17,7 @@ sequence parallelism off and on (both Systems run it). With tfpar on TPUs only d
 """
 
 import dataclasses
+import math
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -88,8 +89,9 @@ def candidates(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost
                (dpn % t == 0 if n > dpn else t <= n)]
   for t in t_options if tensor_parallel is None else [t for t in t_options if t == tensor_parallel]:
     for k in divisors(n // t) if pipeline_stages is None else [pipeline_stages]:
-      if k > m.num_layers or (system.uniform_stages and m.num_layers % k):
-        continue
+      if k > m.num_layers or (system.uniform_stages and m.num_layers % k and
+                              pipeline_stages is None):
+        continue  # Uneven stages (cost.System.uniform_stages) only where K is given.
       if n % (k * t):
         continue
       d = n // (k * t)
@@ -191,3 +193,94 @@ def why_slower(ranked: Ranked, i: int, best: int) -> str:
            "data_comm": "data-parallel bandwidth"}
   return (f"{r['step_seconds'][i] / r['step_seconds'][best]:.2f}x slower: {names[worst]} "
           f"+{grown[worst]:.3g} s")
+
+
+def refusal(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost.System,
+            fixed: dict, precision: Optional[str] = None) -> str:
+  """Why `candidates` found no plan with the `fixed` values: the first rule they break, and
+  its fix, in one line (the rules in the order `candidates` applies them)."""
+  n, dpn, heads, L = cluster.devices, cluster.devices_per_node, m.num_heads, m.num_layers
+  t, k, d, mb = (fixed.get(x) for x in ("tensor_parallel", "pipeline_stages", "data_parallel",
+                                         "microbatches"))
+  v, schedule = fixed.get("virtual_stages"), fixed.get("pipeline_schedule")
+  sharding, sp = fixed.get("optimizer_sharding"), fixed.get("sequence_parallel")
+  tfpar = system is cost.TFPAR
+  node = f"nodes of {dpn}" if n > dpn else f"{n} devices"
+
+  def divisors_of(x, most=None):
+    """x's divisors (up to `most`), the first 12 of them."""
+    small = [i for i in range(1, math.isqrt(x) + 1) if x % i == 0]
+    found = sorted(set(small + [x // i for i in small]))
+    found = [i for i in found if most is None or i <= most]
+    return ", ".join(str(i) for i in found[:12]) + (", ..." if len(found) > 12 else "")
+
+  def first_broken():
+    if t is not None:
+      for name, size in (("--num_heads", heads), ("--d_ff", m.d_ff)):
+        if size % t:
+          yield (f"T divides {name}: --tensor_parallel={t} does not divide {name}={size}; use "
+                 f"one of {divisors_of(math.gcd(heads, m.d_ff), dpn)}")
+      if n % t or (n > dpn and dpn % t) or t > n:
+        yield (f"a tensor-parallel group sits in one node: --tensor_parallel={t} does not "
+               f"divide the {node} of {cluster.name}; use one of "
+               f"{divisors_of(math.gcd(dpn if n > dpn else n, math.gcd(heads, m.d_ff)))}")
+    if tfpar and cluster.kind == "tpu" and (t or 1) * (k or 1) > 1:
+      yield ("tfpar runs only data parallelism on TPUs (--strategy=tpu): drop "
+             "--pipeline_stages and --tensor_parallel, or use --system=megatron")
+    if k is not None and k > L:
+      yield f"K <= --num_layers: --pipeline_stages={k} is more than {L} blocks; use at most {L}"
+    if d is not None and k is not None and t is not None and d * k * t != n:
+      yield (f"D x K x T uses every device: {d} x {k} x {t} = {d * k * t}, not the {n} of "
+             f"{cluster.name}; drop one of the three to let the planner derive it")
+    for name, value in (("--pipeline_stages x --tensor_parallel", (k or 1) * (t or 1)),
+                        ("--data_parallel", d)):
+      if value is not None and n % value:
+        yield (f"D x K x T uses every device: {name} = {value} does not divide the {n} "
+               f"devices of {cluster.name}; use a divisor of {n}")
+    replicas = d if d is not None else n // (k * t) if k and t else None
+    if replicas is not None and global_batch % replicas:
+      yield (f"D divides the batch: {replicas} data-parallel replicas do not divide "
+             f"--global_batch_size={global_batch}; use a multiple of {replicas}")
+    if tfpar and k and t and k * t > dpn and (k * t) % dpn:
+      yield (f"a replica spanning nodes fills whole ones (tfpar.config.rules.worker_layout): "
+             f"K x T = {k * t} is not a multiple of the node's {dpn}; use a multiple of {dpn}")
+    if mb is not None and replicas and global_batch % replicas == 0 and \
+        (global_batch // replicas) % mb:
+      yield (f"M divides the per-replica batch: --microbatches={mb} does not divide "
+             f"{global_batch // replicas}; use one of {divisors_of(global_batch // replicas)}")
+    interleaved = schedule == "interleaved" or (v or 1) > 1
+    if interleaved and k is not None:
+      if k == 1:
+        yield ("interleaved needs K > 1: --pipeline_stages=1 has no pipeline; use "
+               "--pipeline_stages=2 or more, or drop --virtual_stages")
+      elif L % k or (v and L % (k * v)):
+        yield (f"interleaved needs K x --virtual_stages to divide --num_layers={L}: "
+               f"{k} x {v or 'v'} does not; use a v among "
+               f"{divisors_of(L // k) if L % k == 0 else 'none (K does not divide L)'}")
+      elif mb is not None and mb % k:
+        yield (f"interleaved needs K to divide the micro-batches: --microbatches={mb} is not "
+               f"a multiple of --pipeline_stages={k}")
+    if sharding not in (None, "none"):
+      if replicas == 1:
+        yield (f"optimizer sharding needs D > 1: --optimizer_sharding={sharding} with one "
+               "data-parallel replica shards nothing; drop it or use more replicas")
+      if not shards_optimizer(system, 2, precision):
+        yield (f"optimizer sharding needs no mixed_float16 in tfpar (its loss scaling is not "
+               f"sharded): --optimizer_sharding={sharding} with --precision={precision}; use "
+               "mixed_bfloat16 or float32")
+      if sharding == "zero3" and ((k or 1) * (t or 1) > 1 or (mb or 1) > 1):
+        yield ("zero3 runs whole data-parallel replicas (K = T = 1, one micro-batch): drop "
+               "--pipeline_stages, --tensor_parallel and --microbatches")
+    remat = fixed.get("remat")
+    if sharding == "zero3" and remat is not None and cost.remat_index(remat) != cost.FULL:
+      yield (f"zero3 recomputes every block: --remat={remat} with --optimizer_sharding=zero3; "
+             "drop --remat")
+    if sp and t == 1:
+      yield ("sequence parallelism needs T > 1: --sequence_parallel with "
+             "--tensor_parallel=1; drop one")
+
+  for reason in first_broken():
+    return reason
+  given = ", ".join(f"--{key}={value}" for key, value in fixed.items() if value is not None)
+  return (f"no rule alone fails, but no D x K x T plan of {cluster.name} with {given or 'any value'} "
+          f"and --global_batch_size={global_batch} remains: drop one of the fixed values")
