@@ -11,19 +11,25 @@
 
 Each run has its own --model_dir and PYTHONFAULTHANDLER=1, so a SIGSEGV or an
 abort prints the Python stack of every thread to stderr; a run that ends by a
-signal (or prints "Fatal Python error") keeps its whole stderr as
-OUT/run_K.stderr. The summary counts exit statuses and names each crash's
-innermost tfpar/TensorFlow frame of the crashing thread.
+signal (or prints "Fatal Python error") keeps its whole stderr and stdout as
+OUT/run_K.stderr. A run still going after --timeout seconds (a hang, or a
+machine too loaded to finish it) is sent SIGABRT, so faulthandler prints where
+every thread was, then killed: kept the same way, counted apart as "timeout",
+with the CPU seconds it had used (a starved run has used few). The summary
+counts exit statuses and names each crash's innermost Python frame of the
+crashing thread.
 """
 
 import argparse
 import collections
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,6 +56,29 @@ def crash_frame(stderr: str) -> str:
   return f"{frames[0][0]}:{frames[0][1]} in {frames[0][2]}" if frames else "(no Python frame)"
 
 
+def run_once(cmd, env, timeout):
+  """(exit status or 'timeout', stdout, stderr, CPU seconds of the command and its children)."""
+  with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err,
+                            start_new_session=True)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    try:
+      code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      code = "timeout"
+      os.killpg(proc.pid, signal.SIGABRT)  # faulthandler prints every thread's stack.
+      try:
+        proc.wait(timeout=60)
+      except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    out.seek(0)
+    err.seek(0)
+    return code, out.read(), err.read(), cpu
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--mode", choices=["xla_pipeline", "gpipe4"], default="xla_pipeline")
@@ -65,12 +94,8 @@ def main():
     model_dir = os.path.join(args.out, f"run_{k}")
     shutil.rmtree(model_dir, ignore_errors=True)
     start = time.monotonic()
-    try:
-      proc = subprocess.run(command(args.mode, args.small, model_dir), cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=args.timeout)
-      code, stderr = proc.returncode, proc.stderr
-    except subprocess.TimeoutExpired as e:
-      code, stderr = "timeout", (e.stderr or b"").decode("utf-8", "replace")
+    code, stdout, stderr, cpu = run_once(command(args.mode, args.small, model_dir), env,
+                                         args.timeout)
     shutil.rmtree(model_dir, ignore_errors=True)
     crashed = (isinstance(code, int) and (code < 0 or code > 128)) or \
         "Fatal Python error" in stderr or code == "timeout"
@@ -78,10 +103,10 @@ def main():
     statuses[name] += 1
     if crashed:
       with open(os.path.join(args.out, f"run_{k}.stderr"), "w") as f:
-        f.write(stderr)
+        f.write(stderr + "\n--- stdout ---\n" + stdout)
       crashes.append((k, name, crash_frame(stderr)))
-    print(f"run {k + 1}/{args.repeats}: exit {name} in {time.monotonic() - start:.0f} s"
-          + (f"  CRASH at {crashes[-1][2]}" if crashed else ""), flush=True)
+    print(f"run {k + 1}/{args.repeats}: exit {name} in {time.monotonic() - start:.0f} s "
+          f"({cpu:.0f} CPU s)" + (f"  CRASH at {crashes[-1][2]}" if crashed else ""), flush=True)
   print(f"{args.mode}{' --small' if args.small else ''}: {args.repeats} runs, exit statuses "
         f"{dict(statuses)}; {len(crashes)} crash(es)")
   for k, name, frame in crashes:

@@ -505,21 +505,45 @@ OUT_PATHS = ["/proc/sp.model", "/proc/1/sp.model", "{root}/a_file", "{root}/a_fi
              "{root}/texts", "{root}/new/dir/sp.model", "{root}/sp.model", "", "sp\udcff.model"]
 
 
+def tree(root):
+  """Every path under root (directories and links too), and a_file's bytes: what a refused
+  command must leave as it was."""
+  paths = sorted(os.path.join(d, n) for d, dirs, names in os.walk(root) for n in dirs + names)
+  return paths, (root / "a_file").read_bytes()
+
+
+def refused_by_the_cli(main, argv, tool, root):
+  """main(argv) in this process, as `python -m` calls it: exit 2 and one line on stderr naming
+  a flag (a traceback would be an exception raised here), and nothing written under root."""
+  import contextlib  # pylint: disable=import-outside-toplevel
+  import io  # pylint: disable=import-outside-toplevel
+  before, stderr = tree(root), io.StringIO()
+  with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as info:
+    main(argv)
+  assert info.value.code == 2, stderr.getvalue()
+  assert stderr.getvalue().count("\n") == 1, stderr.getvalue()
+  assert stderr.getvalue().startswith(f"{tool}: error: --"), stderr.getvalue()
+  assert tree(root) == before
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(vocab_size=some_ints, out=st.sampled_from(OUT_PATHS),
        data=st.sampled_from([None, "{root}/texts", "{root}/\udcfe*.txt"]))
 def test_tokenizer_train_flags_are_refused_in_one_line_or_make_sense(vocab_size, out, data, files):
-  """tfpar.tokenizer train's checks (all made before any text is read): one line, or a vocabulary
-  SentencePiece can count and an --out where a new file can be written."""
+  """tfpar.tokenizer train's checks (all made before any text is read): exit 2 and one line,
+  nothing written, or a vocabulary SentencePiece can count and an --out where a new file can
+  be written."""
   from tfpar import tokenizer  # pylint: disable=import-outside-toplevel
   from tfpar.cli import tokenizer as tokenizer_cli  # pylint: disable=import-outside-toplevel
   fv = tokenizer_cli.define_train_flags()
-  argv = ["tokenizer", f"--vocab_size={vocab_size}", f"--out={out.format(root=files)}"]
-  fv(argv + ([f"--data={data.format(root=files)}"] if data else []))
+  argv = ["tokenizer", "train", f"--vocab_size={vocab_size}", f"--out={out.format(root=files)}"]
+  argv += [f"--data={data.format(root=files)}"] if data else []
+  fv(argv)
   try:
     tokenizer_cli.check_train_flags(fv)
   except tokenizer.TokenizerError as e:
     assert "\n" not in str(e) and "--" in str(e)
+    refused_by_the_cli(tokenizer_cli.main, argv, "tfpar.tokenizer", files)
     return
   assert 260 <= fv.vocab_size < 2 ** 31
   assert not os.path.isdir(fv.out)
@@ -529,3 +553,42 @@ def test_tokenizer_train_flags_are_refused_in_one_line_or_make_sense(vocab_size,
   assert os.path.isdir(parent) and not parent.startswith("/proc")
   fv.out.encode("utf-8")
   assert fv.data is None or fv.data.encode("utf-8")
+
+
+PREPARE_OUTS = ["/proc/prep", "/proc/1/prep", "{root}/a_file", "{root}/a_file/prep",
+                "{root}/new/dir/prep", "{root}/prep", "{root}/texts", "", "prep\udcff"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(values=st.dictionaries(st.sampled_from(["num_shards", "workers"]), some_ints, max_size=2),
+       out=st.sampled_from(PREPARE_OUTS),
+       data=st.sampled_from([None, "{root}/texts", "{root}/\udcfe*.txt"]),
+       spec=st.sampled_from(["bytes", "sentencepiece:{root}/\udcff.model"]))
+def test_data_prepare_flags_are_refused_in_one_line_or_make_sense(values, out, data, spec, files):
+  """tfpar.data prepare's checks (all made before the tokenizer or any text is read): exit 2
+  and one line, nothing written, or counts it can use and an --out where a directory can go."""
+  from tfpar.cli import data as data_cli  # pylint: disable=import-outside-toplevel
+  from tfpar.data import corpus  # pylint: disable=import-outside-toplevel
+  fv = data_cli.define_prepare_flags()
+  argv = ["data", "prepare", f"--out={out.format(root=files)}",
+          f"--tokenizer={spec.format(root=files)}"] + [f"--{k}={v}" for k, v in values.items()]
+  argv += [f"--data={data.format(root=files)}"] if data else []
+  try:
+    fv(argv)
+  except absl_flags.Error:  # Past int64: absl's own error, which the CLI turns into one line.
+    refused_by_the_cli(data_cli.main, argv, "tfpar.data", files)
+    return
+  try:
+    data_cli.check_prepare_flags(fv)
+  except corpus.DataError as e:
+    assert "\n" not in str(e) and "--" in str(e)
+    refused_by_the_cli(data_cli.main, argv, "tfpar.data", files)
+    return
+  assert 1 <= fv.num_shards < 2 ** 31 and 1 <= fv.workers <= data_cli.MAX_WORKERS
+  assert not os.path.isfile(fv.out)
+  parent = os.path.abspath(fv.out)
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  assert os.path.isdir(parent) and not parent.startswith("/proc")
+  for value in (fv.out, fv.data or "", fv.tokenizer):
+    value.encode("utf-8")

@@ -2,7 +2,8 @@
 
 Real processes on real files, started side by side once (`cli`): tokenizer
 training's --out (under /proc, under a file, on a directory, on an immutable
-directory, on an unreachable gs://) checked before it trains, its --vocab_size
+directory) checked before it trains, prepare's --out and --data, an unreachable gs:// --out
+of the three tools that write one (exit 2), its --vocab_size
 bounds and message, --help of the subcommand CLIs, a truncated preset's weights,
 export's --out under /proc, a run whose metrics.jsonl is a directory or whose
 checkpoints/ cannot be written, non-UTF-8 bytes in --data and --prompt, a
@@ -124,6 +125,7 @@ def cli(root, preset_runs):  # pylint: disable=unused-argument  # Started first.
   (root / "bom.flags").write_bytes(b"\xef\xbb\xbf--num_layers=2\n--d_model=32\n")
   not_utf8 = os.fsdecode(b"\xff\xfe")  # What Python makes of such bytes on the command line.
   tok = ["train", f"--data={root / 'text.txt'}", "--vocab_size=400"]
+  prep = ["prepare", f"--data={root / 'text.txt'}"]
   calls = {
       "tok_proc": ("tfpar.tokenizer", tok + ["--out=/proc/sp.model"]),
       "tok_file": ("tfpar.tokenizer", tok + [f"--out={root / 'a_file'}/sp.model"]),
@@ -137,6 +139,13 @@ def cli(root, preset_runs):  # pylint: disable=unused-argument  # Started first.
                               f"--model_dir={root / 'bom_run'}"]),
       "tok_gs": ("tfpar.tokenizer", tok + ["--out=gs://tfpar-no-such-bucket/sp.model"],
                  {"env": OFFLINE}),
+      "prepare_gs": ("tfpar.data", prep + ["--out=gs://tfpar-no-such-bucket/prep"],
+                     {"env": OFFLINE}),
+      "export_gs": ("tfpar.export", [f"--model_dir={fake}",
+                                     "--out=gs://tfpar-no-such-bucket/preset"], {"env": OFFLINE}),
+      "prepare_under_file": ("tfpar.data", prep + [f"--out={root / 'a_file'}/prep"]),
+      "prepare_utf8": ("tfpar.data", ["prepare", f"--data={root}/{not_utf8}*.txt",
+                                      f"--out={root / 'utf8_prep'}"]),
       "tok_small": ("tfpar.tokenizer", ["train", f"--data={root / 'chars.txt'}",
                                         "--vocab_size=300", f"--out={root / 'small.model'}"]),
       "trunc": ("tfpar.train", LLAMA + [f"--init_from={trunc}", f"--model_dir={root / 'tr'}"]),
@@ -183,11 +192,29 @@ def test_tokenizer_train_refuses_in_one_line_before_training(cli, root, case, wo
     assert proc.stdout == ""
 
 
-def test_tokenizer_train_to_an_unreachable_bucket_is_one_line_exit_1_before_training(cli):
-  proc, _ = cli["tok_gs"]
-  one_line(proc, "tfpar.tokenizer", "gs://tfpar-no-such-bucket/sp.model cannot be reached",
-           code=1)
-  assert proc.stdout == ""  # Before the training (its progress bar).
+@pytest.mark.parametrize("case, tool, out", [
+    ("tok_gs", "tfpar.tokenizer", "gs://tfpar-no-such-bucket/sp.model"),
+    ("prepare_gs", "tfpar.data", "gs://tfpar-no-such-bucket/prep"),
+    ("export_gs", "tfpar.export", "gs://tfpar-no-such-bucket/preset")])
+def test_a_tool_to_an_unreachable_bucket_is_one_line_exit_2_before_its_work(cli, case, tool, out):
+  """A tool's --out on a store out of reach: bad input (exit 2), since a person runs the tool
+  and nothing retries it; once tokenizer train said so only after training, export with
+  TensorFlow's traceback (exit 1)."""
+  proc, _ = cli[case]
+  one_line(proc, tool, f"--out={out} cannot be reached", "check the network")
+  assert proc.stdout == ""  # Before the work (tokenizer train's and prepare's progress lines).
+
+
+@pytest.mark.parametrize("case, words", [
+    ("prepare_under_file", ["a_file is a file, not a directory"]),
+    ("prepare_utf8", ["--data=", "\\xff\\xfe", "not UTF-8"]),
+])
+def test_data_prepare_refuses_in_one_line_before_reading_text(cli, root, case, words):
+  proc, _ = cli[case]
+  one_line(proc, "tfpar.data", *words)
+  assert proc.stdout == "" and "prepare:" not in proc.stderr  # No progress line: no text read.
+  assert (root / "a_file").read_text() == "keep me" and not (root / "utf8_prep").exists()
+  assert not [p for p in os.listdir(root) if p.startswith(".")]  # No partial set left aside.
 
 
 @pytest.mark.parametrize("case, words", [("tok_help", ["--vocab_size", "--out", "train"]),

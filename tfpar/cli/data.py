@@ -13,17 +13,18 @@ import functools
 import sys
 from typing import Sequence
 
-from tfpar import console
+from tfpar import console, storage
 from tfpar import tokenizer as tokenizer_lib
 from tfpar.cli import tool
 from tfpar.data import corpus
 from tfpar.data.prepare import prepare
 
 fail = functools.partial(tool.fail, "data")
+MAX_WORKERS = 256  # Processes prepare may start; more is a typo, not a machine.
 
 
-def main(argv: Sequence[str]) -> None:
-  """python -m tfpar.data prepare --data=... --tokenizer=... --out=DIR."""
+def define_prepare_flags():
+  """The flags of `python -m tfpar.data prepare`, on fresh absl FlagValues."""
   from absl import flags  # pylint: disable=import-outside-toplevel
   fv = flags.FlagValues()
   flags.DEFINE_string("data", None, "Text to tokenize, as tfpar.train's --data (default: the "
@@ -44,17 +45,47 @@ def main(argv: Sequence[str]) -> None:
   flags.DEFINE_integer("num_classes", None, "Vision tasks: as tfpar.train's.", flag_values=fv)
   flags.DEFINE_bool("overwrite", False, "Replace a non-empty --out (once the new set is "
                     "complete).", flag_values=fv)
+  return fv
 
+
+def check_prepare_flags(fv) -> None:
+  """The flags of `prepare`, and --out, before the tokenizer or any text is read.
+
+  Raises:
+    DataError: bad input, in one line naming the flag; also a remote --out (gs://) that
+      does not answer now: a person runs this tool, and nothing retries it.
+  """
+  if not fv.out:
+    raise corpus.DataError("--out=DIR is required: where the prepared set goes")
+  for flag in ("data", "out", "tokenizer", "tfrecord_key"):
+    line = console.not_utf8(flag, fv[flag].value)
+    if line:
+      raise corpus.DataError(line)
+  if fv.num_shards < 1 or fv.num_shards >= 2 ** 31:
+    raise corpus.DataError(f"--num_shards={fv.num_shards} must be >= 1 and < 2**31: pass "
+                           "e.g. --num_shards=4")
+  if not 1 <= fv.workers <= MAX_WORKERS:
+    raise corpus.DataError(f"--workers={fv.workers} must be between 1 and {MAX_WORKERS}: pass "
+                           "at most the cores this machine has")
+  if "://" in fv.out:
+    console.import_tensorflow_quietly()  # Only a remote store's check needs tf.io.gfile.
+  try:  # The output first: a tokenization that cannot be written is time lost.
+    storage.check_output(fv.out, "out", directory=True)
+  except (storage.NotWritable, storage.Unreachable) as e:
+    raise corpus.DataError(str(e)) from None
+
+
+def main(argv: Sequence[str]) -> None:
+  """python -m tfpar.data prepare --data=... --tokenizer=... --out=DIR."""
+  fv = define_prepare_flags()
   if tool.parse_args(
       fv, argv, fail, doc=__doc__, command="prepare",
       usage="usage: python -m tfpar.data prepare --data=... --tokenizer=... --out=DIR"):
     return
-  if not fv.out:
-    fail("--out=DIR is required: where the prepared set goes")
-  if fv.num_shards < 1:
-    fail(f"--num_shards={fv.num_shards} must be >= 1")
-  if fv.workers < 1:
-    fail(f"--workers={fv.workers} must be >= 1")
+  try:
+    check_prepare_flags(fv)
+  except corpus.DataError as e:
+    fail(str(e))
   if fv.task != "lm":
     return _prepare_images(fv)
   console.import_tensorflow_quietly()

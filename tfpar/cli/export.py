@@ -44,15 +44,18 @@ fail = functools.partial(tool.fail, "export")
 
 
 def check_out(out) -> None:
+  """--out, before the weights are read: a new or empty directory that can be made (not under
+  /proc or a file) on a store that answers (an unreachable gs:// is bad input here, exit 2: a
+  person runs export, and nothing retries it)."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   if not out:
     raise ConfigError("--out is not set: pass --out=DIR, the preset directory to write")
-  if tf.io.gfile.exists(out) and (not tf.io.gfile.isdir(out) or tf.io.gfile.listdir(out)):
-    raise ConfigError(f"--out={out} exists and is not an empty directory: pass a new one")
-  try:  # Before the weights are read: /proc, a path under a file.
+  try:  # First: the questions below would raise TensorFlow's own error on a store out of reach.
     storage.check_output(out, "out", directory=True)
   except (storage.NotWritable, storage.Unreachable) as e:
     raise ConfigError(str(e)) from None
+  if tf.io.gfile.exists(out) and (not tf.io.gfile.isdir(out) or tf.io.gfile.listdir(out)):
+    raise ConfigError(f"--out={out} exists and is not an empty directory: pass a new one")
 
 
 def export(model_dir: str, out: str) -> str:

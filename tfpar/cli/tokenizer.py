@@ -11,7 +11,7 @@ import functools
 import sys
 from typing import Sequence
 
-from tfpar import console, status, storage, tokenizer
+from tfpar import console, storage, tokenizer
 from tfpar.cli import tool
 from tfpar.data import corpus
 
@@ -36,8 +36,8 @@ def check_train_flags(fv) -> None:
   """The flags of `train`, and --out, before any text is read.
 
   Raises:
-    TokenizerError: bad input, in one line naming the flag.
-    storage.Unreachable: a remote --out (gs://) that does not answer now.
+    TokenizerError: bad input, in one line naming the flag; also a remote --out (gs://)
+      that does not answer now: a person runs this tool, and nothing retries it.
   """
   if not fv.out:
     raise tokenizer.TokenizerError("--out=PATH is required: where the trained .model file goes")
@@ -56,7 +56,7 @@ def check_train_flags(fv) -> None:
     console.import_tensorflow_quietly()  # Only a remote store's check needs tf.io.gfile.
   try:  # The output path first: a training that cannot be written is time lost.
     storage.check_output(fv.out, "out", directory=False)
-  except storage.NotWritable as e:
+  except (storage.NotWritable, storage.Unreachable) as e:
     raise tokenizer.TokenizerError(str(e)) from None
 
 
@@ -71,8 +71,6 @@ def main(argv: Sequence[str]) -> None:
     check_train_flags(fv)
   except tokenizer.TokenizerError as e:
     fail(str(e))
-  except storage.Unreachable as e:  # A later try may reach it: not bad input (tfpar.status).
-    fail(str(e), status.CRASH)
   console.import_tensorflow_quietly()
   try:
     files = corpus.list_files(fv.data)
