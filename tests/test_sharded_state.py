@@ -1,7 +1,8 @@
 """Sharded state: initialisation slice by slice, checkpoints written and read in slices.
 
 - Each device of a plan makes only its own slices of the weights, and they
-  equal one device's values exactly (GPT and Llama, tensor 2 and pipeline 2);
+  equal one device's values exactly (GPT and Llama, tensor 2, pipeline 2 and
+  zero3 x 4);
   `initialise.slice_value` makes any slice (ZeRO's row shards) on its own.
 - A checkpoint is one TensorFlow checkpoint of canonical full-shape names
   whatever wrote it: tf.train.load_checkpoint reads it whole; a tensor parallel
@@ -28,7 +29,9 @@ from conftest import REPO, TINY
 BASE = TINY + ["--train_steps=4", "--eval_every=0", "--checkpoint_every=100"]
 LLAMA = ["--architecture=llama", "--num_kv_heads=2", "--seq_len=16", "--jit_compile=false"]
 PLANS = {"tensor_2": ["--num_cpu_devices=2", "--tensor_parallel=2"],
-         "pipeline_2": ["--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=2"]}
+         "pipeline_2": ["--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=2"],
+         # Each replica makes its rows of every weight (tfpar.parallel.zero3.Zero3.initialise).
+         "zero3_4": ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero3"]}
 
 
 def build(args, model_dir):
