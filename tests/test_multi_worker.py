@@ -247,25 +247,31 @@ def test_a_two_worker_checkpoint_restores_under_one_device_and_mirrored(request,
 def test_zero3_resumes_its_rows_under_zero1_and_zero1s_under_two_zero3_workers(
     zero3_workers, tmp_path):
   """zero3's step-3 checkpoint (two bundles, each worker's rows) resumed by zero1 on 2 mirrored
-  replicas to step 4, whose checkpoint (written whole) two zero3 workers resume to 6, each
-  reading only its rows: every step's loss and gradient norm is the uninterrupted zero3 run's
-  and one device's at 1e-5, and the final state one device's."""
+  replicas, whose step-4 checkpoint (written whole) two zero3 workers resume, each reading
+  only its rows: every step's loss and gradient norm is the uninterrupted zero3 run's and
+  one device's at 1e-5, and the final state one device's."""
   model_dir, _, one_dir = zero3_workers
-  checkpoints = tmp_path / "checkpoints"
-  checkpoints.mkdir()
+  zero1, workers = tmp_path / "zero1", tmp_path / "workers"
+  for run in (zero1, workers):
+    (run / "checkpoints").mkdir(parents=True)
   for path in glob.glob(str(model_dir / "checkpoints" / "ckpt-3.*")):
-    shutil.copy(path, checkpoints)
-  train_in_process(ARGS + ZERO3 + ZERO1_X2 + ["--train_steps=4", f"--model_dir={tmp_path}"])
+    shutil.copy(path, zero1 / "checkpoints")
+  train_in_process(ARGS + ZERO3 + ZERO1_X2 + ["--checkpoint_every=1", "--eval_steps=0",
+                                              f"--model_dir={zero1}"])
+  for path in glob.glob(str(zero1 / "checkpoints" / "ckpt-4.*")):
+    shutil.copy(path, workers / "checkpoints")
   proc = run_module_in_background("tfpar.launch", TWO_WORKERS + ZERO3 + [
-      f"--model_dir={tmp_path}", "--collective=ring", "--optimizer_sharding=zero3",
+      f"--model_dir={workers}", "--collective=ring", "--optimizer_sharding=zero3",
       "--eval_steps=0"], timeout=600).result()
   assert re.search(r"\[worker 0\] resumed from .*ckpt-4 at step 4", proc.stdout), proc.stdout
-  got = read_metrics(str(tmp_path))
-  assert [r["step"] for r in got] == [4, 5, 6]
-  for want in (read_metrics(str(model_dir))[3:], read_metrics(str(one_dir))[3:]):
-    for key in ("loss", "grad_norm"):
-      np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=1e-5)
-  assert_same_state(read_checkpoint(str(checkpoints / "ckpt-6")),
+  for run, steps in ((zero1, [4, 5, 6]), (workers, [5, 6])):
+    got = read_metrics(str(run))
+    assert [r["step"] for r in got] == steps
+    for want in (read_metrics(str(model_dir)), read_metrics(str(one_dir))):
+      for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in got], [want[s - 1][key] for s in steps],
+                                   rtol=1e-5, err_msg=f"{run.name} {key}")
+  assert_same_state(read_checkpoint(str(workers / "checkpoints" / "ckpt-6")),
                     read_checkpoint(str(one_dir / "checkpoints" / "ckpt-6")), "resumed zero3")
 
 
