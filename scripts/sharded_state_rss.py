@@ -1,4 +1,5 @@
-"""No process holds the whole state: 4 worker processes as 4 pipeline stages, peak RSS each.
+"""No process holds the whole state: 4 worker processes as 4 pipeline stages (--layout=pipeline)
+or as 4 zero3 data-parallel replicas (--layout=zero3), peak RSS each.
 
 Runs, each worker a process of its own (TF_CONFIG on loopback ports), its peak
 resident memory taken from the kernel (`os.wait4`'s ru_maxrss):
@@ -14,10 +15,12 @@ resident memory taken from the kernel (`os.wait4`'s ru_maxrss):
 
 Bound: each process's peak < the tiny job's peak of the same process + 1.5 x its
 share of the state (float32 weights, AdamW m and v, gradients: 16 bytes per
-parameter of the stage it holds; for `one`, the whole model's).
+parameter of the stage it holds, or of its rows under zero3; for `one`, the
+whole model's).
 
   nice -n 10 python scripts/sharded_state_rss.py                  # ~400M params, several GiB
-  python scripts/sharded_state_rss.py --d_model=256 --num_layers=4 --steps=4   # the test's size
+  python scripts/sharded_state_rss.py --d_model=256 --num_layers=4 --steps=4
+  python scripts/sharded_state_rss.py --d_model=256 --num_layers=4 --steps=4 --layout=zero3
 
 Prints one JSON object (and --out=FILE writes it); exit status 1 when a bound
 or the resume check fails.
@@ -43,7 +46,7 @@ def model_flags(a):
 
 
 def common(a, steps):
-  return ["--seq_len=32", "--global_batch_size=8", "--steps_per_call=1", "--log_every=1",
+  return ["--dropout=0", "--seq_len=32", "--global_batch_size=8", "--steps_per_call=1", "--log_every=1",
           "--eval_every=0", "--eval_steps=0", "--learning_rate=1e-3", "--warmup_steps=1",
           f"--train_steps={steps}", f"--checkpoint_every={max(1, a.steps // 2)}",
           "--keep_checkpoints=5", "--jit_compile=false"]
@@ -59,14 +62,15 @@ def free_ports(n):
   return ports
 
 
-def run_job(flags, workers, log):
+def run_job(flags, workers, log, layout="pipeline"):
   """Runs `python -m tfpar.train flags` as `workers` processes; ([peak RSS bytes], output)."""
   env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1")
   procs = []
   if workers > 1:
     hosts = [f"127.0.0.1:{p}" for p in free_ports(workers)]
-    flags = flags + ["--strategy=multi_worker_mirrored", f"--pipeline_stages={workers}",
-                     "--microbatches=4"]
+    flags = flags + ["--strategy=multi_worker_mirrored"] + (
+        ["--optimizer_sharding=zero3"] if layout == "zero3" else
+        [f"--pipeline_stages={workers}", "--microbatches=4"])
   else:
     flags = flags + ["--strategy=one_device"]
   for i in range(workers):
@@ -97,10 +101,13 @@ def losses(model_dir):
 
 
 def stage_share(model_dir):
-  """[16 bytes x parameters of stage k] (float32 weights, m, v, gradients) from plan.json."""
+  """[16 bytes x parameters process k holds] (float32 weights, m, v, gradients) from plan.json:
+  stage k's, or (zero3) a replica's rows, as measured."""
   with open(os.path.join(model_dir, "plan.json"), encoding="utf-8") as f:
     plan = json.load(f)
-  return [16 * s["parameters"] for s in plan["stages"]]
+  if "stages" in plan:
+    return [16 * s["parameters"] for s in plan["stages"]]
+  return [4 * plan["bytes_per_replica"]["measured"]["weights"]] * WORKERS
 
 
 def main(argv=None):
@@ -108,6 +115,7 @@ def main(argv=None):
   parser.add_argument("--num_layers", type=int, default=8)
   parser.add_argument("--d_model", type=int, default=2048)
   parser.add_argument("--steps", type=int, default=2)
+  parser.add_argument("--layout", choices=("pipeline", "zero3"), default="pipeline")
   parser.add_argument("--out", default="")
   parser.add_argument("--work_dir", default="")
   a = parser.parse_args(argv)
@@ -116,31 +124,32 @@ def main(argv=None):
   d = {name: os.path.join(work, name) for name in
        ("tiny", "train", "resume", "one", "back", "one_tiny")}
   base, model = common(a, a.steps), model_flags(a)
-  report = {"model": model, "workers": WORKERS, "steps": a.steps}
+  report = {"model": model, "workers": WORKERS, "steps": a.steps, "layout": a.layout}
+  run = lambda flags, workers, log: run_job(flags, workers, log, a.layout)
   peaks = {}
-  peaks["tiny"], _ = run_job(base + TINY + [f"--model_dir={d['tiny']}"], WORKERS, d["tiny"])
-  peaks["train"], _ = run_job(base + model + [f"--model_dir={d['train']}"], WORKERS, d["train"])
+  peaks["tiny"], _ = run(base + TINY + [f"--model_dir={d['tiny']}"], WORKERS, d["tiny"])
+  peaks["train"], _ = run(base + model + [f"--model_dir={d['train']}"], WORKERS, d["train"])
   share = stage_share(d["train"])
   half = max(1, a.steps // 2)
   shutil.copytree(d["train"], d["resume"])
   for name in os.listdir(os.path.join(d["resume"], "checkpoints")):
     if name.startswith(f"ckpt-{a.steps}."):
       os.remove(os.path.join(d["resume"], "checkpoints", name))
-  peaks["resume"], out = run_job(base + model + [f"--model_dir={d['resume']}"], WORKERS,
+  peaks["resume"], out = run(base + model + [f"--model_dir={d['resume']}"], WORKERS,
                                  d["resume"])
   resumed_at = f"resumed from {d['resume']}/checkpoints/ckpt-{half} at step {half}" in out
   want, got = losses(d["train"]), losses(d["resume"])
   steps = [s for s in range(half + 1, a.steps + 1)]
   resume_ok = resumed_at and all(abs(got[s] - want[s]) <= 1e-5 * abs(want[s]) for s in steps)
   shutil.copytree(d["train"], d["one"])
-  peaks["one"], out = run_job(common(a, a.steps + 1) + model + [f"--model_dir={d['one']}"], 1,
+  peaks["one"], out = run(common(a, a.steps + 1) + model + [f"--model_dir={d['one']}"], 1,
                               d["one"])
   one_ok = f"resumed from {d['one']}/checkpoints/ckpt-{a.steps} at step {a.steps}" in out
   shutil.copytree(d["one"], d["back"])
-  peaks["back"], out = run_job(common(a, a.steps + 2) + model + [f"--model_dir={d['back']}"],
+  peaks["back"], out = run(common(a, a.steps + 2) + model + [f"--model_dir={d['back']}"],
                                WORKERS, d["back"])
   back_ok = f"resumed from {d['back']}/checkpoints/ckpt-{a.steps + 1} at step {a.steps + 1}" in out
-  peaks["one_tiny"], _ = run_job(common(a, a.steps + 1) + TINY + [f"--model_dir={d['one_tiny']}"],
+  peaks["one_tiny"], _ = run(common(a, a.steps + 1) + TINY + [f"--model_dir={d['one_tiny']}"],
                                  1, d["one_tiny"])
   bounds = {name: [peaks["tiny"][w] + 1.5 * share[w] for w in range(WORKERS)]
             for name in ("train", "resume", "back")}

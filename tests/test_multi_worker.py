@@ -218,11 +218,18 @@ def restored_engine(strategy_args, checkpoint, model_dir):
   return engine
 
 
-@pytest.mark.parametrize("strategy_args", [["--strategy=one_device"], MIRRORED],
-                         ids=["one_device", "mirrored"])
-def test_a_two_worker_checkpoint_restores_under_one_device_and_mirrored(two_workers, tmp_path,
+ZERO1_X2 = ["--strategy=mirrored", "--num_cpu_devices=2", "--optimizer_sharding=zero1"]
+
+
+@pytest.mark.parametrize("job, strategy_args", [
+    ("two_workers", ["--strategy=one_device"]), ("two_workers", MIRRORED),
+    ("zero3_workers", ["--strategy=one_device"]), ("zero3_workers", ZERO1_X2)],
+                         ids=["one_device", "mirrored", "zero3_one_device", "zero3_zero1_x2"])
+def test_a_two_worker_checkpoint_restores_under_one_device_and_mirrored(request, tmp_path, job,
                                                                         strategy_args):
-  model_dir, _ = two_workers
+  """zero1's checkpoint (gathered by the chief), and zero3's (each worker wrote its own rows),
+  restore exactly under one device, and under 4 mirrored replicas or zero1 on 2."""
+  model_dir = request.getfixturevalue(job)[0]
   checkpoint = str(model_dir / "checkpoints" / f"ckpt-{STEPS}")
   saved = read_checkpoint(checkpoint)
   engine = restored_engine(strategy_args, checkpoint, tmp_path)
@@ -236,6 +243,37 @@ def test_a_two_worker_checkpoint_restores_under_one_device_and_mirrored(two_work
     name = next(n for n, (_, shards) in engine.layouts[0].items() if shards[0] is var)
     for copy in engine.strategy.experimental_local_results(var):
       np.testing.assert_array_equal(np.asarray(tf.convert_to_tensor(copy)), saved[name], name)
+
+
+def test_zero3_resumes_its_rows_under_zero1_and_zero1s_under_two_zero3_workers(
+    zero3_workers, tmp_path):
+  """zero3's step-3 checkpoint (two bundles, each worker's rows) resumed by zero1 on 2 mirrored
+  replicas, whose step-4 checkpoint (written whole) two zero3 workers resume, each reading
+  only its rows: every step's loss and gradient norm is the uninterrupted zero3 run's and
+  one device's at 1e-5, and the final state one device's."""
+  model_dir, _, one_dir = zero3_workers
+  zero1, workers = tmp_path / "zero1", tmp_path / "workers"
+  for run in (zero1, workers):
+    (run / "checkpoints").mkdir(parents=True)
+  for path in glob.glob(str(model_dir / "checkpoints" / "ckpt-3.*")):
+    shutil.copy(path, zero1 / "checkpoints")
+  train_in_process(ARGS + ZERO3 + ZERO1_X2 + ["--checkpoint_every=1", "--eval_steps=0",
+                                              f"--model_dir={zero1}"])
+  for path in glob.glob(str(zero1 / "checkpoints" / "ckpt-4.*")):
+    shutil.copy(path, workers / "checkpoints")
+  proc = run_module_in_background("tfpar.launch", TWO_WORKERS + ZERO3 + [
+      f"--model_dir={workers}", "--collective=ring", "--optimizer_sharding=zero3",
+      "--eval_steps=0"], timeout=600).result()
+  assert re.search(r"\[worker 0\] resumed from .*ckpt-4 at step 4", proc.stdout), proc.stdout
+  for run, steps in ((zero1, [4, 5, 6]), (workers, [5, 6])):
+    got = read_metrics(str(run))
+    assert [r["step"] for r in got] == steps
+    for want in (read_metrics(str(model_dir)), read_metrics(str(one_dir))):
+      for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in got], [want[s - 1][key] for s in steps],
+                                   rtol=1e-5, err_msg=f"{run.name} {key}")
+  assert_same_state(read_checkpoint(str(workers / "checkpoints" / "ckpt-6")),
+                    read_checkpoint(str(one_dir / "checkpoints" / "ckpt-6")), "resumed zero3")
 
 
 def test_a_mirrored_checkpoint_resumes_under_two_workers_as_under_one_device(one_device_dir,

@@ -1,7 +1,8 @@
 """Sharded state: initialisation slice by slice, checkpoints written and read in slices.
 
 - Each device of a plan makes only its own slices of the weights, and they
-  equal one device's values exactly (GPT and Llama, tensor 2 and pipeline 2);
+  equal one device's values exactly (GPT and Llama, tensor 2, pipeline 2 and
+  zero3 x 4);
   `initialise.slice_value` makes any slice (ZeRO's row shards) on its own.
 - A checkpoint is one TensorFlow checkpoint of canonical full-shape names
   whatever wrote it: tf.train.load_checkpoint reads it whole; a tensor parallel
@@ -28,7 +29,9 @@ from conftest import REPO, TINY
 BASE = TINY + ["--train_steps=4", "--eval_every=0", "--checkpoint_every=100"]
 LLAMA = ["--architecture=llama", "--num_kv_heads=2", "--seq_len=16", "--jit_compile=false"]
 PLANS = {"tensor_2": ["--num_cpu_devices=2", "--tensor_parallel=2"],
-         "pipeline_2": ["--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=2"]}
+         "pipeline_2": ["--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=2"],
+         # Each replica makes its rows of every weight (tfpar.parallel.zero3.Zero3.initialise).
+         "zero3_4": ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero3"]}
 
 
 def build(args, model_dir):
@@ -102,7 +105,6 @@ def write_old_format(values, directory, step):
 
 
 def test_a_checkpoint_of_the_earlier_format_restores_under_any_plan(tmp_path):
-  from tfpar.training.checkpoint import CanonicalCheckpointer  # pylint: disable=import-outside-toplevel
   one = build(["--strategy=one_device"], tmp_path / "one")
   rng = np.random.default_rng(0)
   values = {name: (np.array(5, v.dtype) if v.ndim == 0 else rng.normal(size=v.shape).astype(v.dtype))
@@ -110,7 +112,7 @@ def test_a_checkpoint_of_the_earlier_format_restores_under_any_plan(tmp_path):
   path = write_old_format(values, str(tmp_path / "old"), 5)
   for plan, args in [("one", ["--strategy=one_device"])] + list(PLANS.items()):
     engine = build(args, tmp_path / f"restore_{plan}")
-    assert CanonicalCheckpointer(engine.layouts, str(tmp_path / "old")).restore() == path
+    assert engine.checkpointer(str(tmp_path / "old")).restore() == path  # zero3: its rows.
     assert engine.step == 5
     got = canonical(engine)
     for name, want in values.items():

@@ -31,8 +31,7 @@ from tfpar.config.schema import CompressionConfig, OptimConfig
 from tfpar.parallel import zero
 from tfpar.parallel.compression import make_exchange
 from tfpar.planner import clusters, cost
-from tfpar.training.checkpoint import (CanonicalCheckpointer, assign_canonical, read_canonical,
-                                       read_checkpoint)
+from tfpar.training.checkpoint import assign_canonical, read_canonical, read_checkpoint
 from tfpar.training.optimizer import inner_optimizer, learning_rate_schedule, make_optimizer
 from tfpar.training.step import apply_gradients
 
@@ -377,7 +376,7 @@ def train_steps(engine, first, last, save_at=(), directory=None):
     losses, norms = engine.train(iterator, 1)
     out.append((float(losses[0]), float(norms[0]), read_canonical(engine.layouts[0])))
     if step in save_at:
-      CanonicalCheckpointer(engine.layouts, directory).save(step)
+      engine.checkpointer(directory).save(step)
   return out
 
 
@@ -426,11 +425,11 @@ def test_a_sharded_x4_checkpoint_resumes_unsharded_then_sharded_x2(engine_runs, 
   first_dir, _, _ = engine_runs[first]
   written = str(first_dir / "checkpoints" / f"ckpt-{CHAIN_SAVE}")
   assert_same_state(read_checkpoint(written), serial[CHAIN_SAVE - 1][2], f"{first}'s checkpoint")
-  assert CanonicalCheckpointer(one.layouts, str(tmp_path)).restore(written)
+  assert one.checkpointer(str(tmp_path)).restore(written)
   assert one.step == CHAIN_SAVE
   middle = train_steps(one, CHAIN_SAVE, 4, (4,), str(tmp_path / "one"))
   two = make_engine(last, tmp_path / "two")
-  assert CanonicalCheckpointer(two.layouts, str(tmp_path)).restore(
+  assert two.checkpointer(str(tmp_path)).restore(
       str(tmp_path / "one" / "ckpt-4"))
   assert two.step == 4
   assert two.zero.mode == last.split()[0] and two.num_replicas == 2

@@ -37,19 +37,25 @@ from tfpar.data import pipeline
 from tfpar.parallel.collectives import reduce_outputs
 from tfpar.parallel.traffic import NONE, Traffic
 from tfpar.training import initialise
-from tfpar.training.checkpoint import CheckpointMismatchError, layout_slices, model_layout
+from tfpar.training.checkpoint import (CanonicalCheckpointer, CheckpointMismatchError,
+                                       layout_slices, model_layout)
 from tfpar.training.optimizer import inner_optimizer, make_optimizer
 
 
-def build_model(cfg: Config, tensor_shards: int = 1, task=None):
-  """The task's model (default: cfg's) with every weight created now, from the run's seed."""
+def build_model(cfg: Config, tensor_shards: int = 1, task=None, initialised: bool = True):
+  """The task's model (default: cfg's) with every weight created now, from the run's seed.
+
+  `initialised=False` leaves the weights as their initializers made them (inside a
+  keras.StatelessScope: without storage, for tfpar.parallel.zero3's template, which makes
+  each shard's values itself).
+  """
   task = task or tasks.make(cfg)
   keras.utils.set_random_seed(cfg.train.seed)
   with initialise.recording() as initializers:
     model = task.build_model(tensor_shards=tensor_shards, seed=cfg.train.seed)
     model.build_all()
-  # The values every plan starts from, whatever slices it holds (tfpar.training.initialise).
-  initialise.initialise(layout_slices(model_layout(model)), cfg.train.seed, initializers)
+  if initialised:  # The values every plan starts from (tfpar.training.initialise).
+    initialise.initialise(layout_slices(model_layout(model)), cfg.train.seed, initializers)
   return model
 
 
@@ -98,6 +104,11 @@ class Engine:
     self.sharding = sharding
     self._train_fn = tf.function(self._train_steps)
     self._eval_fn = tf.function(self._eval_batch)
+
+  def checkpointer(self, directory: str, **kwargs) -> CanonicalCheckpointer:
+    """The CanonicalCheckpointer of this engine's state (kwargs: is_chief, worker_index,
+    keep, background, log)."""
+    return CanonicalCheckpointer(self.layouts, directory, **kwargs)
 
   def build_optimizer(self, variables, prepare=None, slots: bool = True):
     """The run's AdamW (inside a LossScaleOptimizer under mixed_float16), built for `variables`.

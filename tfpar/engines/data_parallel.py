@@ -22,7 +22,7 @@ from tfpar.engines.base import Engine, build_model
 from tfpar.layout import placement as plan_lib
 from tfpar.parallel import zero, zero3
 from tfpar.parallel.compression import make_exchange
-from tfpar.training.checkpoint import assign_canonical, model_layout, read_canonical
+from tfpar.training.checkpoint import CanonicalCheckpointer, layout_slices, model_layout
 from tfpar.training.optimizer import inner_optimizer
 from tfpar.training.step import EvalStep, TrainStep
 
@@ -46,7 +46,8 @@ class DataParallelEngine(Engine):
     if sharding_mode == "zero3":
       check_zero3_replicas(self.num_replicas)
     # zero3: the model is a template without storage; its weights live in zero3's shards.
-    self.model = zero3.build_template(lambda: build_model(cfg, task=self.task)) \
+    self.model = zero3.build_template(lambda: build_model(cfg, task=self.task,
+                                                          initialised=False)) \
         if sharding_mode == "zero3" else None
     with strategy.scope():
       self.model = self.model or build_model(cfg, task=self.task)
@@ -85,7 +86,7 @@ class DataParallelEngine(Engine):
     layout = model_layout(self.model, self.optimizer, slots)
     if sharding_mode == "zero3":
       layout = self.zero.checkpoint_layout(layout)
-      self._initialise_zero3(layout)
+      self.zero.initialise(cfg.train.seed)  # Each replica makes its rows (no whole model).
     self.layouts = [{**layout, **self.exchange.checkpoint_entries(strategy)}]
     # One replica: nothing runs between gradients and update, so XLA compiles both.
     self._train_step = TrainStep(self.model, self.optimizer, loss_fn=self.task.loss,
@@ -95,11 +96,18 @@ class DataParallelEngine(Engine):
                                  skip_nonfinite=cfg.train.on_nonfinite == "skip")
     self._eval_step = EvalStep(self.model, self.task.eval_outputs, jit_compile=jit)
 
-  def _initialise_zero3(self, layout) -> None:
-    """Each replica's rows of the weights one device creates (built once here, then freed)."""
-    with tf.device("/cpu:0"):
-      values = read_canonical(model_layout(build_model(self.cfg, task=self.task)))
-    assign_canonical({name: entry for name, entry in layout.items() if name in values}, values)
+  def checkpointer(self, directory: str, **kwargs) -> CanonicalCheckpointer:
+    """Under zero3 every process writes and restores its replicas' rows of every weight, m
+    and v (tfpar.parallel.zero3.Zero3.slices) and no process gathers a tensor; the chief
+    writes the rest (the step, the dropout RNG states), which every process restores."""
+    if not (self.zero and self.zero.mode == "zero3"):
+      return super().checkpointer(directory, **kwargs)
+    rows = self.zero.slices()
+    rest = [p for p in layout_slices(self.layouts[0]) if not isinstance(p.variable, zero3.View)]
+    return CanonicalCheckpointer(
+        self.layouts, directory, held=rows + rest,
+        write=rows + (rest if kwargs.get("is_chief", True) else []),
+        writers=self.num_replicas // len(self._local_devices), **kwargs)
 
   @property
   def input_strategy(self):

@@ -51,11 +51,12 @@ from tfpar.data import pipeline
 from tfpar.engines.base import Engine, build_model
 from tfpar.engines.model_parallel import _worker_devices, _worker_index, measured_bytes
 from tfpar.layout import placement as plan_lib
-from tfpar.parallel import p2p, schedules, tensor
+from tfpar.parallel import p2p, schedules, tensor, zero3
 from tfpar.parallel.pipeline import Pipeline
 from tfpar.parallel.stage_program import StageProgram
 from tfpar.parallel.zero import clip_factor
-from tfpar.training.checkpoint import assign_canonical, model_layout, read_canonical
+from tfpar.training import initialise
+from tfpar.training.checkpoint import layout_slices, model_layout
 from tfpar.training.optimizer import inner_optimizer
 from tfpar.training.step import apply_or_skip
 
@@ -91,27 +92,28 @@ class StageWorkerEngine(Engine):
                              gpu=bool(tf.config.list_logical_devices("GPU")))
 
     # The model: this worker's chunks only (and the embedding where the head reads it).
-    self.model = model = self.task.build_model(tensor_shards=self.plan.tensor_parallel,
-                                               seed=cfg.train.seed)
-    chunks = self.plan.chunks
-    embed_device = row[chunks[mine[0]][0]][0] if mine[0] == 0 else row[chunks[mine[-1]][0]][0]
-    before = {id(v) for v in model.variables}
-    if 0 in mine or len(chunks) - 1 in mine:
-      with tf.device(embed_device):
-        model.build_embed()
-    embed_ids = {id(v) for v in model.variables} - before
-    for c in mine:
-      k, blocks = chunks[c]
-      for i in blocks:
-        block = model.blocks[i]
-        tensor.place_shards(block, row[k], jit_compile=cfg.train.jit_compile,
-                            sequence_parallel=cfg.parallel.sequence_parallel)
-        with tf.device(row[k][0]):
-          block.build(model.block_shape)
-    if len(chunks) - 1 in mine:
-      with tf.device(row[chunks[-1][0]][0]):
-        model.build_head()
-    model.built = True
+    with initialise.recording() as initializers:  # What each weight's slices are drawn from.
+      self.model = model = self.task.build_model(tensor_shards=self.plan.tensor_parallel,
+                                                 seed=cfg.train.seed)
+      chunks = self.plan.chunks
+      embed_device = row[chunks[mine[0]][0]][0] if mine[0] == 0 else row[chunks[mine[-1]][0]][0]
+      before = {id(v) for v in model.variables}
+      if 0 in mine or len(chunks) - 1 in mine:
+        with tf.device(embed_device):
+          model.build_embed()
+      embed_ids = {id(v) for v in model.variables} - before
+      for c in mine:
+        k, blocks = chunks[c]
+        for i in blocks:
+          block = model.blocks[i]
+          tensor.place_shards(block, row[k], jit_compile=cfg.train.jit_compile,
+                              sequence_parallel=cfg.parallel.sequence_parallel)
+          with tf.device(row[k][0]):
+            block.build(model.block_shape)
+      if len(chunks) - 1 in mine:
+        with tf.device(row[chunks[-1][0]][0]):
+          model.build_head()
+      model.built = True
     self.variables = list(model.trainable_variables)
     # The embedding's gradient is summed between its two holders; the norm counts it once.
     self.shared = [i for i, v in enumerate(self.variables) if id(v) in embed_ids] \
@@ -133,7 +135,7 @@ class StageWorkerEngine(Engine):
                                 (tuple(model.block_shape[1:]), _compute_dtype()))
     self.keys = self.program.keys
     self.device = row[chunks[mine[0]][0]][0]
-    self._initialise_like_one_device(embed_device)
+    self._initialise(initializers)
     self._gathered = None
     self.layouts = [self._state_layout()]
     if me == 0 and cfg.train.model_dir:
@@ -157,19 +159,20 @@ class StageWorkerEngine(Engine):
     return tf.data.Dataset.from_tensors(tf.nest.map_structure(
         lambda s: tf.zeros(s.shape, s.dtype), ds.element_spec)).repeat()
 
-  def _initialise_like_one_device(self, device):
-    """This worker's weights as one device initialises them, and the whole model's canonical
-    entries (names, shapes and dtypes: the checkpoint's)."""
-    with tf.device(device):
-      reference = build_model(self.cfg, task=self.task)
-    values = read_canonical(model_layout(reference))
+  def _initialise(self, initializers):
+    """This worker's weights, each slice made on its own as one device makes it
+    (tfpar.training.initialise), and the whole model's canonical entries (names, shapes and
+    dtypes: the checkpoint's) from a template whose weights have no storage."""
+    initialise.initialise(layout_slices(model_layout(self.model)), self.cfg.train.seed,
+                          initializers)
+    reference = zero3.build_template(lambda: build_model(self.cfg, task=self.task,
+                                                         initialised=False))
     self.parameters = int(sum(np.prod(v.shape) for v in reference.trainable_variables))
-    entries = {name: (value.shape, tf.as_dtype(value.dtype)) for name, value in values.items()}
+    entries = {name: (tuple(int(n) for n in shards[0].shape), tf.as_dtype(shards[0].dtype))
+               for name, (_, shards) in model_layout(reference).items()}
     for name in model_layout(reference, slots=lambda v: (v, v)):  # AdamW's m and v of each weight
-      entries.setdefault(name, (values[name.split("@")[0]].shape, tf.float32))
+      entries.setdefault(name, (entries[name.split("@")[0]][0], tf.float32))
     self._entries = dict(sorted(entries.items()))
-    del reference
-    assign_canonical(model_layout(self.model), values)
 
   # --- the step -----------------------------------------------------------------
   def _replica_step(self, inputs, targets, compressed):

@@ -55,6 +55,7 @@ tests/test_zero_hybrid.py.
 """
 
 import functools
+import re
 from typing import List, Sequence
 
 import numpy as np
@@ -230,8 +231,19 @@ def state_bytes(num_params: int, num_replicas: int, mode: str) -> dict:
 
 
 def decay_flags(optimizer, variables) -> List[bool]:
-  """Which of `variables` the Keras AdamW `optimizer` decays (its own rule, not a copy)."""
-  return [bool(optimizer.weight_decay) and optimizer._use_weight_decay(v) for v in variables]
+  """Which of `variables` the Keras AdamW `optimizer` decays (its own rule, not a copy).
+
+  A variable without storage (tfpar.parallel.zero3's template) is matched by its name alone,
+  against the names the optimizer excludes (tfpar.training.optimizer excludes by name only):
+  Keras' own check would read its value, drawing the whole tensor.
+  """
+  pattern = getattr(optimizer, "_exclude_from_weight_decay_pattern", None)
+
+  def decays(v):
+    if getattr(v, "_value", True) is None:
+      return pattern is None or re.search(pattern, v.name) is None
+    return optimizer._use_weight_decay(v)  # pylint: disable=protected-access
+  return [bool(optimizer.weight_decay) and decays(v) for v in variables]
 
 
 MODES = ("zero1", "zero2")

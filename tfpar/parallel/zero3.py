@@ -39,32 +39,37 @@ and under --on_nonfinite=skip a non-finite ||g|| leaves w, m and v as they
 were; the step counter (the optimizer's, mirrored) advances either way. So
 clipping, skipping, weight decay and the schedule are the unsharded update's.
 
-Checkpoints. `checkpoint_layout` gives tfpar.training.checkpoint's canonical
-layout with every weight, m and v seen at full shape (`View`): a save
-gathers them (one strategy.gather per kind over all processes), a restore
-writes each replica's rows. So zero3 restores any plan's checkpoint and
-writes one any plan restores.
+Initialisation. Each replica makes its rows of each weight itself
+(`initialise`: tfpar.training.initialise.slice_value over the canonical
+coordinates, from the initializer the template's variable was given), equal
+element for element to one device's weights; no process builds the model.
+
+Checkpoints. `slices()` is what each process writes and restores: its
+replicas' rows of every weight, m and v, as canonical slices (SaveV2 and
+RestoreV2 shape_and_slices), so no process gathers a tensor and a restore
+reads only its rows, from a checkpoint written under any plan. So zero3
+restores any plan's checkpoint and writes one any plan restores.
+`checkpoint_layout` still gives the canonical layout with each weight, m and v
+seen at full shape (`View`: read by concatenating the shards), for what reads
+the state whole in one process (tests, a keras-hub preset's values).
 
 Bytes per replica predicted: tfpar.parallel.zero.state_bytes(mode='zero3');
 tfpar.planner.cost models the gathers' traffic. Wired into
 tfpar.engines.data_parallel by --optimizer_sharding=zero3; tests/test_zero.py.
 """
 
-import collections
 import functools
 from typing import Dict, List, Sequence
 
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.backend.common import global_state
 
 from tfpar.layers.parallel import whole_sequence
 from tfpar.parallel import zero
-
-Slice = collections.namedtuple("Slice", "name shape begin size variable")
-Slice.__doc__ = """One shard as a hyper-rectangle of a canonical tensor: `variable` holds
-`full[begin[0]:begin[0]+size[0], ...]` of the tensor `name` of shape `shape`."""
-
+from tfpar.training import initialise
+from tfpar.training.checkpoint import Slice
 
 def rows(num_rows: int, shard: int, num_shards: int):
   """(first row, row count) of `shard`'s rows of a tensor of `num_rows` rows."""
@@ -77,12 +82,17 @@ def build_template(build):
   """The model `build()` makes, its trainable variables without storage (shapes only).
 
   Its non-trainable variables (dropout RNG states) are created for real: they are small,
-  and a checkpoint holds them.
+  and a checkpoint holds them. The trainable ones keep their initializer (`Zero3.initialise`
+  draws each shard from it) and are taken off Keras' list of variables to initialise, which
+  the exit of any StatelessScope (the parts' forwards run in one) would otherwise fill.
   """
-  with keras.StatelessScope():
+  with keras.StatelessScope(initialize_variables=False):
     model = build()
   for variable in model.non_trainable_variables:
     variable._deferred_initialize()  # pylint: disable=protected-access
+  pending = global_state.get_global_attribute("uninitialized_variables") or []
+  template = {id(v) for v in model.variables}
+  pending[:] = [v for v in pending if id(v) not in template]
   return model
 
 
@@ -140,8 +150,6 @@ class Zero3:
          wrap(self._run_head)]) for training, wrap in ((True, compile_), (False, lambda f: f))}
     self._updates = [compile_(functools.partial(self._update, r)) for r in range(len(devices))]
     self._gather_fn = tf.function(lambda v: strategy.gather(v, axis=0))
-    self._gathered = {}  # kind -> ((step, version), [full values]): the last save's gather.
-    self._version = 0  # Bumped by every restore, so a gather after one is not stale.
     self.names = [None] * len(self.variables)  # Canonical names (`checkpoint_layout`).
 
   def _shard_shape(self, i: int, shard: int):
@@ -233,17 +241,33 @@ class Zero3:
              for part in self.blocks + [self.outside]]
     return 4 * max(sizes)
 
-  def slices(self) -> List[Slice]:
-    """Every shard this process holds, weights then '@m' and '@v', as canonical slices."""
+  def slices(self, kinds=("w", "m", "v")) -> List[Slice]:
+    """Every shard this process holds, weights then '@m' and '@v', as canonical slices
+    (an empty one, where a tensor has fewer rows than replicas, left out)."""
     out = []
     for replica, shard in enumerate(self.shard_ids):
-      for kind, suffix in (("w", ""), ("m", "@m"), ("v", "@v")):
+      for kind in kinds:
+        suffix = {"w": "", "m": "@m", "v": "@v"}[kind]
         for i, variable in enumerate(self.slots[replica][kind]):
           first, count = rows(self.shapes[i][0], shard, self.num_replicas)
-          out.append(Slice(self.names[i] + suffix, self.shapes[i],
-                           (first,) + (0,) * (len(self.shapes[i]) - 1),
-                           (count,) + self.shapes[i][1:], variable))
+          if count:
+            out.append(Slice(self.names[i] + suffix, self.shapes[i],
+                             (first,) + (0,) * (len(self.shapes[i]) - 1),
+                             (count,) + self.shapes[i][1:], variable))
     return out
+
+  def initialise(self, seed: int) -> None:
+    """Each local replica's rows of every weight, as one device makes them (the template's
+    initializers; `checkpoint_layout` names them first)."""
+    template = {id(slot): self.variables[i] for r in range(len(self.slots))
+                for i, slot in enumerate(self.slots[r]["w"])}
+    pieces = self.slices(("w",))
+    recorded = {id(p.variable): (p.variable, template[id(p.variable)]._initializer)  # pylint: disable=protected-access
+                for p in pieces}
+    done = initialise.initialise(pieces, seed, recorded)
+    if done != len(pieces):
+      raise ValueError("zero3 makes each shard from its weight's Keras initializer: "
+                       f"{len(pieces) - done} weights have none")
 
   # --- the canonical checkpoint's view --------------------------------------------
   def checkpoint_layout(self, layout: Dict) -> Dict:
@@ -263,32 +287,21 @@ class Zero3:
     i = next(j for j, v in enumerate(self.variables) if v is variable)
     return View(self, "m", i), View(self, "v", i)
 
-  def full(self, kind: str) -> List[tf.Tensor]:
-    """Every variable's `kind` ('w', 'm', 'v') at full shape, from every shard.
+  def full(self, kind: str, i: int) -> tf.Tensor:
+    """Variable i's `kind` ('w', 'm', 'v') at full shape, from every replica's rows.
 
-    With shards in other processes, one strategy.gather of every replica's packed rows (a
-    collective: every process calls this at the same point, as a save does); kept until
-    the next step or restore.
+    With replicas in other processes, one strategy.gather (a collective: every process
+    calls it at the same point).
     """
-    key = (int(self.optimizer.iterations.numpy()), self._version)
-    cached = self._gathered.get(kind)
-    if cached is None or cached[0] != key:
-      if len(self.slots) == self.num_replicas:
-        packed = tf.stack([self._pack(r, kind) for r in np.argsort(self.shard_ids)])
-      else:
-        packed = self._gather_fn(self.strategy.experimental_distribute_values_from_function(
-            lambda ctx: self._pack(self.shard_ids.index(ctx.replica_id_in_sync_group),
-                                   kind)[None]))
-      cached = self._gathered[kind] = (key, unpack(packed, self.shapes, self.per,
-                                                   self.num_replicas))
-    return cached[1]
-
-  def _pack(self, replica: int, kind: str) -> tf.Tensor:
-    return pack([tf.convert_to_tensor(x) for x in self.slots[replica][kind]], self.per)
+    if len(self.slots) == self.num_replicas:
+      return tf.concat([self.slots[r][kind][i] for r in np.argsort(self.shard_ids)], axis=0)
+    packed = self._gather_fn(self.strategy.experimental_distribute_values_from_function(
+        lambda ctx: pack([tf.convert_to_tensor(self.slots[self.shard_ids.index(
+            ctx.replica_id_in_sync_group)][kind][i])], [self.per[i]])[None]))
+    return unpack(packed, [self.shapes[i]], [self.per[i]], self.num_replicas)[0]
 
   def assign(self, kind: str, i: int, value) -> None:
     """Writes variable i's full `kind` into the rows each local replica holds."""
-    self._version += 1
     full = np.asarray(value, np.float32)
     for replica, shard in enumerate(self.shard_ids):
       first, count = rows(self.shapes[i][0], shard, self.num_replicas)
@@ -306,7 +319,7 @@ class View:
 
   @property
   def value(self) -> tf.Tensor:
-    return self.zero3.full(self.kind)[self.index]
+    return self.zero3.full(self.kind, self.index)
 
   def assign(self, value) -> None:
     self.zero3.assign(self.kind, self.index, value)

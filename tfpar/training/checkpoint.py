@@ -337,6 +337,8 @@ class CanonicalCheckpointer:
     keep: how many checkpoints to keep: the newest on disk.
     is_chief: the chief joins the parts into the checkpoint and publishes it.
     worker_index: names this process's parts.
+    held: the Slices this process restores (default: every copy's, from `layouts`;
+      ZeRO-3 gives its row shards, so a restore reads only those rows).
     write: the Slices this process writes (default: copy 0's on the chief,
       none elsewhere: data-parallel replicas hold copies of the chief's state).
     writers: how many processes write parts (the chief waits for each).
@@ -346,8 +348,9 @@ class CanonicalCheckpointer:
   """
 
   def __init__(self, layouts: Sequence[Layout], directory: str, *, keep: int = 3,
-               is_chief: bool = True, worker_index: int = 0, write: Optional[List[Slice]] = None,
-               writers: int = 1, background: bool = False, log=None):
+               is_chief: bool = True, worker_index: int = 0, held: Optional[List[Slice]] = None,
+               write: Optional[List[Slice]] = None, writers: int = 1, background: bool = False,
+               log=None):
     self.layouts = list(layouts)
     self.directory = _absolute(directory)
     self.keep = keep
@@ -356,7 +359,8 @@ class CanonicalCheckpointer:
     self.writers = writers
     self.background = background
     self.log = log
-    self.restored_slices = [p for layout in self.layouts for p in layout_slices(layout)]
+    self.restored_slices = held if held is not None else [
+        p for layout in self.layouts for p in layout_slices(layout)]
     # Copy 0's state may be a view that gathers shards (ZeRO) with collectives, which every
     # worker must run in the same order: a worker that writes none of it still reads it.
     self.read_only_slices = layout_slices(self.layouts[0]) if write is None and not is_chief \

@@ -28,7 +28,7 @@ import tensorflow as tf
 from tfpar.config.schema import Config
 from tfpar.console import count as _count
 from tfpar.training import memory, preemption
-from tfpar.training.checkpoint import CanonicalCheckpointer, assign_canonical
+from tfpar.training.checkpoint import assign_canonical
 from tfpar.training.metrics import MetricsWriter
 
 
@@ -107,10 +107,9 @@ def run(cfg: Config, engine, *, is_chief: bool = True, worker_index: int = 0,
   """
   t = cfg.train
   metrics = MetricsWriter(t.model_dir, enabled=is_chief)
-  checkpointer = CanonicalCheckpointer(engine.layouts, os.path.join(t.model_dir, "checkpoints"),
-                                       keep=t.keep_checkpoints, is_chief=is_chief,
-                                       worker_index=worker_index, background=t.async_checkpoint,
-                                       log=metrics.say)
+  checkpointer = engine.checkpointer(os.path.join(t.model_dir, "checkpoints"),
+                                     keep=t.keep_checkpoints, is_chief=is_chief,
+                                     worker_index=worker_index, background=t.async_checkpoint, log=metrics.say)
   try:
     return _train(cfg, engine, checkpointer, metrics, is_chief=is_chief,
                   worker_index=worker_index, num_workers=num_workers, on_restored=on_restored)
