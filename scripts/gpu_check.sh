@@ -70,9 +70,9 @@ import json, sys
 d = sys.argv[1]
 plan = json.load(open(f"{d}/plan.json"))
 gpu = plan["allocator_peak"]["allocators"]["GPU:0"]
-held = plan["bytes_per_replica"]["measured"]
+(held,) = plan["measured_bytes_per_device"].values()
 print(json.dumps(gpu))
-assert gpu["held_bytes"] >= held["weights"] + held["optimizer"] and gpu["added_bytes"] > 0
+assert gpu["held_bytes"] >= held["parameters"] + held["optimizer"] and gpu["added_bytes"] > 0
 ' "$OUT/one_gpu"
 step one_gpu_noxla 150 "${TRAIN[@]}" --model_dir="$OUT/one_gpu_noxla" --strategy=one_device --nojit_compile
 step xla 30 "${SAME_LOSSES[@]}" "$OUT/one_gpu_noxla" "$OUT/one_gpu" 1e-5

@@ -107,7 +107,8 @@ def stage_share(model_dir):
     plan = json.load(f)
   if "stages" in plan:
     return [16 * s["parameters"] for s in plan["stages"]]
-  return [4 * plan["bytes_per_replica"]["measured"]["weights"]] * WORKERS
+  (held,) = plan["measured_bytes_per_device"].values()
+  return [4 * held["parameters"]] * WORKERS
 
 
 def main(argv=None):

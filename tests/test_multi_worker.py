@@ -155,7 +155,7 @@ def test_two_zero1_workers_hold_half_the_slots_and_save_one_devices(two_workers,
   sharded = read_checkpoint(str(model_dir / "checkpoints" / f"ckpt-{STEPS}"))
   serial = read_checkpoint(str(one_device_dir / "checkpoints" / f"ckpt-{STEPS}"))
   assert_same_state(sharded, serial, "zero1 on 2 workers")
-  plan = json.loads((model_dir / "plan.json").read_text())["bytes_per_replica"]["measured"]
+  (plan,) = json.loads((model_dir / "plan.json").read_text())["measured_bytes_per_device"].values()
   slots = sum(v.size * 4 for n, v in serial.items() if n.endswith(("@m", "@v")))
   assert plan["optimizer"] == 8 * -(-slots // 16) + 8  # Half of m and v, and the step counter.
   assert "optimizer sharding zero1" in output

@@ -233,8 +233,8 @@ def test_cli_end_to_end(cli_run):
   peak = plan["allocator_peak"]
   assert peak["steps"] == [2, 2] and list(peak["allocators"]) == ["CPU"]
   cpu = peak["allocators"]["CPU"]
-  measured = plan["bytes_per_replica"]["measured"]
-  assert cpu["held_bytes"] >= measured["weights"] + measured["optimizer"]
+  (measured,) = plan["measured_bytes_per_device"].values()
+  assert cpu["held_bytes"] >= measured["parameters"] + measured["optimizer"]
   assert cpu["added_bytes"] == cpu["peak_bytes"] - cpu["held_bytes"]
   assert cpu["added_bytes"] == pytest.approx(cpu["predicted_added_bytes"], rel=0.25), cpu
   assert "memory during step 2, allocator: CPU held" in proc.stdout
