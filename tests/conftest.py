@@ -228,18 +228,35 @@ EARLY = {"bench_run": ("test_bench", "run_bench"),
          "stage_worker_faults": ("test_cross_worker", "run_stage_worker_faults")}
 
 
+class _EarlyRuns(dict):
+  """{fixture name: Future} of EARLY runs; one not started yet starts when first asked for."""
+
+  def __init__(self, tmp_path_factory):
+    super().__init__()
+    self.tmp_path_factory = tmp_path_factory
+
+  def __missing__(self, name):
+    module, function = EARLY[name]
+    fn = getattr(__import__(module), function)
+    self[name] = in_background(fn, self.tmp_path_factory.mktemp(name))
+    return self[name]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def early_runs(request, tmp_path_factory):
   """{fixture name: Future} of the EARLY runs some selected test uses, started now.
 
   scripts/bench.py's smoke run trains two systems in processes of its own; it
-  runs beside the tests before its file instead of after them.
+  runs beside the tests before its file instead of after them. Under pytest-xdist
+  (`-n 2 --dist loadfile`: README's command) a worker does not know which files it
+  will be given, so each run starts when its file first asks for it, in the worker
+  that runs that file.
   """
-  started = {}
-  for name, (module, function) in EARLY.items():
-    if any(name in item.fixturenames for item in request.session.items):
-      fn = getattr(__import__(module), function)
-      started[name] = in_background(fn, tmp_path_factory.mktemp(name))
+  started = _EarlyRuns(tmp_path_factory)
+  if not os.environ.get("PYTEST_XDIST_WORKER"):
+    for name in EARLY:
+      if any(name in item.fixturenames for item in request.session.items):
+        started[name]  # pylint: disable=pointless-statement  # Starts it.
   return started
 
 
@@ -263,6 +280,8 @@ def pytest_configure(config):
   --num_cpu_devices of them) without paying a TensorFlow start per test.
   """
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+    return  # pytest-xdist's controller: its workers run the tests.
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   cpu = tf.config.list_physical_devices("CPU")[0]
   tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 8)

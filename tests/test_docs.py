@@ -19,7 +19,7 @@ README = os.path.join(REPO, "README.md")
 FLAGS_MD = os.path.join(REPO, "docs", "flags.md")
 README_MAX_LINES = 200
 INSTALL_AND_TRAIN = "pip install -e . && python -m tfpar.train --flagfile=configs/gpt_tiny.flags"
-RUN_THE_TESTS = 'pip install -e ".[test]" && python -m pytest -q tests'
+RUN_THE_TESTS = 'pip install -e ".[test]" && python -m pytest -q -n 2 --dist loadfile tests'
 
 
 def _read(path: str) -> str:
@@ -87,7 +87,7 @@ def test_readme_gives_the_two_commands_and_ci_runs_them():
   assert INSTALL_AND_TRAIN in readme and RUN_THE_TESTS in readme
   ci = _read(os.path.join(REPO, ".ci", "run")).splitlines()
   assert any(re.fullmatch(r'python -m pip install (--quiet )?-e "\.\[test\]"', l) for l in ci), ci
-  assert "python -m pytest -q tests" in ci, ci
+  assert "python -m pytest -q -n 2 --dist loadfile tests" in ci, ci
   assert os.path.exists(os.path.join(REPO, "configs", "gpt_tiny.flags"))
 
 
