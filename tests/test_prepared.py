@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, TINY, read_metrics, run_modules
-from tfpar import tokenizer
+from tfpar import tasks, tokenizer
 from tfpar.data import corpus, pipeline, prepare, prepared
 from tfpar.data.pipeline import Shard
 
@@ -353,6 +353,12 @@ def image_batches(data, steps=6):
   return [(x.numpy(), {k: v.numpy() for k, v in y.items()}) for x, y in ds.take(steps)]
 
 
+def open_set(out, task, **sizes):
+  """The prepared image set at `out`, opened for `task` (its spec's label fields)."""
+  from tfpar.data import image_prepared  # pylint: disable=import-outside-toplevel
+  return image_prepared.open_images(out, task, tasks.spec(task).labels, **sizes)
+
+
 def test_a_prepared_image_set_streams_the_batches_of_the_set_in_memory(tmp_path):
   """Labels, boxes and masks: the prepared set, held out and augmented as in memory, gives
   the same batches; a damaged or mismatched set is one line."""
@@ -367,10 +373,10 @@ def test_a_prepared_image_set_streams_the_batches_of_the_set_in_memory(tmp_path)
           "segment": images.ImageSet(canvases.images, masks=canvases.masks)}
   for task, data in sets.items():
     out = str(tmp_path / task)
-    image_prepared.write_images(out, data, task, num_shards=3)
+    image_prepared.write_images(out, data, task, tasks.spec(task).labels, num_shards=3)
     size, channels = data.images.shape[1], data.images.shape[3]
-    stream = image_prepared.open_images(out, task, image_size=size, channels=channels,
-                                        num_classes=10 if task != "segment" else 11)
+    stream = open_set(out, task, image_size=size, channels=channels,
+                      num_classes=10 if task != "segment" else 11)
     assert isinstance(stream, image_prepared.ImageStream) and len(stream) == len(data)
     for want_set, got_set in zip(images.split(data, 0.25, 0), images.split(stream, 0.25, 0)):
       for (x, y), (u, v) in zip(image_batches(want_set), image_batches(got_set)):
@@ -380,20 +386,20 @@ def test_a_prepared_image_set_streams_the_batches_of_the_set_in_memory(tmp_path)
           np.testing.assert_array_equal(y[k], v[k], err_msg=f"{task} {k}")
   out = str(tmp_path / "classify")
   with pytest.raises(corpus.DataError, match="is a prepared classify set, not a detect set"):
-    image_prepared.open_images(out, "detect", image_size=8, channels=1, num_classes=10)
+    open_set(out, "detect", image_size=8, channels=1, num_classes=10)
   with pytest.raises(corpus.DataError, match="holds images of 8x8x1, not --image_size=16"):
-    image_prepared.open_images(out, "classify", image_size=16, channels=1, num_classes=10)
+    open_set(out, "classify", image_size=16, channels=1, num_classes=10)
   with pytest.raises(corpus.DataError, match="has class id 9; --num_classes=5"):
-    image_prepared.open_images(out, "classify", image_size=8, channels=1, num_classes=5)
+    open_set(out, "classify", image_size=8, channels=1, num_classes=5)
   shard = os.path.join(out, image_prepared.shard_name(1, 3))
   with open(shard, "r+b") as f:
     f.seek(10)
     f.write(b"\xff")
   with pytest.raises(corpus.DataError, match="examples-00001-of-00003.bin is corrupt"):
-    image_prepared.open_images(out, "classify", image_size=8, channels=1, num_classes=10)
+    open_set(out, "classify", image_size=8, channels=1, num_classes=10)
   os.truncate(shard, 64)
   with pytest.raises(corpus.DataError, match="examples-00001-of-00003.bin is truncated"):
-    image_prepared.open_images(out, "classify", image_size=8, channels=1, num_classes=10)
+    open_set(out, "classify", image_size=8, channels=1, num_classes=10)
 
 
 def test_a_prepared_image_set_trains_to_the_losses_of_its_images_in_memory(tmp_path):

@@ -13,7 +13,7 @@ import functools
 import sys
 from typing import Sequence
 
-from tfpar import console, storage
+from tfpar import console, storage, tasks
 from tfpar import tokenizer as tokenizer_lib
 from tfpar.cli import tool
 from tfpar.data import corpus
@@ -86,7 +86,7 @@ def main(argv: Sequence[str]) -> None:
     check_prepare_flags(fv)
   except corpus.DataError as e:
     fail(str(e))
-  if fv.task != "lm":
+  if tasks.spec(fv.task).labels:  # A vision task's images, not text.
     return _prepare_images(fv)
   console.import_tensorflow_quietly()
   try:
@@ -106,14 +106,13 @@ def _prepare_images(fv) -> None:
   if not (fv.data and fv.image_size and fv.num_classes):
     fail(f"--task={fv.task} needs --data, --image_size and --num_classes: the images, the size "
          "to decode them at, and the classes their labels count")
-  from tfpar import tasks  # pylint: disable=import-outside-toplevel
   console.import_tensorflow_quietly()
   from tfpar.data import image_prepared, image_records  # pylint: disable=import-outside-toplevel
   try:
     found = image_records.read_layout(fv.data, tasks.spec(fv.task), image_size=fv.image_size,
                                       channels=fv.num_channels, num_classes=fv.num_classes)
-    manifest = image_prepared.write_images(fv.out, found, fv.task, num_shards=fv.num_shards,
-                                           overwrite=fv.overwrite)
+    manifest = image_prepared.write_images(fv.out, found, fv.task, tasks.spec(fv.task).labels,
+                                           num_shards=fv.num_shards, overwrite=fv.overwrite)
   except corpus.DataError as e:
     fail(str(e))
   print(f"wrote {console.count(len(manifest['shards']), 'shard')} of "

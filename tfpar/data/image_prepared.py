@@ -41,7 +41,6 @@ from tfpar.data.corpus import DataError
 from tfpar.data.images import ImageSet
 
 FORMAT = "tfpar.prepared-images/1"
-TASK_FIELDS = {"classify": ("label",), "detect": ("boxes", "classes"), "segment": ("mask",)}
 
 
 def shard_name(i: int, n: int) -> str:
@@ -56,13 +55,14 @@ def _arrays(data: ImageSet) -> dict:
   return {k: np.ascontiguousarray(v, dtypes[k]) for k, v in fields.items() if v is not None}
 
 
-def write_images(out: str, data: ImageSet, task: str, *, num_shards: int = 2,
+def write_images(out: str, data: ImageSet, task: str, labels, *, num_shards: int = 2,
                  overwrite: bool = False) -> dict:
-  """Writes `data` as a prepared image set of `task` at `out`; returns its manifest."""
+  """Writes `data` as a prepared image set of `task` at `out`, with the label fields `labels`
+  (its spec's, tfpar.tasks.specs) beside each image; returns its manifest."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   arrays = _arrays(data)
-  if tuple(k for k in arrays if k != "image") != TASK_FIELDS[task]:
-    raise DataError(f"a {task} set has {', '.join(TASK_FIELDS[task])} labels, not "
+  if tuple(k for k in arrays if k != "image") != tuple(labels):
+    raise DataError(f"a {task} set has {', '.join(labels)} labels, not "
                     f"{', '.join(k for k in arrays if k != 'image')}")
   n = len(data)
   record = np.concatenate([a.reshape(n, -1).view(np.uint8) for a in arrays.values()], axis=1)
@@ -152,9 +152,10 @@ def _bad(directory: str, what: str) -> DataError:
                    "--overwrite")
 
 
-def open_images(directory: str, task: str, *, image_size: int, channels: int, num_classes: int,
-                verify_bytes: int = prepared.VERIFY_BYTES) -> ImageStream:
-  """The checked set at `directory` for --task=`task` at these sizes (module docstring)."""
+def open_images(directory: str, task: str, labels, *, image_size: int, channels: int,
+                num_classes: int, verify_bytes: int = prepared.VERIFY_BYTES) -> ImageStream:
+  """The checked set at `directory` for --task=`task` (whose label fields are `labels`) at
+  these sizes (module docstring)."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   try:
     manifest = json.loads(storage.read_text(os.path.join(directory, prepared.MANIFEST)))
@@ -163,7 +164,7 @@ def open_images(directory: str, task: str, *, image_size: int, channels: int, nu
     names = [name for name, _, _ in fields]
   except (ValueError, KeyError, TypeError) as e:
     raise _bad(directory, f"{prepared.MANIFEST} is not a valid image manifest ({e})") from None
-  if manifest.get("task") != task or names[1:] != list(TASK_FIELDS[task]):
+  if manifest.get("task") != task or names[1:] != list(labels):
     raise DataError(f"--data={directory} is a prepared {manifest.get('task')} set, not a {task} "
                     f"set: pass --task={manifest.get('task')} or prepare the {task} data")
   shape = (image_size, image_size, channels)

@@ -172,7 +172,7 @@ def read_layout(data: str, spec, **kwargs) -> ImageSet:
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tfpar.data import image_prepared  # pylint: disable=import-outside-toplevel
   if tf.io.gfile.isdir(data) and image_prepared.is_image_set(data):
-    return image_prepared.open_images(data, spec.name, **kwargs)  # Streamed, not read.
+    return image_prepared.open_images(data, spec.name, spec.labels, **kwargs)  # Streamed, not read.
   if tf.io.gfile.isdir(data):
     return spec.read_directory(data, **kwargs)
   files = sorted(tf.io.gfile.glob(data))

@@ -31,6 +31,7 @@ class TaskSpec:
   tool = "tfpar.predict"  # What runs a trained model of this task (tfpar.generate, tfpar.predict).
   splits_sequence = False  # Runs under --sequence_parallel (its blocks' sequence is --seq_len).
   eval_is_loss = False  # Its held-out outputs are its loss alone (one program per worker runs it).
+  labels = ()  # The label fields a prepared image set of this task keeps beside each image.
 
   def check_model(self, m) -> None:
     """The model flags (a tfpar.config.schema.ModelConfig) this task cannot build."""
@@ -122,6 +123,7 @@ class VisionSpec(TaskSpec):
 
 class ClassifySpec(VisionSpec):
   name, model = "classify", "ViT classifier"
+  labels = ("label",)
   layout = "a directory with one sub-directory per class"
 
   def check_builtin(self, m):
@@ -162,6 +164,7 @@ class CanvasSpec(VisionSpec):
 
 class DetectSpec(CanvasSpec):
   name, model = "detect", "ViT detector"
+  labels = ("boxes", "classes")
   layout = "a COCO instances JSON"
 
   def records(self):
@@ -180,6 +183,7 @@ class DetectSpec(CanvasSpec):
 
 class SegmentSpec(CanvasSpec):
   name, model = "segment", "ViT segmenter"
+  labels = ("mask",)
   layout = "a directory with images/ and masks/"
   background = 1
 
