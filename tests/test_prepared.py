@@ -8,6 +8,7 @@ on one device and, from a copy, under a pipeline of 2 stages on 2 workers (equal
 two sets of 200 and 400 MB written with numpy (peak RSS)."""
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -299,6 +300,11 @@ def test_text_past_the_in_memory_limit_is_refused_with_prepare(tmp_path):
     pipeline.load_corpus(str(tmp_path), seq_len=8, eval_fraction=0.1, max_text_bytes=4096)
 
 
+def digest(path):
+  with open(path, "rb") as f:
+    return hashlib.sha256(f.read()).hexdigest()
+
+
 def test_cli_prepares_in_parallel_byte_identically_and_refuses_bad_input(tiny_set, tmp_path):
   """--workers=2 writes the bytes one process wrote; a replaced tokenizer, an incomplete set,
   a truncated shard under a run's existing model_dir, and --out on /proc or a file are one
@@ -311,6 +317,8 @@ def test_cli_prepares_in_parallel_byte_identically_and_refuses_bad_input(tiny_se
   prepare.prepare(corpus.list_files(f"{STDLIB}/a*.py"), tokenizer.load(
       f"sentencepiece:{sp_model}"), sp_set)
   tokenizer.train(corpus.list_files(f"{STDLIB}/a*.py"), vocab_size=500, out=sp_model)  # Replaced.
+  untouched = {p: digest(p) for p in [sp_model, *(os.path.join(sp_set, n)
+                                                    for n in os.listdir(sp_set))]}
   model_dir = str(tmp_path / "run")
   truncated, earlier_run = damaged(tiny_set, tmp_path / "t", "truncated"), tmp_path / "earlier"
   (earlier_run / "checkpoints").mkdir(parents=True)
@@ -336,6 +344,7 @@ def test_cli_prepares_in_parallel_byte_identically_and_refuses_bad_input(tiny_se
     assert words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
   assert not os.path.exists(model_dir)
+  assert {p: digest(p) for p in untouched} == untouched  # The set and the new tokenizer as they were.
   assert [str(p.relative_to(earlier_run)) for p in sorted(earlier_run.rglob("*"))] == [
       "checkpoints", "checkpoints/checkpoint"]
   assert (earlier_run / "checkpoints" / "checkpoint").read_text() == "a run's earlier state"
