@@ -15,6 +15,16 @@ import time
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_file(*path):
+  """A file of the repository that is not in a package (scripts/, examples/) as a module."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  name = os.path.splitext(path[-1])[0]
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, *path))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 # The one thing beside the checkout a test may read, when present and not
 # overridden by TFPAR_K8S_SCHEMAS: the full CRD schemas (tests/test_k8s.py).
 OPTIONAL_K8S_SCHEMAS = os.path.join(os.path.dirname(REPO), "shared", "k8s-schemas")

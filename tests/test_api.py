@@ -8,7 +8,6 @@ steps on real text and matches one device at 1e-5 in float32: the same initial
 weights, losses, gradient norms, first gradient and final weights and slots.
 """
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -17,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_twin, train_twin
+from conftest import REPO, assert_twin, load_file, train_twin
 import tfpar
 
 STEPS = 3
@@ -36,11 +35,7 @@ PLANS = {
 
 def load_example():
   """examples/alibi_lm.py as a module (it registers its family as it loads)."""
-  spec = importlib.util.spec_from_file_location("alibi_lm", os.path.join(REPO, "examples",
-                                                                         "alibi_lm.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_file("examples", "alibi_lm.py")
 
 
 @pytest.fixture(scope="module")

@@ -547,12 +547,16 @@ def test_tokenizer_train_flags_are_refused_in_one_line_or_make_sense(vocab_size,
     return
   assert 260 <= fv.vocab_size < 2 ** 31
   assert not os.path.isdir(fv.out)
-  parent = os.path.dirname(os.path.abspath(fv.out))
-  while not os.path.exists(parent):
-    parent = os.path.dirname(parent)
-  assert os.path.isdir(parent) and not parent.startswith("/proc")
+  assert_can_be_made(os.path.dirname(os.path.abspath(fv.out)))
   fv.out.encode("utf-8")
   assert fv.data is None or fv.data.encode("utf-8")
+
+
+def assert_can_be_made(path):
+  """`path` exists, or its nearest existing ancestor is a directory outside /proc."""
+  while not os.path.exists(path):
+    path = os.path.dirname(path)
+  assert os.path.isdir(path) and not path.startswith("/proc")
 
 
 PREPARE_OUTS = ["/proc/prep", "/proc/1/prep", "{root}/a_file", "{root}/a_file/prep",
@@ -586,9 +590,6 @@ def test_data_prepare_flags_are_refused_in_one_line_or_make_sense(values, out, d
     return
   assert 1 <= fv.num_shards < 2 ** 31 and 1 <= fv.workers <= data_cli.MAX_WORKERS
   assert not os.path.isfile(fv.out)
-  parent = os.path.abspath(fv.out)
-  while not os.path.exists(parent):
-    parent = os.path.dirname(parent)
-  assert os.path.isdir(parent) and not parent.startswith("/proc")
+  assert_can_be_made(os.path.abspath(fv.out))
   for value in (fv.out, fv.data or "", fv.tokenizer):
     value.encode("utf-8")

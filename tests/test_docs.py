@@ -5,7 +5,6 @@ No TensorFlow here: these read files, the schema and the absl flag definitions o
 """
 
 import glob
-import importlib.util
 import os
 import re
 
@@ -14,7 +13,8 @@ from absl import flags as absl_flags
 from tfpar.config import flags as tfpar_flags
 from tfpar.config import schema
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO, load_file
+
 README = os.path.join(REPO, "README.md")
 FLAGS_MD = os.path.join(REPO, "docs", "flags.md")
 README_MAX_LINES = 200
@@ -29,11 +29,7 @@ def _read(path: str) -> str:
 
 def _flags_doc():
   """scripts/flags_doc.py as a module (scripts/ is not a package)."""
-  spec = importlib.util.spec_from_file_location(
-      "flags_doc", os.path.join(REPO, "scripts", "flags_doc.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_file("scripts", "flags_doc.py")
 
 
 def _documents():

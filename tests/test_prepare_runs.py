@@ -11,7 +11,6 @@ encoded whole with this test's SentencePiece model adds 646 MiB to a process's p
 
 import concurrent.futures
 import hashlib
-import importlib.util
 import os
 import signal
 import subprocess
@@ -20,17 +19,14 @@ import time
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO, load_file
+
 LINE_BYTES = 20 * 10 ** 6
 BUDGET = 256 << 20  # What the 20 MB line may add: a few pieces' worth, far below 55 x 20 MB.
 
 
 def prepare_peak():
-  spec = importlib.util.spec_from_file_location(
-      "prepare_peak", os.path.join(REPO, "scripts", "prepare_peak.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_file("scripts", "prepare_peak.py")
 
 
 @pytest.fixture(scope="module")
