@@ -382,7 +382,8 @@ def test_a_prepared_image_set_streams_the_batches_of_the_set_in_memory(tmp_path)
           "segment": images.ImageSet(canvases.images, masks=canvases.masks)}
   for task, data in sets.items():
     out = str(tmp_path / task)
-    image_prepared.write_images(out, data, task, tasks.spec(task).labels, num_shards=3)
+    image_prepared.write_images(out, images.Examples.of(data), task, tasks.spec(task).labels,
+                                num_shards=3)
     size, channels = data.images.shape[1], data.images.shape[3]
     stream = open_set(out, task, image_size=size, channels=channels,
                       num_classes=10 if task != "segment" else 11)

@@ -37,8 +37,9 @@ def define_prepare_flags():
                        flag_values=fv)
   flags.DEFINE_integer("workers", 1, "Processes tokenizing files in parallel.", flag_values=fv)
   flags.DEFINE_enum("task", "lm", ["lm", "classify", "detect", "segment"], "lm: tokenize text; "
-                    "a vision task: its images (--data in the layouts tfpar.train reads for it) "
-                    "decoded at --image_size with their labels (tfpar.data.image_prepared).",
+                    "a vision task: its images (--data in the layouts tfpar.train reads for it), "
+                    "decoded at --image_size and stored as PNG with their labels, one at a "
+                    "time (tfpar.data.image_prepared).",
                     flag_values=fv)
   flags.DEFINE_integer("image_size", None, "Vision tasks: as tfpar.train's.", flag_values=fv)
   flags.DEFINE_integer("num_channels", 3, "Vision tasks: as tfpar.train's.", flag_values=fv)
@@ -108,10 +109,15 @@ def _prepare_images(fv) -> None:
          "to decode them at, and the classes their labels count")
   console.import_tensorflow_quietly()
   from tfpar.data import image_prepared, image_records  # pylint: disable=import-outside-toplevel
+  spec = tasks.spec(fv.task)
   try:
-    found = image_records.read_layout(fv.data, tasks.spec(fv.task), image_size=fv.image_size,
+    found = image_records.examples_of(fv.data, spec, image_size=fv.image_size,
                                       channels=fv.num_channels, num_classes=fv.num_classes)
-    manifest = image_prepared.write_images(fv.out, found, fv.task, tasks.spec(fv.task).labels,
+    if isinstance(found, image_prepared.ImageStream):
+      fail(f"--data={fv.data} is a prepared image set already: train on it (tfpar.train "
+           f"--data={fv.data}), or pass the images it was prepared from")
+    manifest = image_prepared.write_images(fv.out, found, fv.task, spec.labels,
+                                           class_names=found.class_names,
                                            num_shards=fv.num_shards, overwrite=fv.overwrite)
   except corpus.DataError as e:
     fail(str(e))

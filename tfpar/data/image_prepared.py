@@ -1,28 +1,40 @@
-"""Prepared image sets: labelled images in fixed-width binary shards that training streams.
+"""Prepared image sets: labelled images, encoded, in binary shards that training streams.
 
 A prepared image set is one directory, published whole or not at all (as a
 prepared text set, tfpar.data.prepare: written beside --out, the manifest last,
 then renamed into place):
 
-  examples-00000-of-00002.bin ...  one record per example, every record the same
-                                   size: the image's pixels (uint8 [S, S, C], decoded
-                                   and resized to --image_size as the in-memory
-                                   readers do), then its labels (`label` int32; or
-                                   `boxes` float32 [M, 4] pixels and `classes` int32
-                                   [M]; or `mask` int32 [S, S]), little-endian.
-  manifest.json                    format, task, the fields (name, dtype, shape),
-                                   record bytes, example count, class names, and
-                                   each shard with its example count, size and sha256.
+  examples-00000-of-00002.bin ...  the records, example i in shard i mod N (round
+                                   robin, so a shard is written as examples come, with
+                                   no count known ahead). A record is its fields in
+                                   manifest order, each a little-endian uint32 byte
+                                   length then the bytes: `image` a PNG of the pixels
+                                   (uint8 [S, S, C], decoded and resized to --image_size
+                                   as the in-memory readers do); then `label` int32, or
+                                   `boxes` float32 [m, 4] pixels and `classes` int32 [m]
+                                   (m the image's own), or `mask` a 16-bit PNG of class ids.
+  index.bin                        uint64 (offset in its shard, length) of each record.
+  manifest.json                    format, task, the fields (name, dtype, decoded shape,
+                                   encoding, the padding of boxes and classes), example
+                                   count, class names, largest class id, and each shard
+                                   and the index with its size and sha256.
 
-Why decoded pixels and not the encoded PNG/JPEG: a fixed record size puts
-example i one multiplication away, so a sample is one ranged read
-(tf.data.FixedLengthRecordDataset, as for token windows) and the batches equal
-the in-memory set's exactly; the cost is disk (S*S*C bytes an image).
+`write_images` writes the examples of a reader (tfpar.data.images.Examples) as
+they come: it holds one example, whatever the set's size, and the reader a
+chunk of decoded images. Why a PNG of the decoded pixels and not the source's
+PNG/JPEG bytes: PNG is lossless, so a decoded record is the in-memory set's
+image bit for bit, and training decodes the size it trains on (no resize at
+read time); the pixels are decoded once, at prepare. Why an index and not
+fixed-size records: encoded images differ in size; with (offset, length) per
+example a sample is still one ranged read (tf.data.FixedLengthRecordDataset,
+header and footer the rest of its shard). Boxes are padded at read time to the
+set's most boxes (the manifest's shape), as the in-memory set pads them.
 
 `open_images` returns an `ImageStream`, which has the `len` and `take` of an
 in-memory ImageSet (so tfpar.data.images.split holds out the same examples)
-but reads nothing until tfpar.data.image_pipeline iterates it. A set that is
-incomplete, truncated, corrupt (sha256, up to prepared.VERIFY_BYTES) or of
+but reads nothing until tfpar.data.image_pipeline iterates it; it holds the
+index (16 bytes an example). A set that is incomplete, truncated, corrupt
+(sha256, up to prepared.VERIFY_BYTES), of the older decoded format, or of
 another task, image size, channel count or class count is refused with one
 line naming the fix.
 """
@@ -31,69 +43,158 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Optional, Tuple
+import struct
+from typing import Iterable, Optional, Tuple
 
 import numpy as np
 
 from tfpar import storage
 from tfpar.data import prepare, prepared
 from tfpar.data.corpus import DataError
-from tfpar.data.images import ImageSet
 
-FORMAT = "tfpar.prepared-images/1"
+FORMAT = "tfpar.prepared-images/2"
+DECODED = "tfpar.prepared-images/1"  # The older format: fixed-size records of decoded pixels.
+INDEX = "index.bin"
+MAX_MASK_ID = 65535  # A mask is stored as a 16-bit PNG.
 
 
 def shard_name(i: int, n: int) -> str:
   return f"examples-{i:05d}-of-{n:05d}.bin"
 
 
-def _arrays(data: ImageSet) -> dict:
-  """{field: array [N, ...]} in record order, little-endian."""
-  fields = {"image": data.images.astype(np.uint8), "label": data.labels, "boxes": data.boxes,
-            "classes": data.classes, "mask": data.masks}
-  dtypes = {"image": "<u1", "label": "<i4", "boxes": "<f4", "classes": "<i4", "mask": "<i4"}
-  return {k: np.ascontiguousarray(v, dtypes[k]) for k, v in fields.items() if v is not None}
+@dataclasses.dataclass(frozen=True)
+class Field:
+  """One field of a record: its name, decoded dtype and shape, how it is stored."""
+  name: str
+  dtype: str
+  shape: Tuple[int, ...]
+  encoding: str = "raw"  # "png": a PNG (8-bit for uint8 fields, else 16-bit); "raw": the bytes.
+  pad: Optional[float] = None  # Rows [m, ...] padded to shape[0] with this at read time.
 
 
-def write_images(out: str, data: ImageSet, task: str, labels, *, num_shards: int = 2,
-                 overwrite: bool = False) -> dict:
-  """Writes `data` as a prepared image set of `task` at `out`, with the label fields `labels`
-  (its spec's, tfpar.tasks.specs) beside each image; returns its manifest."""
+def _fields(size: Tuple[int, ...], labels, rows: int) -> Tuple[Field, ...]:
+  """The fields of a set of images of `size` with the label fields `labels`, boxes padded
+  to `rows`."""
+  kinds = {"image": Field("image", "|u1", tuple(size), "png"),
+           "label": Field("label", "<i4", ()),
+           "boxes": Field("boxes", "<f4", (rows, 4), pad=0.0),
+           "classes": Field("classes", "<i4", (rows,), pad=-1),
+           "mask": Field("mask", "<i4", tuple(size[:2]), "png")}
+  return tuple(kinds[name] for name in ("image", *labels))
+
+
+def _encode(field: Field, value, tf) -> bytes:
+  """A field's bytes in a record (module docstring)."""
+  if field.encoding == "png":
+    value = np.asarray(value)
+    if field.dtype != "|u1":
+      if value.min(initial=0) < 0 or value.max(initial=0) > MAX_MASK_ID:
+        raise DataError(f"a mask holds class id {int(value.max())}, past the {MAX_MASK_ID} a "
+                        "prepared set stores: train on it in memory (--data as it is)")
+      value = value.astype(np.uint16)
+    return tf.io.encode_png(value.reshape(*value.shape[:2], -1)).numpy()
+  return np.ascontiguousarray(value, field.dtype).tobytes()
+
+
+class _Shards:
+  """The shard files of a set being written, each opened when its first record comes."""
+
+  def __init__(self, directory: str, num_shards: int):
+    self.directory, self.n = directory, num_shards
+    self.files, self.digests = {}, {}
+    self.sizes, self.counts = [0] * num_shards, [0] * num_shards
+
+  def write(self, i: int, record: bytes) -> int:
+    """Writes example i's record; returns its offset in its shard."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    s = i % self.n
+    if s not in self.files:
+      self.files[s] = tf.io.gfile.GFile(os.path.join(self.directory, shard_name(s, self.n)), "wb")
+      self.digests[s] = hashlib.sha256()
+    self.files[s].write(record)
+    self.digests[s].update(record)
+    offset, self.sizes[s], self.counts[s] = self.sizes[s], self.sizes[s] + len(record), \
+        self.counts[s] + 1
+    return offset
+
+  def close(self, examples: int) -> list:
+    """Closes them; with fewer examples than shards, shard i (example i) is renamed i of
+    `examples`, which keeps example i in shard i mod the count. Returns their entries."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    for f in self.files.values():
+      f.close()
+    n = min(self.n, examples)
+    if n < self.n:
+      for s in range(n):
+        tf.io.gfile.rename(os.path.join(self.directory, shard_name(s, self.n)),
+                           os.path.join(self.directory, shard_name(s, n)))
+    return [{"file": shard_name(s, n), "examples": self.counts[s], "bytes": self.sizes[s],
+             "sha256": self.digests[s].hexdigest()} for s in range(n)]
+
+  def abandon(self) -> None:
+    for f in self.files.values():
+      f.close()
+
+
+def write_images(out: str, examples: Iterable[dict], task: str, labels, *, class_names=(),
+                 num_shards: int = 2, overwrite: bool = False) -> dict:
+  """Writes `examples` (dicts of `image` and the label fields `labels`, its spec's:
+  tfpar.tasks.specs) as a prepared image set of `task` at `out`, one at a time as they
+  come; returns its manifest. A DataError from the reader leaves `out` as it was."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  arrays = _arrays(data)
-  if tuple(k for k in arrays if k != "image") != tuple(labels):
-    raise DataError(f"a {task} set has {', '.join(labels)} labels, not "
-                    f"{', '.join(k for k in arrays if k != 'image')}")
-  n = len(data)
-  record = np.concatenate([a.reshape(n, -1).view(np.uint8) for a in arrays.values()], axis=1)
   tmp = prepare._begin(out, overwrite)  # pylint: disable=protected-access
-  tf.io.gfile.rmtree(os.path.join(tmp, "parts"))
-  num_shards, shards = max(min(num_shards, n), 1), []
-  for i, rows in enumerate(np.array_split(record, num_shards)):
-    name, raw = shard_name(i, num_shards), rows.tobytes()
-    with tf.io.gfile.GFile(os.path.join(tmp, name), "wb") as f:
-      f.write(raw)
-    shards.append({"file": name, "examples": len(rows), "bytes": len(raw),
-                   "sha256": hashlib.sha256(raw).hexdigest()})
-  manifest = {"format": FORMAT, "task": task, "examples": n, "record_bytes": record.shape[1],
-              "fields": [{"name": k, "dtype": a.dtype.str, "shape": list(a.shape[1:])}
-                         for k, a in arrays.items()],
-              "class_names": list(data.class_names), "shards": shards,
-              "max_class_id": int(max((a.max(initial=-1) for k, a in arrays.items()
-                                       if k != "image" and k != "boxes"), default=-1))}
-  with tf.io.gfile.GFile(os.path.join(tmp, prepared.MANIFEST), "w") as f:
-    f.write(json.dumps(manifest, indent=1))  # Last: a set without it is incomplete.
-  prepare._publish(tmp, out)  # pylint: disable=protected-access
+  shards = _Shards(tmp, num_shards)
+  try:
+    tf.io.gfile.rmtree(os.path.join(tmp, "parts"))
+    fields, n, rows, largest = None, 0, 1, -1
+    with tf.io.gfile.GFile(os.path.join(tmp, INDEX), "wb") as index:
+      for example in examples:
+        if fields is None:
+          if tuple(k for k in example if k != "image") != tuple(labels):
+            raise DataError(f"a {task} set has {', '.join(labels)} labels, not "
+                            f"{', '.join(k for k in example if k != 'image')}")
+          fields = _fields(example["image"].shape, labels, rows)
+        if example["image"].shape != fields[0].shape:
+          raise DataError(f"example {n} is an image of {example['image'].shape}, not "
+                          f"{fields[0].shape} as the first: decode all at one size")
+        parts = [_encode(f, example[f.name], tf) for f in fields]
+        record = b"".join(struct.pack("<I", len(p)) + p for p in parts)
+        index.write(np.array([shards.write(n, record), len(record)], "<u8").tobytes())
+        n += 1
+        if "boxes" in example:
+          rows = max(rows, len(example["boxes"]))
+        for name in ("label", "classes", "mask"):
+          if name in example:
+            largest = max(largest, int(np.max(example[name], initial=-1)))
+    if fields is None:
+      raise DataError(f"--data holds no {task} examples: bring some images")
+    fields = _fields(fields[0].shape, labels, rows)
+    manifest = {
+        "format": FORMAT, "task": task, "examples": n,
+        "fields": [{k: v for k, v in dataclasses.asdict(f).items() if v is not None}
+                   for f in fields],
+        "class_names": list(class_names), "max_class_id": largest, "shards": shards.close(n),
+        "index": {"file": INDEX, "bytes": 16 * n,
+                  "sha256": prepared.sha256_of(os.path.join(tmp, INDEX))}}
+    with tf.io.gfile.GFile(os.path.join(tmp, prepared.MANIFEST), "w") as f:
+      f.write(json.dumps(manifest, indent=1) + "\n")  # Last: a set without it is incomplete.
+    prepare._publish(tmp, out)  # pylint: disable=protected-access
+  except BaseException:
+    shards.abandon()
+    if tf.io.gfile.exists(tmp):
+      tf.io.gfile.rmtree(tmp)
+    raise
   return manifest
 
 
 def is_image_set(directory: str) -> bool:
-  """Whether `directory` is a prepared image set (its manifest says so)."""
+  """Whether `directory` is a prepared image set (its manifest says so), of any format."""
   path = os.path.join(directory, prepared.MANIFEST)
   if not storage.exists(path):
     return False
   try:
-    return json.loads(storage.read_text(path)).get("format") == FORMAT
+    return str(json.loads(storage.read_text(path)).get("format")).startswith(
+        "tfpar.prepared-images/")
   except (ValueError, AttributeError):
     return False
 
@@ -102,14 +203,14 @@ def is_image_set(directory: str) -> bool:
 class ImageStream:
   """The examples `index` (default: all) of a prepared image set, read on demand."""
   paths: Tuple[str, ...]
-  counts: Tuple[int, ...]
-  record_bytes: int
-  fields: Tuple[Tuple[str, str, Tuple[int, ...]], ...]  # (name, dtype, shape)
+  sizes: Tuple[int, ...]  # Each shard's bytes.
+  records: np.ndarray  # [examples, 2] (offset in its shard, length).
+  fields: Tuple[Field, ...]
   class_names: Tuple[str, ...] = ()
   index: Optional[np.ndarray] = None
 
   def __len__(self) -> int:
-    return sum(self.counts) if self.index is None else len(self.index)
+    return len(self.records) if self.index is None else len(self.index)
 
   def take(self, index: np.ndarray) -> "ImageStream":
     """The examples at `index` of this one (a subset, in that order): no read."""
@@ -118,32 +219,42 @@ class ImageStream:
 
   @property
   def image_shape(self) -> Tuple[int, ...]:
-    return self.fields[0][2]
+    return self.fields[0].shape
 
   def read(self, i):
     """A dataset of one element: example i's fields (a dict of tensors), by one ranged read."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    ends = np.cumsum(self.counts)
     record = i if self.index is None else tf.gather(tf.constant(self.index, tf.int64), i)
-    shard = tf.searchsorted(tf.constant(ends, tf.int64), record[tf.newaxis], side="right")[0]
-    first = tf.gather(tf.constant(ends - np.asarray(self.counts), tf.int64), shard)
-    count = tf.gather(tf.constant(self.counts, tf.int64), shard)
-    header = (record - first) * self.record_bytes
-    footer = (count - (record - first) - 1) * self.record_bytes
-    raw = tf.data.FixedLengthRecordDataset(tf.gather(tf.constant(self.paths), shard),
-                                           self.record_bytes, header_bytes=header,
-                                           footer_bytes=footer, buffer_size=0)
+    shard = record % len(self.paths)
+    offset = tf.gather(tf.constant(self.records[:, 0].astype(np.int64)), record)
+    length = tf.gather(tf.constant(self.records[:, 1].astype(np.int64)), record)
+    footer = tf.gather(tf.constant(self.sizes, tf.int64), shard) - offset - length
+    raw = tf.data.FixedLengthRecordDataset(tf.gather(tf.constant(self.paths), shard), length,
+                                           header_bytes=offset, footer_bytes=footer,
+                                           buffer_size=0)
     return raw.map(self._decode)
 
   def _decode(self, raw):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    out, at = {}, 0
-    for name, dtype, shape in self.fields:
-      size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-      part = tf.strings.substr(raw, at, size)
-      out[name] = tf.reshape(tf.io.decode_raw(part, tf.as_dtype(np.dtype(dtype).name),
-                                              little_endian=True), shape)
-      at += size
+    out, at = {}, tf.constant(0, tf.int32)
+    for f in self.fields:
+      size = tf.io.decode_raw(tf.strings.substr(raw, at, 4), tf.int32, little_endian=True)[0]
+      part = tf.strings.substr(raw, at + 4, size)
+      at += 4 + size
+      dtype = tf.as_dtype(np.dtype(f.dtype).name)
+      if f.encoding == "png":
+        value = tf.io.decode_png(part, channels=f.shape[2] if len(f.shape) == 3 else 1,
+                                 dtype=tf.uint8 if f.dtype == "|u1" else tf.uint16)
+        out[f.name] = tf.cast(tf.reshape(value, f.shape), dtype)
+        continue
+      value = tf.io.decode_raw(part, dtype, little_endian=True)
+      if f.pad is None:
+        out[f.name] = tf.reshape(value, f.shape)
+        continue
+      value = tf.reshape(value, [-1, *f.shape[1:]])
+      pad = [[0, f.shape[0] - tf.shape(value)[0]]] + [[0, 0]] * (len(f.shape) - 1)
+      out[f.name] = tf.ensure_shape(tf.pad(value, pad, constant_values=tf.cast(f.pad, dtype)),
+                                    f.shape)
     return out
 
 
@@ -159,34 +270,45 @@ def open_images(directory: str, task: str, labels, *, image_size: int, channels:
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   try:
     manifest = json.loads(storage.read_text(os.path.join(directory, prepared.MANIFEST)))
-    fields = tuple((f["name"], f["dtype"], tuple(f["shape"])) for f in manifest["fields"])
-    shards, record_bytes = manifest["shards"], int(manifest["record_bytes"])
-    names = [name for name, _, _ in fields]
-  except (ValueError, KeyError, TypeError) as e:
+    fields = tuple(Field(f["name"], f["dtype"], tuple(f["shape"]), f.get("encoding", "raw"),
+                         f.get("pad")) for f in manifest["fields"])
+    shards, examples, entry = manifest["shards"], int(manifest["examples"]), manifest["index"]
+    names = [f.name for f in fields]
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
     raise _bad(directory, f"{prepared.MANIFEST} is not a valid image manifest ({e})") from None
+  if manifest.get("format") == DECODED:
+    raise _bad(directory, f"it holds decoded pixels ({DECODED}), a format tfpar no longer reads")
+  if manifest.get("format") != FORMAT:
+    raise _bad(directory, f"its format {manifest.get('format')} is not {FORMAT}, which this "
+               "tfpar reads")
   if manifest.get("task") != task or names[1:] != list(labels):
     raise DataError(f"--data={directory} is a prepared {manifest.get('task')} set, not a {task} "
                     f"set: pass --task={manifest.get('task')} or prepare the {task} data")
   shape = (image_size, image_size, channels)
-  if fields[0][2] != shape:
-    raise DataError(f"--data={directory} holds images of {'x'.join(map(str, fields[0][2]))}, "
+  if fields[0].shape != shape:
+    raise DataError(f"--data={directory} holds images of {'x'.join(map(str, fields[0].shape))}, "
                     f"not --image_size={image_size} x --num_channels={channels}: pass those "
                     "flags or prepare the images again at these")
-  total = sum(s["bytes"] for s in shards)
-  for s in shards:
+  verify = sum(s["bytes"] for s in shards) + entry["bytes"] <= verify_bytes
+  for kind, s in [("shard", s) for s in shards] + [("index", entry)]:
     path = os.path.join(directory, s["file"])
     if not storage.exists(path):
-      raise _bad(directory, f"its shard {s['file']} is missing")
+      raise _bad(directory, f"its {kind} {s['file']} is missing")
     size = tf.io.gfile.stat(path).length
-    if size != s["bytes"] or size != s["examples"] * record_bytes:
-      raise _bad(directory, f"its shard {s['file']} is truncated or altered ({size:,} bytes; "
+    if size != s["bytes"]:
+      raise _bad(directory, f"its {kind} {s['file']} is truncated or altered ({size:,} bytes; "
                  f"its manifest says {s['bytes']:,})")
-    if total <= verify_bytes and prepared.sha256_of(path) != s["sha256"]:
-      raise _bad(directory, f"its shard {s['file']} is corrupt (its sha256 is not the manifest's)")
+    if verify and prepared.sha256_of(path) != s["sha256"]:
+      raise _bad(directory, f"its {kind} {s['file']} is corrupt (its sha256 is not the "
+                 "manifest's)")
+  if entry["bytes"] != 16 * examples or sum(s["examples"] for s in shards) != examples:
+    raise _bad(directory, f"{prepared.MANIFEST} counts {examples} examples, but its index or "
+               "shards hold another count")
+  with tf.io.gfile.GFile(os.path.join(directory, entry["file"]), "rb") as f:
+    records = np.frombuffer(f.read(), "<u8").reshape(examples, 2)
   stream = ImageStream(paths=tuple(os.path.join(directory, s["file"]) for s in shards),
-                       counts=tuple(int(s["examples"]) for s in shards),
-                       record_bytes=record_bytes, fields=fields,
-                       class_names=tuple(manifest.get("class_names", ())))
+                       sizes=tuple(int(s["bytes"]) for s in shards), records=records,
+                       fields=fields, class_names=tuple(manifest.get("class_names", ())))
   largest = manifest.get("max_class_id", -1)
   if largest >= num_classes:
     raise DataError(f"--data={directory} has class id {largest}; --num_classes={num_classes} "

@@ -1,11 +1,14 @@
 """Labelled images in memory, and the readers for what users bring.
 
-Every reader returns an `ImageSet`: images resized to `image_size` square,
-with the labels of one task (classify: `labels`; detect: `boxes` + `classes`;
-segment: `masks`). Files are read through tf.io.gfile and decoded in tf.data
-(so gs:// works); the whole set is held in memory, which makes the data order
-a pure function of (seed, step) like the text pipeline's, and lets every
-label be checked once before training starts.
+Every reader returns `Examples`: images resized to `image_size` square, with
+the labels of one task (classify: `label`; detect: `boxes` + `classes`;
+segment: `mask`), read and decoded `CHUNK` at a time as they are iterated.
+Files are read through tf.io.gfile and decoded in tf.data (so gs:// works).
+Training collects them into an `ImageSet` held in memory, which makes the data
+order a pure function of (seed, step) like the text pipeline's, and lets every
+label be checked once before training starts; `python -m tfpar.data prepare`
+writes them to disk as they come (tfpar.data.image_prepared), so preparing
+holds a chunk of images, not the set.
 
 | --data | task | layout |
 |---|---|---|
@@ -23,10 +26,11 @@ one of another type, a COCO file without categories or annotations) raises
 
 import dataclasses
 import io
+import itertools
 import json
 import math
 import os
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -34,6 +38,7 @@ from tfpar.console import count
 from tfpar.data.corpus import DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
+CHUNK = 64  # Images decoded at once while streaming: memory is a chunk, whatever the set.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +75,45 @@ class ImageSet:
     return dataclasses.replace(self, images=self.images[index], labels=pick(self.labels),
                                boxes=pick(self.boxes), classes=pick(self.classes),
                                masks=pick(self.masks), source_ids=pick(self.source_ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class Examples:
+  """A layout's labelled images, read and decoded as they are iterated (CHUNK at a time).
+
+  Each example is a dict: `image` uint8 [S, S, C] and its task's labels (`label` an int;
+  or `boxes` float32 [m, 4] pixels and `classes` int32 [m], m of this image's own; or
+  `mask` int32 [S, S]). A reader checks its listing and whole-file facts when called, and
+  each example's own (decodable, sizes, class ids) when the iteration reaches it.
+  """
+  iterate: Callable[[], Iterator[dict]]
+  class_names: Tuple[str, ...] = ()
+
+  def __iter__(self) -> Iterator[dict]:
+    return self.iterate()
+
+  @staticmethod
+  def of(data: ImageSet) -> "Examples":
+    """An ImageSet's examples (detection's rows as padded in the set)."""
+    fields = {"label": data.labels, "boxes": data.boxes, "classes": data.classes,
+              "mask": data.masks}
+    fields = {k: v for k, v in fields.items() if v is not None}
+    return Examples(lambda: ({"image": data.images[i], **{k: v[i] for k, v in fields.items()}}
+                             for i in range(len(data))), data.class_names)
+
+  def collect(self) -> ImageSet:
+    """Every example in memory, as the ImageSet training reads (boxes padded to the most)."""
+    examples = list(self)
+    labels = {}
+    if "label" in examples[0]:
+      labels["labels"] = np.array([e["label"] for e in examples], np.int32)
+    if "boxes" in examples[0]:
+      labels["boxes"], labels["classes"] = pad_boxes([e["boxes"] for e in examples],
+                                                     [e["classes"] for e in examples])
+    if "mask" in examples[0]:
+      labels["masks"] = np.stack([e["mask"] for e in examples])
+    return ImageSet(np.stack([e["image"] for e in examples]), class_names=self.class_names,
+                    **labels)
 
 
 def split(data: ImageSet, eval_fraction: float, seed: int) -> Tuple[ImageSet, ImageSet]:
@@ -117,6 +161,20 @@ def decode_images(sources: Sequence, image_size: int, channels: int, *, names: S
   return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
 
 
+def iter_decoded(items: Iterable[tuple], image_size: int, channels: int, *,
+                 are_files: bool = True) -> Iterator[tuple]:
+  """decode_images over `items` (source, name, payload), CHUNK at a time: yields
+  (image, original [h, w], payload) in order, holding one chunk."""
+  items = iter(items)
+  while True:
+    chunk = list(itertools.islice(items, CHUNK))
+    if not chunk:
+      return
+    pixels, sizes = decode_images([c[0] for c in chunk], image_size, channels,
+                                  names=[c[1] for c in chunk], are_files=are_files)
+    yield from zip(pixels, sizes, (c[2] for c in chunk))
+
+
 def _unreadable(source, name: str, channels: int, are_files: bool, error) -> DataError:
   """Blames the image, or --num_channels where the image decodes to its own channels.
 
@@ -146,7 +204,7 @@ def check_num_classes(found: int, num_classes: int, where: str, what: str) -> No
                     f"(ids 0..{num_classes - 1}): pass --num_classes={found + 1} or fix the labels")
 
 
-def read_image_folder(path: str, *, image_size: int, channels: int, num_classes: int) -> ImageSet:
+def image_folder(path: str, *, image_size: int, channels: int, num_classes: int) -> Examples:
   """Classification: one sub-directory per class, in sorted order, each with its images."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   fix = f"put each class's images in {path}/<class_name>/ (PNG or JPEG)"
@@ -170,8 +228,10 @@ def read_image_folder(path: str, *, image_size: int, channels: int, num_classes:
     raise DataError(f"--data={path} holds no images in class sub-directories: {fix}")
   check_num_classes(len(classes) - 1, num_classes, f"--data={path} ({len(classes)} class "
                     "directories)", "class id")
-  images, _ = decode_images(paths, image_size, channels)
-  return ImageSet(images, labels=np.array(labels, np.int32), class_names=tuple(classes))
+  def iterate():
+    for image, _, label in iter_decoded(zip(paths, paths, labels), image_size, channels):
+      yield {"image": image, "label": label}
+  return Examples(iterate, tuple(classes))
 
 
 def _entry(kind: str, i: int, entry) -> str:
@@ -260,8 +320,8 @@ def _load_coco(json_path: str) -> dict:
   return coco
 
 
-def read_coco(json_path: str, *, image_size: int, channels: int, num_classes: int,
-              image_dir: Optional[str] = None) -> ImageSet:
+def coco_json(json_path: str, *, image_size: int, channels: int, num_classes: int,
+              image_dir: Optional[str] = None) -> Examples:
   """Detection: a COCO instances JSON and its images (`file_name` relative to `image_dir`).
 
   Categories are numbered 0..K-1 in order of their COCO id; crowd annotations
@@ -299,16 +359,18 @@ def read_coco(json_path: str, *, image_size: int, channels: int, num_classes: in
     raise DataError(f"{json_path} has no annotations but crowd regions (iscrowd=1), which "
                     "detection skips: add boxes of single objects")
   paths = [os.path.join(image_dir, im["file_name"]) for im in images]
-  pixels, sizes = decode_images(paths, image_size, channels)
-  for im, (h, w), path in zip(images, sizes, paths):
-    if (h, w) != (im["height"], im["width"]):
-      raise DataError(f"{path} is {w}x{h} but {json_path} says {im['width']:g}x{im['height']:g}: "
-                      "fix the image's width and height in the JSON")
-  boxes, classes = pad_boxes([[b for b, _ in per_image[im["id"]]] for im in images],
-                             [[c for _, c in per_image[im["id"]]] for im in images])
   names = {c["id"]: c.get("name", str(c["id"])) for c in coco["categories"]}
-  return ImageSet(pixels, boxes=boxes, classes=classes,
-                  class_names=tuple(str(names[c]) for c in category_ids))
+
+  def iterate():
+    for pixels, (h, w), (path, im) in iter_decoded(zip(paths, paths, zip(paths, images)),
+                                                   image_size, channels):
+      if (h, w) != (im["height"], im["width"]):
+        raise DataError(f"{path} is {w}x{h} but {json_path} says {im['width']:g}x"
+                        f"{im['height']:g}: fix the image's width and height in the JSON")
+      found = per_image[im["id"]]
+      yield {"image": pixels, "boxes": np.array([b for b, _ in found], np.float32).reshape(-1, 4),
+             "classes": np.array([c for _, c in found], np.int32)}
+  return Examples(iterate, tuple(str(names[c]) for c in category_ids))
 
 
 def decode_mask(data: bytes, where: str) -> np.ndarray:
@@ -333,7 +395,7 @@ def resize_mask(mask: np.ndarray, image_size: int) -> np.ndarray:
   return mask[rows][:, cols]
 
 
-def read_mask_pairs(path: str, *, image_size: int, channels: int, num_classes: int) -> ImageSet:
+def mask_pairs(path: str, *, image_size: int, channels: int, num_classes: int) -> Examples:
   """Segmentation: `path/images/NAME.*` with `path/masks/NAME.png` (pixel = class id)."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   image_dir, mask_dir = os.path.join(path, "images"), os.path.join(path, "masks")
@@ -343,21 +405,23 @@ def read_mask_pairs(path: str, *, image_size: int, channels: int, num_classes: i
   names = sorted(f for f in tf.io.gfile.listdir(image_dir) if _is_image(f))
   if not names:
     raise DataError(f"{image_dir} holds no images: {fix}")
-  masks = []
-  for name in names:
-    mask_path = os.path.join(mask_dir, os.path.splitext(name)[0] + ".png")
+  mask_paths = [os.path.join(mask_dir, os.path.splitext(name)[0] + ".png") for name in names]
+  for name, mask_path in zip(names, mask_paths):
     if not tf.io.gfile.exists(mask_path):
       raise DataError(f"{os.path.join(image_dir, name)} has no mask {mask_path}: {fix}")
-    with tf.io.gfile.GFile(mask_path, "rb") as f:
-      mask = decode_mask(f.read(), mask_path)
-    check_num_classes(int(mask.max()), num_classes, mask_path, "class id")
-    masks.append(mask)
-  images, sizes = decode_images([os.path.join(image_dir, n) for n in names], image_size, channels)
-  for name, (h, w), mask in zip(names, sizes, masks):
-    if mask.shape != (h, w):
-      raise DataError(f"{os.path.join(mask_dir, name)}: mask is {mask.shape[1]}x{mask.shape[0]} "
-                      f"but its image is {w}x{h}: masks must match their images")
-  return ImageSet(images, masks=np.stack([resize_mask(m, image_size) for m in masks]))
+  image_paths = [os.path.join(image_dir, n) for n in names]
+
+  def iterate():
+    pairs = zip(image_paths, image_paths, zip(names, mask_paths))
+    for image, (h, w), (name, mask_path) in iter_decoded(pairs, image_size, channels):
+      with tf.io.gfile.GFile(mask_path, "rb") as f:
+        mask = decode_mask(f.read(), mask_path)
+      check_num_classes(int(mask.max()), num_classes, mask_path, "class id")
+      if mask.shape != (h, w):
+        raise DataError(f"{os.path.join(mask_dir, name)}: mask is {mask.shape[1]}x"
+                        f"{mask.shape[0]} but its image is {w}x{h}: masks must match their images")
+      yield {"image": image, "mask": resize_mask(mask, image_size)}
+  return Examples(iterate)
 
 
 def pad_boxes(boxes: List[np.ndarray], classes: List[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:

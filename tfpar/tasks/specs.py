@@ -107,11 +107,11 @@ class VisionSpec(TaskSpec):
     raise NotImplementedError
 
   def read_directory(self, data, **kwargs):
-    """An ImageSet from a directory --data, in this task's layout."""
+    """Examples (tfpar.data.images) from a directory --data, in this task's layout."""
     raise NotImplementedError
 
   def read_file(self, path, **kwargs):
-    """An ImageSet from a single non-TFRecord file --data, or None where the layout has none."""
+    """Examples from a single non-TFRecord file --data, or None where the layout has none."""
     del path, kwargs
 
   def read_images(self, data: str, **kwargs):
@@ -142,7 +142,7 @@ class ClassifySpec(VisionSpec):
 
   def read_directory(self, data, **kwargs):
     from tfpar.data import images  # pylint: disable=import-outside-toplevel
-    return images.read_image_folder(data, **kwargs)
+    return images.image_folder(data, **kwargs)
 
 
 class CanvasSpec(VisionSpec):
@@ -178,7 +178,7 @@ class DetectSpec(CanvasSpec):
 
   def read_file(self, path, **kwargs):
     from tfpar.data import images  # pylint: disable=import-outside-toplevel
-    return images.read_coco(path, **kwargs) if path.endswith(".json") else None
+    return images.coco_json(path, **kwargs) if path.endswith(".json") else None
 
 
 class SegmentSpec(CanvasSpec):
@@ -193,7 +193,7 @@ class SegmentSpec(CanvasSpec):
 
   def read_directory(self, data, **kwargs):
     from tfpar.data import images  # pylint: disable=import-outside-toplevel
-    return images.read_mask_pairs(data, **kwargs)
+    return images.mask_pairs(data, **kwargs)
 
 
 SPECS = {s.name: s for s in (LanguageModelingSpec(), ClassifySpec(), DetectSpec(),
