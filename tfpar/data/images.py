@@ -25,6 +25,7 @@ one of another type, a COCO file without categories or annotations) raises
 """
 
 import dataclasses
+import functools
 import io
 import itertools
 import json
@@ -126,38 +127,54 @@ def split(data: ImageSet, eval_fraction: float, seed: int) -> Tuple[ImageSet, Im
   return data.take(np.sort(order[n_eval:])), data.take(np.sort(order[:n_eval]))
 
 
+@functools.lru_cache(maxsize=None)
+def _decoder(image_size: int, channels: int, are_files: bool):
+  """A tf.function: sources [n] -> (images uint8 [n, S, S, C], original [h, w] each [n, 2]).
+
+  Traced once per (size, channels, kind) and called for every chunk: a new tf.data
+  pipeline per chunk would trace its function again each time, and the traces stay.
+  """
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+  def load(source):
+    image = _decode(source, channels, are_files)
+    size = tf.shape(image)[:2]
+    image = tf.image.resize(image, [image_size, image_size], antialias=True)
+    return tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8), size
+
+  out = (tf.TensorSpec([image_size, image_size, channels], tf.uint8), tf.TensorSpec([2], tf.int32))
+  return tf.function(lambda sources: tf.map_fn(load, sources, fn_output_signature=out,
+                                               parallel_iterations=16),
+                     input_signature=[tf.TensorSpec([None], tf.string)])
+
+
+def _decode(source, channels: int, are_files: bool):
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  data = tf.io.read_file(source) if are_files else source
+  return tf.io.decode_image(data, channels=channels, expand_animations=False)
+
+
 def decode_images(sources: Sequence, image_size: int, channels: int, *, names: Sequence[str] = (),
                   are_files: bool = True) -> Tuple[np.ndarray, np.ndarray]:
-  """Decodes and resizes images in tf.data; returns (images uint8, original [h, w] each).
+  """Decodes and resizes images, CHUNK at a time; returns (images uint8, original [h, w] each).
 
   Args:
     sources: file paths (`are_files`) or the encoded bytes themselves.
     names: what to call each source in an error (default: the paths).
   """
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  names = list(names) or list(sources)
-
-  def decode(source):
-    data = tf.io.read_file(source) if are_files else source
-    return tf.io.decode_image(data, channels=channels, expand_animations=False)
-
-  def load(source):
-    image = decode(source)
-    size = tf.shape(image)[:2]
-    image = tf.image.resize(image, [image_size, image_size], antialias=True)
-    return tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8), size
-
-  ds = tf.data.Dataset.from_tensor_slices(list(sources)).map(
-      load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).batch(256)
-  try:
-    parts = list(ds.as_numpy_iterator())
-  except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError):
-    for source, name in zip(sources, names):  # Find the bad one to name it.
-      try:
-        decode(tf.constant(source))
-      except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError) as e:
-        raise _unreadable(source, name, channels, are_files, e) from None
-    raise
+  names, decoder, parts = list(names) or list(sources), _decoder(image_size, channels, are_files), []
+  for at in range(0, len(sources), CHUNK):
+    chunk = list(sources[at:at + CHUNK])
+    try:
+      parts.append([t.numpy() for t in decoder(tf.constant(chunk))])
+    except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError):
+      for source, name in zip(chunk, names[at:at + CHUNK]):  # Find the bad one to name it.
+        try:
+          _decode(tf.constant(source), channels, are_files)
+        except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError) as e:
+          raise _unreadable(source, name, channels, are_files, e) from None
+      raise
   return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
 
 
