@@ -35,6 +35,8 @@ ARGS = TINY + [f"--train_steps={STEPS}", "--seed=3", "--jit_compile=false", "--i
 TWO_WORKERS = ["--num_workers=2", "--", *ARGS, "--strategy=multi_worker_mirrored"]
 # Peak RSS of training on a 200 MB set over a 0.6 MB one, and of a 400 MB set over the 200 MB.
 RSS_ABOVE_TINY, RSS_GROWTH_ON_DOUBLING = 150 << 20, 48 << 20
+# What preparing 1,200 images of 96x96x3 (32 MiB of pixels) may add to the peak of 300's.
+IMAGE_PREPARE_GROWTH = 12 << 20
 
 
 @pytest.fixture(scope="module")
@@ -370,7 +372,8 @@ def open_set(out, task, **sizes):
 
 def test_a_prepared_image_set_streams_the_batches_of_the_set_in_memory(tmp_path):
   """Labels, boxes and masks: the prepared set, held out and augmented as in memory, gives
-  the same batches; a damaged or mismatched set is one line."""
+  the same batches; a damaged, mismatched or older (decoded pixels) set is one line; a
+  reader that fails midway publishes nothing."""
   from tfpar.data import digit_canvas, image_prepared, images  # pylint: disable=import-outside-toplevel
   from tfpar.tasks.classify import load_digits  # pylint: disable=import-outside-toplevel
   digits = load_digits().train
@@ -401,6 +404,27 @@ def test_a_prepared_image_set_streams_the_batches_of_the_set_in_memory(tmp_path)
     open_set(out, "classify", image_size=16, channels=1, num_classes=10)
   with pytest.raises(corpus.DataError, match="has class id 9; --num_classes=5"):
     open_set(out, "classify", image_size=8, channels=1, num_classes=5)
+  old = str(tmp_path / "decoded")  # A set of the older format, fixed-size records of pixels.
+  shutil.copytree(out, old)
+  manifest = json.load(open(os.path.join(old, prepared.MANIFEST)))
+  json.dump(dict(manifest, format=image_prepared.DECODED), open(os.path.join(old, "manifest.json"), "w"))
+  with pytest.raises(corpus.DataError, match=r"holds decoded pixels \(tfpar.prepared-images/1\), "
+                     "a format tfpar no longer reads: prepare it again with --overwrite"):
+    open_set(old, "classify", image_size=8, channels=1, num_classes=10)
+  os.remove(os.path.join(old, image_prepared.INDEX))
+  json.dump(manifest, open(os.path.join(old, "manifest.json"), "w"))
+  with pytest.raises(corpus.DataError, match="its index index.bin is missing"):
+    open_set(old, "classify", image_size=8, channels=1, num_classes=10)
+
+  def broken():  # A reader that fails at its third example: nothing is published.
+    for i, example in enumerate(images.Examples.of(sets["classify"])):
+      if i == 2:
+        raise corpus.DataError("the third image is not readable")
+      yield example
+  with pytest.raises(corpus.DataError, match="the third image"):
+    image_prepared.write_images(str(tmp_path / "broken"), broken(), "classify", ("label",))
+  assert not os.path.exists(tmp_path / "broken")
+  assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # Nothing left aside.
   shard = os.path.join(out, image_prepared.shard_name(1, 3))
   with open(shard, "r+b") as f:
     f.seek(10)
@@ -440,3 +464,22 @@ def test_a_prepared_image_set_trains_to_the_losses_of_its_images_in_memory(tmp_p
   assert streamed.returncode == 0, streamed.stderr[-3000:]
   assert len(losses(dirs["mem"])) == 4
   np.testing.assert_allclose(losses(dirs["streamed"]), losses(dirs["mem"]), rtol=1e-5)
+
+
+def test_preparing_4x_the_images_adds_no_memory_and_twice_gives_the_same_bytes(tmp_path):
+  """scripts/image_prepare_peak.py, in one process: prepare 300 noise PNGs of 96x96x3, the
+  same again (byte-identical shards, index and manifest), then 1,200: the peak RSS grows by
+  less than IMAGE_PREPARE_GROWTH (a prepare that held the set grew by 134 MiB)."""
+  proc = subprocess.run([sys.executable, "scripts/image_prepare_peak.py", "--examples=300",
+                         "--size=96", f"--root={tmp_path}", "--json"], cwd=REPO,
+                        env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  peaks = json.loads(proc.stdout.splitlines()[-1])
+  print({k: f"{v / 2**20:.1f} MiB" for k, v in peaks.items()})  # Seen with -s.
+  assert peaks["big"] - peaks["again"] < IMAGE_PREPARE_GROWTH < peaks["pixels"] / 2, peaks
+  names = sorted(os.listdir(tmp_path / "small_set"))
+  assert names == sorted(os.listdir(tmp_path / "again_set")) and len(names) == 4, names
+  for name in names:
+    assert digest(tmp_path / "small_set" / name) == digest(tmp_path / "again_set" / name), name
+  assert json.load(open(tmp_path / "big_set" / prepared.MANIFEST))["examples"] == 1200
