@@ -246,3 +246,29 @@ def test_augment_runs_in_tf_data():
                                    flip=True))
   for e in ds:
     assert e["image"].shape == (32, 32, 1) and e["mask"].shape == (32, 32)
+
+
+def test_each_layout_prepared_reads_back_the_examples_in_memory(data_dir, tmp_path):
+  """tfpar.data prepare's path for every layout: the examples written one at a time (boxes
+  with their own counts, 0 to 2 here, padded at read time; a set of 1 example in 2 shards)
+  read back from the prepared set as the in-memory ImageSet holds them."""
+  from tfpar.data import image_prepared  # pylint: disable=import-outside-toplevel
+  for task, data, num_classes in (("classify", "folder", 2), ("classify", "classify.tfrecord", 2),
+                                  ("detect", "coco/instances.json", 2),
+                                  ("detect", "detect.tfrecord", 2), ("segment", "seg", 3),
+                                  ("segment", "segment.tfrecord", 3)):
+    spec, kw = tasks.spec(task), dict(image_size=8, channels=3, num_classes=num_classes)
+    found = image_records.examples_of(str(data_dir / data), spec, **kw)
+    out = str(tmp_path / data.replace("/", "_"))
+    image_prepared.write_images(out, found, task, spec.labels, class_names=found.class_names)
+    stream, memory = image_records.read_layout(out, spec, **kw), found.collect()
+    assert isinstance(stream, image_prepared.ImageStream) and len(stream) == len(memory)
+    assert stream.class_names == memory.class_names
+    for i in range(len(memory)):
+      got = next(iter(stream.read(tf.constant(i, tf.int64))))
+      np.testing.assert_array_equal(got["image"], memory.images[i], err_msg=data)
+      for name, array in (("label", memory.labels), ("boxes", memory.boxes),
+                          ("classes", memory.classes), ("mask", memory.masks)):
+        if array is not None:
+          np.testing.assert_array_equal(got[name], array[i], err_msg=f"{data} {name} {i}")
+          assert got[name].dtype == array.dtype, (data, name)
