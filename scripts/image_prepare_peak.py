@@ -10,7 +10,8 @@ on the 4x folder, and prints the peak RSS (getrusage's ru_maxrss) after each. A 
 rises, so what the 4x run adds to the second small run's peak is what preparing 3x more
 images costs in memory: prepare holds a chunk of images (tfpar.data.images.CHUNK) and one
 record, so it should add little, where holding the set would add at least the 4x set's
-decoded pixels less the small set's. tests/test_prepared.py runs it at 300 images of 96 pixels.
+decoded pixels less the small set's. Also prints the 4x run's rate (images a second, from
+its start to its manifest). tests/test_prepared.py runs it at 300 images of 96 pixels.
 """
 
 import argparse
@@ -19,6 +20,7 @@ import os
 import resource
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -49,16 +51,19 @@ def peak() -> int:
 
 def measure(root: str, examples: int, size: int) -> dict:
   """{run: peak RSS in bytes after it} for prepare on the small set, again, and the 4x set,
-  written to root/{small,again,big}_set; 'pixels': the 4x set's decoded bytes."""
+  written to root/{small,again,big}_set; 'pixels': the 4x set's decoded bytes; 'rate': the
+  4x run's images a second."""
   small, big = noise_folder(root, examples, size)
   sys.path.insert(0, REPO)
   from tfpar.cli import data  # pylint: disable=import-outside-toplevel
   peaks = {}
   for name, folder in (("small", small), ("again", small), ("big", big)):
+    start = time.perf_counter()
     data.main(["tfpar.data", "prepare", "--task=classify", f"--data={folder}",
                f"--out={os.path.join(root, name + '_set')}", f"--image_size={size}",
                "--num_channels=3", "--num_classes=2", "--num_shards=2"])
     peaks[name] = peak()
+  peaks["rate"] = 4 * examples / (time.perf_counter() - start)
   peaks["pixels"] = 4 * examples * size * size * 3
   return peaks
 
@@ -79,7 +84,8 @@ def main():
   mib = lambda b: f"{b / 2**20:,.1f} MiB"  # pylint: disable=unnecessary-lambda-assignment
   print(f"peak RSS after prepare of {args.examples:,} images: {mib(peaks['small'])}; again: "
         f"{mib(peaks['again'])}; of {4 * args.examples:,}: {mib(peaks['big'])} "
-        f"(+{mib(peaks['big'] - peaks['again'])}; their decoded pixels: {mib(peaks['pixels'])})")
+        f"(+{mib(peaks['big'] - peaks['again'])}; their decoded pixels: {mib(peaks['pixels'])}), "
+        f"at {peaks['rate']:,.0f} images/s")
 
 
 if __name__ == "__main__":
