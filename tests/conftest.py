@@ -283,6 +283,9 @@ def tiny():
   return list(TINY)
 
 
+XLA_TEST_FLAGS = "--xla_backend_optimization_level=0"
+
+
 def pytest_configure(config):
   """Splits the CPU into 8 logical devices once, before TensorFlow starts in this process.
 
@@ -290,6 +293,12 @@ def pytest_configure(config):
   --num_cpu_devices of them) without paying a TensorFlow start per test.
   """
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  # XLA compiles the tests' steps with LLVM's optimisations off, in this process and in every
+  # tfpar process a test starts (they inherit the environment): the same HLO and XLA passes,
+  # compiled in about half the CPU time, which on tiny models is most of a run's
+  # (docs/benchmarks.md, "The suite"). Twins compare XLA runs under the same flags.
+  if XLA_TEST_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_TEST_FLAGS}".strip()
   if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
     return  # pytest-xdist's controller: its workers run the tests.
   import tensorflow as tf  # pylint: disable=import-outside-toplevel

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, make_config, run_module
+from conftest import REPO, XLA_TEST_FLAGS, make_config, run_module
 
 TPU_FLAGS = ["--flagfile=" + os.path.join(REPO, "configs", "gpt_tpu.flags")]
 TPU_CORES = 8  # A v3-8 / v4-8 / v5e-8 host: the config's global batch is for 8 replicas.
@@ -35,8 +35,8 @@ TPU_CORES = 8  # A v3-8 / v4-8 / v5e-8 host: the config's global batch is for 8 
 SHRINK = ["--num_layers=1", f"--global_batch_size={2 * TPU_CORES}"]
 # XLA's CPU constant folding spends minutes on this program (its slow-operation
 # alarm names a dot of two constants); the TPU compiler has its own pipeline,
-# so the check skips that one pass.
-XLA_FLAGS = "--xla_disable_hlo_passes=constant_folding"
+# so the check skips that one pass (and compiles as every test does: conftest.XLA_TEST_FLAGS).
+XLA_FLAGS = f"--xla_disable_hlo_passes=constant_folding {XLA_TEST_FLAGS}"
 
 
 def compile_and_run_tpu_step():
