@@ -130,7 +130,7 @@ def test_powersgd_rank_4_sends_30x_fewer_bytes_at_the_benchmark_shape():
   """The benchmark GPT (4 layers, d_model 256, d_ff 1024): the formula the test above checks."""
   from conftest import make_config  # pylint: disable=import-outside-toplevel
   from tfpar.config.schema import CompressionConfig  # pylint: disable=import-outside-toplevel
-  from tfpar.parallel.compression import expected_bytes  # pylint: disable=import-outside-toplevel
+  from tfpar.parallel.traffic import expected_bytes  # pylint: disable=import-outside-toplevel
   from tfpar.engines.base import build_model  # pylint: disable=import-outside-toplevel
   cfg = make_config(["--model_dir=/tmp/unused", "--num_layers=4", "--d_model=256",
                      "--d_ff=1024", "--seq_len=256"])

@@ -53,7 +53,7 @@ import signal
 import numpy as np
 import pytest
 
-from conftest import (TINY, assert_same_state, read_metrics, run_module, run_modules,
+from conftest import (TINY, assert_same_state, read_metrics, run_modules,
                       train_in_process)
 from test_compression import reduce_steps
 from test_launch import Launched, assert_every_line_prefixed, group_alive

@@ -24,7 +24,6 @@ import keras_hub
 import numpy as np
 import pytest
 import sentencepiece
-import tensorflow as tf
 
 from conftest import TINY, make_config, run_module
 from tfpar.config import rundir

@@ -10,7 +10,7 @@ import tensorflow as tf
 from PIL import Image
 
 from tfpar import tasks
-from tfpar.data import augment, image_records, images
+from tfpar.data import augment, image_records
 from tfpar.data.corpus import DataError
 
 

@@ -301,7 +301,7 @@ def pods(objs):
   result = []
   for role, template in pod_templates(objs[-1]).items():
     env = {e["name"]: e["value"] for e in template["spec"]["containers"][0]["env"]}
-    spec = json.loads(env["TFPAR_CLUSTER"])
+    json.loads(env["TFPAR_CLUSTER"])  # Each pod is given a cluster spec that parses.
     count = (objs[-1]["spec"]["completions"] if role == "all" else
              next(rj["template"]["spec"]["completions"] for rj in objs[-1]["spec"]["replicatedJobs"]
                   if rj["name"] == role))

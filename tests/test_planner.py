@@ -724,7 +724,7 @@ def test_emitted_plan_trains(emitted):
   out, flagfile, model_dir, train = emitted
   text = open(flagfile).read()
   best = out["plans"][0]
-  assert f"--pipeline_stages=2\n" in text and f"--microbatches={best['microbatches']}\n" in text
+  assert "--pipeline_stages=2\n" in text and f"--microbatches={best['microbatches']}\n" in text
   assert train.returncode == 0, train.stderr[-4000:]
   records = read_metrics(model_dir)
   assert [r["step"] for r in records] == [1, 2, 3] and np.isfinite(records[-1]["loss"])

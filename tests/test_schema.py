@@ -8,7 +8,6 @@ tool, and nothing outside tfpar/tasks compares --task to a task's name.
 
 import ast
 import json
-import os
 import pathlib
 import subprocess
 import sys

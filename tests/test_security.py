@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 
-from conftest import REPO, run_module
+from conftest import run_module
 
 # Starts a TF server for 127.0.0.1:PORT, prints where the kernel says it listens, then waits.
 SERVER = textwrap.dedent("""

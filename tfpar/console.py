@@ -7,6 +7,7 @@ without a GPU). None of it is about the run, and it buries tfpar's first line.
 imported) and imports TF; `--verbosity` (absl's own flag) brings the lines back.
 """
 
+import importlib
 import os
 import sys
 import tempfile
@@ -79,14 +80,14 @@ def _import_tensorflow(verbosity: Optional[int]) -> None:
   else:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", _QUIET)
   if level is not None or os.environ["TF_CPP_MIN_LOG_LEVEL"] != _QUIET:
-    import tensorflow  # pylint: disable=import-outside-toplevel,unused-import
+    importlib.import_module("tensorflow")
     return
   sys.stderr.flush()
   saved = os.dup(2)
   with tempfile.TemporaryFile() as capture:
     os.dup2(capture.fileno(), 2)
     try:
-      import tensorflow  # pylint: disable=import-outside-toplevel,unused-import,redefined-outer-name
+      importlib.import_module("tensorflow")
     except BaseException:
       os.dup2(saved, 2)
       capture.seek(0)

@@ -68,7 +68,7 @@ import tensorflow as tf
 
 from tfpar import strategies
 from tfpar.config.schema import Config
-from tfpar.engines.base import Engine, build_model
+from tfpar.engines.base import Engine
 from tfpar.layout import placement as plan_lib
 from tfpar.parallel import collectives, remote, schedules, tensor, zero
 from tfpar.parallel.compression import make_exchange

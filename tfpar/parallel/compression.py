@@ -70,8 +70,7 @@ import tensorflow as tf
 from tfpar.config.schema import CompressionConfig, ConfigError
 from tfpar.parallel import exchange_state
 from tfpar.parallel.exchange import AllReduce, GradientExchange
-# Byte accounting, importable from here as before.
-from tfpar.parallel.traffic import Traffic, expected_bytes, matrix_shape, powersgd_compresses  # pylint: disable=unused-import
+from tfpar.parallel.traffic import matrix_shape, powersgd_compresses
 
 FP16_TARGET = 2.0**15  # Bound on any partial sum of scaled values (float16 max is 65504).
 
