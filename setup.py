@@ -24,10 +24,11 @@ setup(
         # The tests run scripts/bench.py's smoke test, which trains keras-hub's GPT2Backbone;
         # kubernetes (core kinds) and kubeflow-training (TFJob) validate the rendered manifests
         # offline, jsonschema against the CRD schemas where present; hypothesis drives the
-        # property tests of the flag validator; pytest-xdist runs two test files at once (one
+        # property tests of the flag validator; pyflakes keeps the tree free of dead imports
+        # (tests/test_layering.py); pytest-xdist runs two test files at once (one
         # core each: much of a test is one thread's work, a process starting or a step tracing).
         "test": ["pytest>=8", "pytest-xdist>=3", "keras-hub>=0.32", "kubernetes",
-                 "kubeflow-training>=1.9", "jsonschema", "hypothesis>=6"],
+                 "kubeflow-training>=1.9", "jsonschema", "hypothesis>=6", "pyflakes"],
         "bench": ["keras-hub>=0.32", "matplotlib"],  # scripts/bench_dp.py draws its loss and bytes plot.
     },
 )
