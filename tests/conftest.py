@@ -351,7 +351,8 @@ def train_twin(engine, steps):
   # A ZeRO engine's slots are its shards, which its own layout reads (tfpar.parallel.zero).
   sharded = split or getattr(engine, "zero", None) is not None
   layout = engine.layouts[0] if sharded else model_layout(model, engine.optimizer)
-  initial = read_canonical(model_layout(model))
+  # The weights through the engine's own layout (zero3's template holds no values).
+  initial = read_canonical({name: layout[name] for name in model_layout(model)})
   iterator = engine.train_iterator(0)
   first = engine.train(iterator, 1)
   grads = {n[:-2]: v for n, v in read_canonical(layout).items() if n.endswith("@m")}

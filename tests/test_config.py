@@ -77,8 +77,12 @@ BAD = [
     (["--strategy=mirrored", "--all_reduce_pack_mb=4"], "all_reduce_pack_mb"),
     # Optimizer sharding (_validate_optimizer_sharding).
     (["--optimizer_sharding=zero3"], "optimizer_sharding"),  # one_device
+    (["--strategy=mirrored", "--num_cpu_devices=4", "--tensor_parallel=2", "--data_parallel=2",
+      "--optimizer_sharding=zero3"], "optimizer_sharding"),  # Not on tensor-parallel stages,
+    (["--strategy=multi_worker_mirrored", "--pipeline_stages=2", "--optimizer_sharding=zero3"],
+     "optimizer_sharding"),  # nor across workers,
     (["--strategy=mirrored", "--num_cpu_devices=4", "--pipeline_stages=2", "--data_parallel=2",
-      "--optimizer_sharding=zero3"], "optimizer_sharding"),  # Not on a hybrid plan's copies.
+      "--pipeline_schedule=1f1b", "--optimizer_sharding=zero3"], "optimizer_sharding"),  # nor 1f1b.
     (["--strategy=mirrored", "--num_cpu_devices=2", "--optimizer_sharding=zero3", "--remat"],
      "remat"),
     (["--strategy=mirrored", "--num_cpu_devices=2", "--optimizer_sharding=zero3",
@@ -142,6 +146,8 @@ def test_missing_model_dir_is_named():
     ["--strategy=multi_worker_mirrored", "--optimizer_sharding=zero3"],
     ["--strategy=mirrored", "--num_cpu_devices=4", "--pipeline_stages=2", "--data_parallel=2",
      "--optimizer_sharding=zero1"],  # On the hybrid plan's D copies.
+    ["--strategy=mirrored", "--num_cpu_devices=4", "--pipeline_stages=2", "--data_parallel=2",
+     "--microbatches=2", "--optimizer_sharding=zero3"],  # A one-host pipeline plan's copies.
 ], ids=lambda e: " ".join(e) or "tiny")
 def test_valid_configs_pass(extra):
   make_config(TINY + [MODEL_DIR] + extra)  # raises ConfigError if a rule over-reaches

@@ -633,7 +633,7 @@ RULES = {
     "layers": "K <= --num_layers", "devices": "D x K x T uses every device",
     "batch": "D divides the batch", "micro": "M divides the per-replica batch",
     "interleaved": "interleaved needs", "zero": "optimizer sharding needs D > 1",
-    "zero3": "zero3 runs whole data-parallel replicas"}
+    "zero3": "the planner models zero3 on whole data-parallel replicas only"}
 REFUSALS = [
     (["--tensor_parallel=3"], "heads", "use one of 1, 2, 4"),
     (["--pipeline_stages=5"], "layers", "use at most 4"),

@@ -2,7 +2,7 @@
 
 - Each device of a plan makes only its own slices of the weights, and they
   equal one device's values exactly (GPT and Llama, tensor 2, pipeline 2 and
-  zero3 x 4);
+  zero3 x 4, zero3 on a 2 x 2 pipeline plan);
   `initialise.slice_value` makes any slice (ZeRO's row shards) on its own.
 - A checkpoint is one TensorFlow checkpoint of canonical full-shape names
   whatever wrote it: tf.train.load_checkpoint reads it whole; a tensor parallel
@@ -31,7 +31,10 @@ LLAMA = ["--architecture=llama", "--num_kv_heads=2", "--seq_len=16", "--jit_comp
 PLANS = {"tensor_2": ["--num_cpu_devices=2", "--tensor_parallel=2"],
          "pipeline_2": ["--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=2"],
          # Each replica makes its rows of every weight (tfpar.parallel.zero3.Zero3.initialise).
-         "zero3_4": ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero3"]}
+         "zero3_4": ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero3"],
+         # Each device its rows of its stage's weights (tfpar.engines.hybrid_zero3).
+         "zero3_2x2": ["--strategy=mirrored", "--num_cpu_devices=4", "--data_parallel=2",
+                       "--pipeline_stages=2", "--optimizer_sharding=zero3"]}
 
 
 def build(args, model_dir):

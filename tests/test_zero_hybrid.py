@@ -6,8 +6,11 @@ forward and backward and each (stage, copy)'s shard update one XLA program; the 
 one device without XLA), --clip_norm=0.05 (clips every step) and --on_nonfinite=skip: each
 must take one device's steps (loss, gradient norm, the first gradient through AdamW's m, the
 final weights and the gathered m and v, at 1e-5).
-Then checkpoints cross between the plans both ways, and plan.json's measured optimizer bytes
-per device are half the unsharded ones. (Two worker processes under zero1:
+zero3 on the 2 x 2 hybrid (each stage's weights, gradients, m and v cut by rows over its 2
+copies, 2 micro-batches per copy) starts from one device's weights exactly and takes its steps.
+Then checkpoints cross between the plans both ways (zero3's written from its rows, resumed on
+one device), and plan.json's measured optimizer bytes per device are half the unsharded ones
+(zero3's weights too). (Two worker processes under zero1:
 tests/test_model_parallel.py::test_hybrid_across_two_worker_processes.)
 """
 
@@ -19,7 +22,9 @@ import pytest
 from conftest import TINY, assert_same_state, assert_twin, build_engine, make_config, train_twin
 from tfpar.config import rules
 from tfpar.layout import placement as plan_lib
+from tfpar.parallel import zero3
 from tfpar.planner import clusters, cost
+from tfpar.training.optimizer import inner_optimizer
 from tfpar.training.checkpoint import (CanonicalCheckpointer, assign_canonical, read_canonical,
                                        read_checkpoint)
 
@@ -33,7 +38,11 @@ PLANS = {"one": ["--strategy=one_device"],
          # Each stage's forward and backward, and each (stage, copy)'s update, under XLA.
          "zero2 2x2": HYBRID + ["--optimizer_sharding=zero2", "--jit_compile=true"],
          "zero1 D2xT2": ["--strategy=mirrored", "--num_cpu_devices=4", "--data_parallel=2",
-                         "--tensor_parallel=2", "--optimizer_sharding=zero1"]}
+                         "--tensor_parallel=2", "--optimizer_sharding=zero1"],
+         # Weights, gradients, m and v of each stage cut by rows over its 2 copies; 2
+         # micro-batches of 2 per copy.
+         "zero3 2x2": ["--strategy=mirrored", "--num_cpu_devices=4", "--data_parallel=2",
+                       "--pipeline_stages=2", "--microbatches=2", "--optimizer_sharding=zero3"]}
 
 
 def build(args, model_dir):
@@ -62,6 +71,34 @@ def test_zero_on_a_2x2_hybrid_is_one_devices_twin(runs, plan):
       [engine.cfg.train.jit_compile] * 4
   assert_twin(run, one)
   assert int(run["final"]["optimizer/iterations"]) == STEPS
+
+
+def test_zero3_on_a_2x2_hybrid_is_one_devices_twin(runs):
+  """Each stage's weights, gradients, m and v sharded 1/2 over its 2 copies, each device
+  making its own rows (the start is one device's, element for element: assert_twin), and
+  the steps one device's (loss, norm, first gradient, final state at 1e-5)."""
+  one, run = runs["one"], runs["zero3 2x2"]
+  engine = run["engine"]
+  assert min(one["norms"]) > engine.cfg.optim.clip_norm  # Clipping binds on every step.
+  assert type(engine).__name__ == "HybridZero3Engine" and engine.num_replicas == 2
+  assert engine.zero.mode == "zero3" and engine.zero.microbatches == 2
+  assert not inner_optimizer(engine.optimizer).built  # No Keras slots: the rows hold them.
+  assert_twin(run, one)
+  assert int(run["final"]["optimizer/iterations"]) == STEPS
+  # Each device holds its stage's rows of weights, m and v: half of the stage's parameters
+  # (row rounding apart), as plan.json predicts.
+  with open(run["model_dir"] / "plan.json") as f:
+    plan = json.load(f)
+  assert plan["optimizer_sharding"] == "zero3"
+  unsharded = {plan_lib.device_key(d): engine.plan.params_on(k, 0) * 4
+               for row in engine.plan.devices for k, stage in enumerate(row) for d in stage}
+  assert len(unsharded) == 4
+  for device, got in plan["measured_bytes_per_device"].items():
+    assert abs(got["parameters"] / (unsharded[device] / 2) - 1) < 0.1, (device, got)
+    assert abs(got["optimizer"] / got["parameters"] - 2) < 0.01, (device, got)  # m and v.
+    predicted = plan["bytes_per_device"][device]
+    for kind in ("parameters", "optimizer"):
+      assert abs(predicted[kind] / got[kind] - 1) < 0.1, (device, kind, predicted, got)
 
 
 def one_step(engine, step):
@@ -151,3 +188,28 @@ def test_stages_on_different_workers_take_it(tmp_path):
                             "--optimizer_sharding=zero2", f"--model_dir={tmp_path}"])
   assert rules.worker_layout(cfg.parallel, 2, 2) == (2, 1)  # A replica per worker.
   assert rules.worker_layout(cfg.parallel, 4, 1) == (2, 2)  # Stages on different workers.
+
+
+def test_zero3_2x2_writes_its_rows_and_one_device_resumes_them(runs, tmp_path):
+  """zero3 2x2's step-5 checkpoint is written from the devices' rows (no tensor gathered),
+  holds one device's state, and one device restores it to take zero3's own sixth step.
+  (Last: it changes the one-device engine.)"""
+  one, engine = runs["one"]["engine"], runs["zero3 2x2"]["engine"]
+  checkpointer = engine.checkpointer(str(tmp_path / "zero3"))
+  held = {id(x) for replica in engine.zero.slots for kind in replica.values() for x in kind}
+  rows = [p for p in checkpointer.written_slices if id(p.variable) in held]
+  assert not any(isinstance(p.variable, zero3.View) for p in checkpointer.written_slices)
+  assert len(rows) == 3 * 2 * len(engine.zero.variables)  # w, m, v of each weight, 2 copies.
+  assert all(p.size[0] < p.shape[0] for p in rows)  # Each a part of its tensor's rows.
+  checkpointer.save(STEPS)
+  written = read_checkpoint(str(tmp_path / "zero3" / f"ckpt-{STEPS}"))
+  assert_same_state(written, runs["one"]["final"], "zero3 2x2's checkpoint",
+                    skip=("dropout_rng/",))
+  want = one_step(engine, STEPS)
+  assert CanonicalCheckpointer(one.layouts, str(tmp_path / "restore")).restore(
+      str(tmp_path / "zero3" / f"ckpt-{STEPS}"))
+  assert one.step == STEPS
+  loss, norm, state = one_step(one, STEPS)
+  np.testing.assert_allclose([loss, norm], want[:2], rtol=1e-5)
+  assert_same_state(state, want[2], f"step {STEPS + 1} from zero3's checkpoint",
+                    skip=("dropout_rng/",))

@@ -221,13 +221,18 @@ def _validate_optimizer_sharding(cfg: Config) -> None:
 
 
 def _validate_zero3(cfg: Config) -> None:
-  """zero3 (tfpar.parallel.zero3): whole data-parallel replicas of one model (D > 1: the engine
-  checks once the devices are counted, `check_zero3_replicas`)."""
-  if cfg.parallel.model_parallel:
+  """zero3 (tfpar.parallel.zero3): whole data-parallel replicas of one model, or the copies of
+  a pipeline plan on one host (tfpar.engines.hybrid_zero3) (D > 1: the engine checks once the
+  devices are counted, `check_zero3_replicas`)."""
+  p, s = cfg.parallel, cfg.dist
+  if p.model_parallel and (s.strategy != "mirrored" or p.tensor_parallel > 1 or
+                           p.pipeline_schedule != "gpipe" or p.remat != "none"):
     raise ConfigError("--optimizer_sharding=zero3 shards whole data-parallel replicas "
-                      "(mirrored, multi_worker_mirrored), not a model-parallel plan's copies "
-                      "(--pipeline_stages, --tensor_parallel, --data_parallel, --microbatches, "
-                      "--remat; zero3 recomputes every block anyway): drop those flags, or use "
+                      "(mirrored, multi_worker_mirrored) or the copies of a pipeline plan on one "
+                      "host (--strategy=mirrored with --data_parallel, --pipeline_stages, "
+                      "--microbatches, --pipeline_schedule=gpipe); not tensor-parallel stages, "
+                      "plans across workers, the 1f1b/interleaved schedules, or --remat (zero3 "
+                      "recomputes every block anyway): drop those flags, or use "
                       "--optimizer_sharding=zero1 or zero2 with the plan")
   if cfg.compression.method != "none":
     raise ConfigError(f"--optimizer_sharding=zero3 sums each block's gradient itself in float32: "

@@ -265,9 +265,11 @@ class ParallelConfig:
       "none", "mirrored, multi_worker_mirrored and the --data_parallel copies of a pipeline/"
       "tensor plan: each of the D replicas keeps AdamW's m and v for 1/D of the parameters "
       "(per device of its plan row), zero1, and also only its 1/D of the summed gradient "
-      "through the update, zero2 (the weights stay replicated); zero3 (mirrored and "
-      "multi_worker_mirrored) also only 1/D of the weights, each block's gathered when it "
-      "runs and again, recomputed, in its backward. Same numbers as none.",
+      "through the update, zero2 (the weights stay replicated); zero3 (mirrored, "
+      "multi_worker_mirrored, and a mirrored pipeline plan's --data_parallel copies on one "
+      "host: each stage's weights over its D copies; not tensor parallel, 1f1b/interleaved or "
+      "plans across workers) also only 1/D of the weights, each block's gathered when it runs "
+      "and again, recomputed, in its backward. Same numbers as none.",
       choices=OPTIMIZER_SHARDING)
   remat: str = setting(
       "none", "What each block recomputes in the backward pass: none keeps every activation, "

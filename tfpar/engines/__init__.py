@@ -1,6 +1,7 @@
 """The engines, and the one choice of engine for a config (`make`).
 
   stages on different workers, one program per worker             StageWorkerEngine
+  a pipeline plan's copies under --optimizer_sharding=zero3          HybridZero3Engine
   model-parallel plan (--pipeline_stages or --tensor_parallel > 1)  ModelParallelEngine
   --strategy=parameter_server (the chief)                         ParameterServerEngine
   every other strategy                                            DataParallelEngine
@@ -19,6 +20,9 @@ def make(cfg: Config, strategy, data, *, sharding: str = "data", task=None) -> E
   if cfg.parallel.model_parallel and _stages_are_workers(cfg, strategy):
     from tfpar.engines.stage_worker import StageWorkerEngine  # pylint: disable=import-outside-toplevel
     return StageWorkerEngine(cfg, strategy, data, sharding=sharding, task=task)
+  if cfg.parallel.model_parallel and cfg.parallel.optimizer_sharding == "zero3":
+    from tfpar.engines.hybrid_zero3 import HybridZero3Engine  # pylint: disable=import-outside-toplevel
+    return HybridZero3Engine(cfg, strategy, data, sharding=sharding, task=task)
   if cfg.parallel.model_parallel:
     from tfpar.engines.model_parallel import ModelParallelEngine  # pylint: disable=import-outside-toplevel
     return ModelParallelEngine(cfg, strategy, data, sharding=sharding, task=task)

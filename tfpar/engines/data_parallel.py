@@ -46,9 +46,7 @@ class DataParallelEngine(Engine):
     if sharding_mode == "zero3":
       check_zero3_replicas(self.num_replicas)
     # zero3: the model is a template without storage; its weights live in zero3's shards.
-    self.model = zero3.build_template(lambda: build_model(cfg, task=self.task,
-                                                          initialised=False)) \
-        if sharding_mode == "zero3" else None
+    self.model = self._template() if sharding_mode == "zero3" else None
     with strategy.scope():
       self.model = self.model or build_model(cfg, task=self.task)
       self.optimizer = self.build_optimizer(self.model.trainable_variables,
@@ -74,7 +72,7 @@ class DataParallelEngine(Engine):
     if sharding_mode == "zero3":
       self.zero = zero3.Zero3(self.model, self.optimizer, shard_ids=_replica_ids(strategy),
                               devices=self._local_devices, num_replicas=self.num_replicas,
-                              strategy=strategy, jit_compile=jit)
+                              strategy=strategy, jit_compile=jit, **self._zero3_placement())
     elif sharding_mode != "none":
       self.zero = zero.ZeroUpdate(
           self.optimizer, variables, mode=sharding_mode, shard_ids=_replica_ids(strategy),
@@ -95,6 +93,16 @@ class DataParallelEngine(Engine):
                                  exchange=self.exchange, update=self.zero,
                                  skip_nonfinite=cfg.train.on_nonfinite == "skip")
     self._eval_step = EvalStep(self.model, self.task.eval_outputs, jit_compile=jit)
+
+  def _template(self):
+    """zero3's model: the task's, its weights without storage (tfpar.parallel.zero3)."""
+    return zero3.build_template(lambda: build_model(self.cfg, task=self.task,
+                                                    initialised=False))
+
+  def _zero3_placement(self) -> dict:
+    """Where zero3 runs each replica's parts (Zero3's placements; none: on the replica's
+    device)."""
+    return {}
 
   def checkpointer(self, directory: str, **kwargs) -> CanonicalCheckpointer:
     """Under zero3 every process writes and restores its replicas' rows of every weight, m

@@ -270,7 +270,8 @@ class ParallelPlan:
       predicted bytes one micro-batch's forward there keeps for its backward.
     sequence_parallel: the blocks' sequence split over the T shards (--sequence_parallel).
     optimizer_sharding: --optimizer_sharding: zero1/zero2 split each device's AdamW slots
-      over its D data-parallel peers (tfpar.parallel.zero.PlanZero).
+      over its D data-parallel peers (tfpar.parallel.zero.PlanZero), zero3 its weights too
+      (tfpar.engines.hybrid_zero3).
   """
   data_parallel: int
   pipeline_stages: int
@@ -340,7 +341,8 @@ class ParallelPlan:
   def bytes_per_device(self) -> Dict[str, Dict[str, int]]:
     """Predicted {device: {"parameters": bytes, "optimizer": bytes}} over the whole grid.
 
-    Under --optimizer_sharding a device keeps the slots of ceil(1/D) of its parameters.
+    Under --optimizer_sharding a device keeps the slots of ceil(1/D) of its parameters, and
+    under zero3 (tfpar.parallel.zero3) that share of the weights too.
     """
     out = {}
     d = self.data_parallel if self.optimizer_sharding != "none" else 1
@@ -348,7 +350,7 @@ class ParallelPlan:
       for k, shards in enumerate(row):
         for t, device in enumerate(shards):
           n = self.params_on(k, t)
-          p = n * BYTES_PER_PARAM
+          p = (-(-n // d) if self.optimizer_sharding == "zero3" else n) * BYTES_PER_PARAM
           o = OPTIMIZER_SLOTS * BYTES_PER_PARAM * -(-n // d) + (
               STEP_COUNTER_BYTES if k == 0 and t == 0 else 0)
           out[device_key(device)] = {"parameters": p, "optimizer": o}

@@ -53,13 +53,26 @@ restores any plan's checkpoint and writes one any plan restores.
 seen at full shape (`View`: read by concatenating the shards), for what reads
 the state whole in one process (tests, a keras-hub preset's values).
 
+Pipeline stages (`Placement`). A replica may span K devices, a pipeline's
+stages: each part then runs on its stage's device (the embedding on the
+first, each block on its stage's, the head on the last), and each weight's
+rows, m and v live on the device of the part that owns it, so a stage's
+weights are sharded 1/D over that stage's D copies and its gathers and
+reduce-scatters run between those D devices. The step's M micro-batches run
+forward one after the other under one tape and their backwards after (GPipe's
+order), each part gathering its weights again per micro-batch; the update
+runs per (replica, device), one XLA program each under jit_compile.
+
 Bytes per replica predicted: tfpar.parallel.zero.state_bytes(mode='zero3');
 tfpar.planner.cost models the gathers' traffic. Wired into
-tfpar.engines.data_parallel by --optimizer_sharding=zero3; tests/test_zero.py.
+tfpar.engines.data_parallel by --optimizer_sharding=zero3, and into
+tfpar.engines.hybrid_zero3 for the data-parallel dimension of a pipeline plan;
+tests/test_zero.py, tests/test_zero_hybrid.py.
 """
 
+import contextlib
 import functools
-from typing import Dict, List, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import keras
 import numpy as np
@@ -67,7 +80,8 @@ import tensorflow as tf
 from keras.src.backend.common import global_state
 
 from tfpar.layers.parallel import whole_sequence
-from tfpar.parallel import zero
+from tfpar.parallel import collectives, zero
+from tfpar.parallel.pipeline import split_batch
 from tfpar.training import initialise
 from tfpar.training.checkpoint import Slice
 
@@ -96,6 +110,18 @@ def build_template(build):
   return model
 
 
+class Placement(NamedTuple):
+  """Where one replica's parts run (its pipeline stages' devices): the embedding, each block,
+  the head."""
+  embed: str
+  blocks: Sequence[str]
+  head: str
+
+
+def _on(device: Optional[str]):
+  return tf.device(device) if device else contextlib.nullcontext()
+
+
 class Zero3:
   """A template model's weights, gradients and AdamW state sharded by rows over the replicas.
 
@@ -107,14 +133,22 @@ class Zero3:
     devices: the device of each replica of this process.
     num_replicas: D, the replicas in sync.
     strategy: the strategy they run under (gathers a save's shards from other processes).
-    jit_compile: each part's forward (and its recomputation) and each replica's update as
-      XLA programs.
+    jit_compile: each part's forward (and its recomputation) and each replica's update (per
+      device) as XLA programs.
+    placements: each local replica's `Placement` (its parts over pipeline stages); None: the
+      whole replica on its device.
+    embed_variables: with placements, the template variables the embedding owns (their
+      shards live on the embedding's device; the other weights outside the blocks on the
+      head's).
+    microbatches: M, the micro-batches `loss_and_grads` cuts each replica's batch into.
   """
 
   mode = "zero3"
 
   def __init__(self, model, optimizer, *, shard_ids: Sequence[int], devices: Sequence[str],
-               num_replicas: int, strategy, jit_compile: bool = False):
+               num_replicas: int, strategy, jit_compile: bool = False,
+               placements: Optional[Sequence[Placement]] = None, embed_variables=(),
+               microbatches: int = 1):
     self.model = model
     self.optimizer = optimizer
     self.strategy = strategy
@@ -127,19 +161,34 @@ class Zero3:
     self.shapes = [tuple(int(d) for d in v.shape) for v in self.variables]
     self.per = [-(-s[0] // num_replicas) for s in self.shapes]  # Rows of a full shard.
     self.decay = zero.decay_flags(optimizer, self.variables)
-    # slots[replica][kind][i]: replica's rows of variable i ('w'), of its m and of its v.
-    self.slots = []
-    for shard, device in zip(self.shard_ids, devices):
-      with tf.device(device):
-        self.slots.append({kind: [tf.Variable(tf.zeros(self._shard_shape(i, shard)),
-                                              trainable=kind == "w", name=f"zero3_{kind}")
-                                  for i in range(len(self.variables))]
-                           for kind in ("w", "m", "v")})
+    self.microbatches = microbatches
     index = {id(v): i for i, v in enumerate(self.variables)}
     blocks = [[index[id(v)] for v in block.trainable_variables] for block in model.blocks]
     in_blocks = {i for b in blocks for i in b}
     self.outside = [i for i in range(len(self.variables)) if i not in in_blocks]
     self.blocks = blocks
+    self.placements = list(placements) if placements else [None] * len(devices)
+    # homes[replica][i]: the device of variable i's rows, m and v on that replica.
+    embed = {id(v) for v in embed_variables}
+    self.homes = []
+    for device, place in zip(devices, self.placements):
+      home = [device] * len(self.variables)
+      if place:
+        for b, indices in enumerate(blocks):
+          for i in indices:
+            home[i] = place.blocks[b]
+        for i in self.outside:
+          home[i] = place.embed if id(self.variables[i]) in embed else place.head
+      self.homes.append(home)
+    # slots[replica][kind][i]: replica's rows of variable i ('w'), of its m and of its v.
+    self.slots = []
+    for shard, home in zip(self.shard_ids, self.homes):
+      self.slots.append({k: [] for k in ("w", "m", "v")})
+      for kind in ("w", "m", "v"):
+        for i in range(len(self.variables)):
+          with tf.device(home[i]):
+            self.slots[-1][kind].append(tf.Variable(tf.zeros(self._shard_shape(i, shard)),
+                                                    trainable=kind == "w", name=f"zero3_{kind}"))
     compile_ = (lambda f: tf.function(f, jit_compile=True)) if jit_compile else (lambda f: f)
     # The parts' forwards, with weights given: {training: (embed, [block], head)}; training's
     # compiled under jit_compile (eval's run op by op).
@@ -148,7 +197,10 @@ class Zero3:
          [wrap(functools.partial(self._run_block, b, i, training))
           for b, i in zip(model.blocks, blocks)],
          wrap(self._run_head)]) for training, wrap in ((True, compile_), (False, lambda f: f))}
-    self._updates = [compile_(functools.partial(self._update, r)) for r in range(len(devices))]
+    # Per replica, (device, variable indices, update): one per device its rows live on.
+    self._updates = [[(device, indices, compile_(functools.partial(self._update, r, indices)))
+                      for device, indices in collectives.by_device(home).items()]
+                     for r, home in enumerate(self.homes)]
     self._gather_fn = tf.function(lambda v: strategy.gather(v, axis=0))
     self.names = [None] * len(self.variables)  # Canonical names (`checkpoint_layout`).
 
@@ -161,7 +213,12 @@ class Zero3:
     replicas); in replica context. Each part runs under tf.recompute_grad (module docstring)."""
     with tf.GradientTape() as tape:
       shards = [tf.convert_to_tensor(w) for w in self.slots[replica]["w"]]
-      loss = loss_fn(self._forward(inputs, shards, replica, tf.recompute_grad, True), targets)
+      losses = []
+      for x, y in zip(*(split_batch(t, self.microbatches) for t in (inputs, targets))):
+        outputs = self._forward(x, shards, replica, tf.recompute_grad, True)
+        with _on(self.placements[replica] and self.placements[replica].head):
+          losses.append(loss_fn(outputs, y))  # Each a share of the global mean.
+      loss = tf.add_n(losses)
     grads = tape.gradient(loss, shards, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return loss, grads
 
@@ -174,12 +231,16 @@ class Zero3:
     """embed -> blocks -> head, each part's weights gathered from `shards` inside `wrap`."""
     gather = Gather(self, replica)
     embed, blocks, head = self._parts[training]
+    place = self.placements[replica] or Placement(None, [None] * len(blocks), None)
     outside = [shards[i] for i in self.outside]
-    h = wrap(lambda *w: embed(inputs, *gather(self.outside, w)))(*outside)
-    for indices, run in zip(self.blocks, blocks):
-      h = wrap(lambda x, *w, i=indices, r=run: r(x, *gather(i, w)))(
-          h, *[shards[i] for i in indices])
-    return wrap(lambda x, *w: head(x, *gather(self.outside, w)))(h, *outside)
+    with _on(place.embed):
+      h = wrap(lambda *w: embed(inputs, *gather(self.outside, w)))(*outside)
+    for indices, run, device in zip(self.blocks, blocks, place.blocks):
+      with _on(device):  # The activation h crosses to the block's stage here.
+        h = wrap(lambda x, *w, i=indices, r=run: r(x, *gather(i, w)))(
+            h, *[shards[i] for i in indices])
+    with _on(place.head):
+      return wrap(lambda x, *w: head(x, *gather(self.outside, w)))(h, *outside)
 
   def _mapping(self, indices, values):
     return keras.StatelessScope(state_mapping=[(self.variables[i], v)
@@ -206,18 +267,22 @@ class Zero3:
     if ctx.num_replicas_in_sync > 1:
       squares = ctx.all_reduce(tf.distribute.ReduceOp.SUM, squares)
     norm = tf.sqrt(squares)
-    self._updates[replica](list(grads), norm, tf.convert_to_tensor(self.optimizer.iterations),
-                           skip_nonfinite)
+    iterations = tf.convert_to_tensor(self.optimizer.iterations)
+    for device, indices, update in self._updates[replica]:
+      with _on(device):
+        update([grads[i] for i in indices], norm, iterations, skip_nonfinite)
     ctx.merge_call(self._advance)
     return norm
 
-  def _update(self, replica, grads, norm, iterations, skip_nonfinite):
+  def _update(self, replica, indices, grads, norm, iterations, skip_nonfinite):
+    """Replica `replica`'s rows of variables `indices` (on one device), from their `grads`."""
     opt, slots = self.optimizer, self.slots[replica]
     lr = opt._learning_rate  # pylint: disable=protected-access
     lr = tf.cast(lr(iterations) if callable(lr) else lr, tf.float32)
     c = zero.clip_factor(norm, opt.global_clipnorm)
     finite = tf.math.is_finite(norm)
-    for w, m, v, g, decay in zip(slots["w"], slots["m"], slots["v"], grads, self.decay):
+    for i, g in zip(indices, grads):
+      w, m, v, decay = slots["w"][i], slots["m"][i], slots["v"][i], self.decay[i]
       new_m, new_v, new_w = zero.adamw(
           w, g * c, m, v, lr=lr, iterations=iterations, decay=1.0 if decay else 0.0,
           weight_decay=opt.weight_decay, beta_1=opt.beta_1, beta_2=opt.beta_2,

@@ -9,7 +9,8 @@ micro-batch b divides G / D; recompute none, full and selective; with K > 1
 each schedule the System runs: GPipe, 1F1B, and interleaved with v virtual
 stages where K v divides L and K divides M (Megatron-LM's conditions); with
 D > 1 each optimizer sharding the System runs (tfpar: zero1 and zero2, zero3 only with
-K = T = 1, M = 1 and full recompute (what tfpar.parallel.zero3 runs); zero1 and zero2 a
+K = T = 1, M = 1 and full recompute (what tfpar.parallel.zero3 runs on whole replicas; its
+one-host pipeline plans, tfpar.engines.hybrid_zero3, are not modelled); zero1 and zero2 a
 replica inside one node or spanning nodes, not under mixed_float16, as
 tfpar.config.rules allows; Megatron: zero1, its distributed optimizer); with T > 1
 sequence parallelism off and on (both Systems run it). With tfpar on TPUs only data parallelism runs. The candidates of
@@ -269,8 +270,10 @@ def refusal(m: ModelConfig, cluster: Cluster, global_batch: int, system: cost.Sy
                f"sharded): --optimizer_sharding={sharding} with --precision={precision}; use "
                "mixed_bfloat16 or float32")
       if sharding == "zero3" and ((k or 1) * (t or 1) > 1 or (mb or 1) > 1):
-        yield ("zero3 runs whole data-parallel replicas (K = T = 1, one micro-batch): drop "
-               "--pipeline_stages, --tensor_parallel and --microbatches")
+        yield ("the planner models zero3 on whole data-parallel replicas only (K = T = 1, one "
+               "micro-batch; tfpar also runs it on a one-host pipeline plan's copies, which the "
+               "planner does not model): drop --pipeline_stages, --tensor_parallel and "
+               "--microbatches")
     remat = fixed.get("remat")
     if sharding == "zero3" and remat is not None and cost.remat_index(remat) != cost.FULL:
       yield (f"zero3 recomputes every block: --remat={remat} with --optimizer_sharding=zero3; "
