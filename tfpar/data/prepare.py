@@ -60,19 +60,30 @@ def _write_part(task) -> tuple:
   return np.asarray(lengths, np.uint64), tf.io.gfile.stat(path).length
 
 
-class _Progress:
-  """One line on stderr at most every 2 s: files done, MB of text, MB/s."""
+class Progress:
+  """One line on stderr at most every 2 s, and one at the end: what is done (of how many,
+  where known ahead), the MB it came to, and the rates. Text prepare counts files and MB of
+  text; image prepare (tfpar.data.image_prepared) counts images and MB of records."""
 
-  def __init__(self, total: int):
-    self.total, self.done, self.bytes, self.t0, self.last = total, 0, 0, time.time(), 0.0
+  def __init__(self, noun: str, total: Optional[int] = None, of: str = "text"):
+    self.noun, self.total, self.of = noun, total, of
+    self.done, self.bytes, self.t0, self.last, self.shown = 0, 0, time.time(), 0.0, -1
 
-  def add(self, n_bytes: int) -> None:
-    self.done, self.bytes = self.done + 1, self.bytes + n_bytes
+  def add(self, n_bytes: int, count: int = 1) -> None:
+    self.done, self.bytes = self.done + count, self.bytes + n_bytes
+    if time.time() - self.last >= 2 or self.done == self.total:
+      self.show()
+
+  def show(self) -> None:
+    """Prints the line now (unless it shows this count already): the end's line."""
+    if self.shown == self.done:
+      return
     now = time.time()
-    if now - self.last >= 2 or self.done == self.total:
-      self.last = now
-      print(f"prepare: {self.done}/{self.total} files, {self.bytes / 1e6:,.1f} MB of text, "
-            f"{self.bytes / 1e6 / max(now - self.t0, 1e-9):,.2f} MB/s", file=sys.stderr, flush=True)
+    self.last, self.shown, seconds = now, self.done, max(now - self.t0, 1e-9)
+    of = f"/{self.total:,}" if self.total is not None else ""
+    print(f"prepare: {self.done:,}{of} {self.noun}s, {self.bytes / 1e6:,.1f} MB of {self.of}, "
+          f"{self.bytes / 1e6 / seconds:,.2f} MB/s, {self.done / seconds:,.1f} {self.noun}s/s",
+          file=sys.stderr, flush=True)
 
 
 def _partial(out: str) -> str:
@@ -148,7 +159,7 @@ def _pack(parts: Sequence[str], directory: str, dtype: str, num_shards: int) -> 
 
 
 def write_set(out: str, tok, parts: Iterable, *, num_shards: int = 4, overwrite: bool = False,
-              progress: Optional[_Progress] = None) -> dict:
+              progress: Optional[Progress] = None) -> dict:
   """Writes a prepared set from `parts`, a callable per part file (called with its path, in
   order) that writes the part and returns (document lengths, text bytes); returns the manifest."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
@@ -204,7 +215,7 @@ def prepare(files: Sequence[str], tok, out: str, *, num_shards: int = 4, workers
             overwrite: bool = False, tfrecord_key: str = "text") -> dict:
   """Tokenizes `files` (in order) with `workers` processes into the prepared set `out`."""
   tasks = [(path, tok.spec, tok.fingerprint, tfrecord_key) for path in files]
-  progress = _Progress(len(files))
+  progress = Progress("file", len(files))
   if workers == 1:
     _TOKENIZER[tok.spec] = tok
     parts = (lambda part, t=t: _write_part(t + (part,)) for t in tasks)
