@@ -469,7 +469,8 @@ def test_a_prepared_image_set_trains_to_the_losses_of_its_images_in_memory(tmp_p
 def test_preparing_4x_the_images_adds_no_memory_and_twice_gives_the_same_bytes(tmp_path):
   """scripts/image_prepare_peak.py, in one process: prepare 300 noise PNGs of 96x96x3, the
   same again (byte-identical shards, index and manifest), then 1,200: the peak RSS grows by
-  less than IMAGE_PREPARE_GROWTH (a prepare that held the set grew by 134 MiB)."""
+  less than IMAGE_PREPARE_GROWTH (a prepare that held the set grew by 134 MiB), and each
+  prepare ends with its progress line (images, MB of records, rates)."""
   proc = subprocess.run([sys.executable, "scripts/image_prepare_peak.py", "--examples=300",
                          "--size=96", f"--root={tmp_path}", "--json"], cwd=REPO,
                         env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
@@ -483,3 +484,4 @@ def test_preparing_4x_the_images_adds_no_memory_and_twice_gives_the_same_bytes(t
   for name in names:
     assert digest(tmp_path / "small_set" / name) == digest(tmp_path / "again_set" / name), name
   assert json.load(open(tmp_path / "big_set" / prepared.MANIFEST))["examples"] == 1200
+  assert "\nprepare: 1,200 images, " in proc.stderr, proc.stderr[-2000:]  # Its progress line's end.

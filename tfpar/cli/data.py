@@ -17,7 +17,7 @@ from tfpar import console, storage, tasks
 from tfpar import tokenizer as tokenizer_lib
 from tfpar.cli import tool
 from tfpar.data import corpus
-from tfpar.data.prepare import prepare
+from tfpar.data.prepare import Progress, prepare
 
 fail = functools.partial(tool.fail, "data")
 MAX_WORKERS = 256  # Processes prepare may start; more is a typo, not a machine.
@@ -35,11 +35,13 @@ def define_prepare_flags():
   flags.DEFINE_string("out", None, "The directory the prepared set goes to.", flag_values=fv)
   flags.DEFINE_integer("num_shards", 4, "Shard files to write (equal token counts).",
                        flag_values=fv)
-  flags.DEFINE_integer("workers", 1, "Processes tokenizing files in parallel.", flag_values=fv)
+  flags.DEFINE_integer("workers", 1, "Processes tokenizing files in parallel (text; a "
+                       "vision task encodes on TensorFlow's threads in one process).",
+                       flag_values=fv)
   flags.DEFINE_enum("task", "lm", ["lm", "classify", "detect", "segment"], "lm: tokenize text; "
                     "a vision task: its images (--data in the layouts tfpar.train reads for it), "
-                    "decoded at --image_size and stored as PNG with their labels, one at a "
-                    "time (tfpar.data.image_prepared).",
+                    "decoded at --image_size and stored as PNG with their labels, a chunk at a "
+                    "time in one process (tfpar.data.image_prepared).",
                     flag_values=fv)
   flags.DEFINE_integer("image_size", None, "Vision tasks: as tfpar.train's.", flag_values=fv)
   flags.DEFINE_integer("num_channels", 3, "Vision tasks: as tfpar.train's.", flag_values=fv)
@@ -68,6 +70,10 @@ def check_prepare_flags(fv) -> None:
   if not 1 <= fv.workers <= MAX_WORKERS:
     raise corpus.DataError(f"--workers={fv.workers} must be between 1 and {MAX_WORKERS}: pass "
                            "at most the cores this machine has")
+  if fv.workers > 1 and tasks.spec(fv.task).labels:
+    raise corpus.DataError(f"--workers={fv.workers} is for text (--task=lm): --task={fv.task} "
+                           "prepares in one process, its images encoded on TensorFlow's "
+                           "threads: drop --workers")
   if "://" in fv.out:
     console.import_tensorflow_quietly()  # Only a remote store's check needs tf.io.gfile.
   try:  # The output first: a tokenization that cannot be written is time lost.
@@ -118,7 +124,8 @@ def _prepare_images(fv) -> None:
            f"--data={fv.data}), or pass the images it was prepared from")
     manifest = image_prepared.write_images(fv.out, found, fv.task, spec.labels,
                                            class_names=found.class_names,
-                                           num_shards=fv.num_shards, overwrite=fv.overwrite)
+                                           num_shards=fv.num_shards, overwrite=fv.overwrite,
+                                           progress=Progress("image", of="records"))
   except corpus.DataError as e:
     fail(str(e))
   print(f"wrote {console.count(len(manifest['shards']), 'shard')} of "

@@ -20,8 +20,10 @@ then renamed into place):
                                    and the index with its size and sha256.
 
 `write_images` writes the examples of a reader (tfpar.data.images.Examples) as
-they come: it holds one example, whatever the set's size, and the reader a
-chunk of decoded images. Why a PNG of the decoded pixels and not the source's
+they come, a chunk (tfpar.data.images.CHUNK) at a time: it holds one chunk of
+examples and their records, whatever the set's size. Each PNG field of a chunk
+is encoded by one call, its images in parallel on TensorFlow's threads; a PNG
+depends on its own pixels only, so the bytes do not depend on the chunking. Why a PNG of the decoded pixels and not the source's
 PNG/JPEG bytes: PNG is lossless, so a decoded record is the in-memory set's
 image bit for bit, and training decodes the size it trains on (no resize at
 read time); the pixels are decoded once, at prepare. Why an index and not
@@ -40,22 +42,25 @@ line naming the fix.
 """
 
 import dataclasses
+import functools
 import hashlib
+import itertools
 import json
 import os
 import struct
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, Iterator, Optional, Tuple
 
 import numpy as np
 
 from tfpar import storage
-from tfpar.data import prepare, prepared
+from tfpar.data import images, prepare, prepared
 from tfpar.data.corpus import DataError
 
 FORMAT = "tfpar.prepared-images/2"
 DECODED = "tfpar.prepared-images/1"  # The older format: fixed-size records of decoded pixels.
 INDEX = "index.bin"
 MAX_MASK_ID = 65535  # A mask is stored as a 16-bit PNG.
+PARALLEL_PNGS = 16  # PNGs of a chunk encoded at once (tf.map_fn parallel_iterations).
 
 
 def shard_name(i: int, n: int) -> str:
@@ -83,17 +88,41 @@ def _fields(size: Tuple[int, ...], labels, rows: int) -> Tuple[Field, ...]:
   return tuple(kinds[name] for name in ("image", *labels))
 
 
-def _encode(field: Field, value, tf) -> bytes:
-  """A field's bytes in a record (module docstring)."""
-  if field.encoding == "png":
-    value = np.asarray(value)
-    if field.dtype != "|u1":
-      if value.min(initial=0) < 0 or value.max(initial=0) > MAX_MASK_ID:
-        raise DataError(f"a mask holds class id {int(value.max())}, past the {MAX_MASK_ID} a "
-                        "prepared set stores: train on it in memory (--data as it is)")
-      value = value.astype(np.uint16)
-    return tf.io.encode_png(value.reshape(*value.shape[:2], -1)).numpy()
-  return np.ascontiguousarray(value, field.dtype).tobytes()
+def _png_value(field: Field, value) -> np.ndarray:
+  """A PNG field's pixels as encode_png takes them: [h, w, channels], uint8 or uint16."""
+  value = np.asarray(value)
+  if field.dtype != "|u1":
+    if value.min(initial=0) < 0 or value.max(initial=0) > MAX_MASK_ID:
+      raise DataError(f"a mask holds class id {int(value.max())}, past the {MAX_MASK_ID} a "
+                      "prepared set stores: train on it in memory (--data as it is)")
+    value = value.astype(np.uint16)
+  return value.reshape(*value.shape[:2], -1)
+
+
+@functools.lru_cache(maxsize=None)
+def _png_encoder(shape: Tuple[int, ...], dtype: str):
+  """A tf.function: pixels [n, *shape] of `dtype` -> their n PNGs, encoded by tf.map_fn's
+  parallel iterations (TensorFlow's inter-op threads, outside the GIL). Traced once per
+  field and called for every chunk, as tfpar.data.images decodes."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  return tf.function(lambda pixels: tf.map_fn(tf.io.encode_png, pixels,
+                                              fn_output_signature=tf.string,
+                                              parallel_iterations=PARALLEL_PNGS),
+                     input_signature=[tf.TensorSpec([None, *shape], tf.as_dtype(dtype))])
+
+
+def _records(fields: Tuple[Field, ...], chunk: list) -> list:
+  """The records of a chunk of examples (module docstring), each PNG field of the chunk
+  encoded in one call. A PNG does not depend on its neighbours: the bytes are those of
+  encoding each image alone."""
+  columns = []
+  for f in fields:
+    if f.encoding == "png":
+      pixels = np.stack([_png_value(f, example[f.name]) for example in chunk])
+      columns.append(_png_encoder(pixels.shape[1:], pixels.dtype.name)(pixels).numpy())
+    else:
+      columns.append([np.ascontiguousarray(e[f.name], f.dtype).tobytes() for e in chunk])
+  return [b"".join(struct.pack("<I", len(p)) + p for p in parts) for parts in zip(*columns)]
 
 
 class _Shards:
@@ -136,11 +165,23 @@ class _Shards:
       f.close()
 
 
+def _chunks(examples: Iterable[dict]) -> Iterator[list]:
+  """`examples` in lists of images.CHUNK, as the readers decode them."""
+  examples = iter(examples)
+  while True:
+    chunk = list(itertools.islice(examples, images.CHUNK))
+    if not chunk:
+      return
+    yield chunk
+
+
 def write_images(out: str, examples: Iterable[dict], task: str, labels, *, class_names=(),
-                 num_shards: int = 2, overwrite: bool = False) -> dict:
+                 num_shards: int = 2, overwrite: bool = False,
+                 progress: Optional[prepare.Progress] = None) -> dict:
   """Writes `examples` (dicts of `image` and the label fields `labels`, its spec's:
-  tfpar.tasks.specs) as a prepared image set of `task` at `out`, one at a time as they
-  come; returns its manifest. A DataError from the reader leaves `out` as it was."""
+  tfpar.tasks.specs) as a prepared image set of `task` at `out`, a chunk at a time as they
+  come; returns its manifest. A DataError from the reader leaves `out` as it was.
+  `progress`, if given, is told each chunk's images and record bytes."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   tmp = prepare._begin(out, overwrite)  # pylint: disable=protected-access
   shards = _Shards(tmp, num_shards)
@@ -148,24 +189,29 @@ def write_images(out: str, examples: Iterable[dict], task: str, labels, *, class
     tf.io.gfile.rmtree(os.path.join(tmp, "parts"))
     fields, n, rows, largest = None, 0, 1, -1
     with tf.io.gfile.GFile(os.path.join(tmp, INDEX), "wb") as index:
-      for example in examples:
-        if fields is None:
-          if tuple(k for k in example if k != "image") != tuple(labels):
-            raise DataError(f"a {task} set has {', '.join(labels)} labels, not "
-                            f"{', '.join(k for k in example if k != 'image')}")
-          fields = _fields(example["image"].shape, labels, rows)
-        if example["image"].shape != fields[0].shape:
-          raise DataError(f"example {n} is an image of {example['image'].shape}, not "
-                          f"{fields[0].shape} as the first: decode all at one size")
-        parts = [_encode(f, example[f.name], tf) for f in fields]
-        record = b"".join(struct.pack("<I", len(p)) + p for p in parts)
-        index.write(np.array([shards.write(n, record), len(record)], "<u8").tobytes())
-        n += 1
-        if "boxes" in example:
-          rows = max(rows, len(example["boxes"]))
-        for name in ("label", "classes", "mask"):
-          if name in example:
-            largest = max(largest, int(np.max(example[name], initial=-1)))
+      for chunk in _chunks(examples):
+        for example in chunk:
+          if fields is None:
+            if tuple(k for k in example if k != "image") != tuple(labels):
+              raise DataError(f"a {task} set has {', '.join(labels)} labels, not "
+                              f"{', '.join(k for k in example if k != 'image')}")
+            fields = _fields(example["image"].shape, labels, rows)
+          if example["image"].shape != fields[0].shape:
+            raise DataError(f"example {n} is an image of {example['image'].shape}, not "
+                            f"{fields[0].shape} as the first: decode all at one size")
+          n += 1
+          if "boxes" in example:
+            rows = max(rows, len(example["boxes"]))
+          for name in ("label", "classes", "mask"):
+            if name in example:
+              largest = max(largest, int(np.max(example[name], initial=-1)))
+        records = _records(fields, chunk)
+        for i, record in enumerate(records, n - len(records)):
+          index.write(np.array([shards.write(i, record), len(record)], "<u8").tobytes())
+        if progress:
+          progress.add(sum(map(len, records)), len(records))
+    if progress:
+      progress.show()
     if fields is None:
       raise DataError(f"--data holds no {task} examples: bring some images")
     fields = _fields(fields[0].shape, labels, rows)
