@@ -567,15 +567,19 @@ PREPARE_OUTS = ["/proc/prep", "/proc/1/prep", "{root}/a_file", "{root}/a_file/pr
 @given(values=st.dictionaries(st.sampled_from(["num_shards", "workers"]), some_ints, max_size=2),
        out=st.sampled_from(PREPARE_OUTS),
        data=st.sampled_from([None, "{root}/texts", "{root}/\udcfe*.txt"]),
-       spec=st.sampled_from(["bytes", "sentencepiece:{root}/\udcff.model"]))
-def test_data_prepare_flags_are_refused_in_one_line_or_make_sense(values, out, data, spec, files):
+       spec=st.sampled_from(["bytes", "sentencepiece:{root}/\udcff.model"]),
+       task=st.sampled_from(["lm", "classify"]))
+def test_data_prepare_flags_are_refused_in_one_line_or_make_sense(values, out, data, spec, task,
+                                                                   files):
   """tfpar.data prepare's checks (all made before the tokenizer or any text is read): exit 2
-  and one line, nothing written, or counts it can use and an --out where a directory can go."""
+  and one line, nothing written, or counts it can use and an --out where a directory can go
+  (--workers > 1 for text only: image prepare runs in one process)."""
   from tfpar.cli import data as data_cli  # pylint: disable=import-outside-toplevel
   from tfpar.data import corpus  # pylint: disable=import-outside-toplevel
   fv = data_cli.define_prepare_flags()
   argv = ["data", "prepare", f"--out={out.format(root=files)}",
-          f"--tokenizer={spec.format(root=files)}"] + [f"--{k}={v}" for k, v in values.items()]
+          f"--tokenizer={spec.format(root=files)}", f"--task={task}"]
+  argv += [f"--{k}={v}" for k, v in values.items()]
   argv += [f"--data={data.format(root=files)}"] if data else []
   try:
     fv(argv)
@@ -589,6 +593,7 @@ def test_data_prepare_flags_are_refused_in_one_line_or_make_sense(values, out, d
     refused_by_the_cli(data_cli.main, argv, "tfpar.data", files)
     return
   assert 1 <= fv.num_shards < 2 ** 31 and 1 <= fv.workers <= data_cli.MAX_WORKERS
+  assert fv.workers == 1 or fv.task == "lm"
   assert not os.path.isfile(fv.out)
   assert_can_be_made(os.path.abspath(fv.out))
   for value in (fv.out, fv.data or "", fv.tokenizer):
