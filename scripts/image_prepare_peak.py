@@ -1,6 +1,6 @@
 """Peak resident memory of `python -m tfpar.data prepare --task=classify` as the image set grows.
 
-    nice -n 10 python scripts/image_prepare_peak.py --examples=1000 --size=96
+    nice -n 19 python scripts/image_prepare_peak.py --examples=1000 --size=96
 
 Writes a class folder of --examples PNGs of seeded noise (--size square, RGB: noise does not
 compress, so each file is about as big as its pixels) and links its files 4 times into a
@@ -11,7 +11,8 @@ rises, so what the 4x run adds to the second small run's peak is what preparing 
 images costs in memory: prepare holds a chunk of images (tfpar.data.images.CHUNK) and one
 record, so it should add little, where holding the set would add at least the 4x set's
 decoded pixels less the small set's. Also prints the 4x run's rate (images a second, from
-its start to its manifest). tests/test_prepared.py runs it at 300 images of 96 pixels.
+its start to its manifest) and CPU time an image (user and system, all threads: less
+dependent on other load on the machine than the rate). tests/test_prepared.py runs it at 300 images of 96 pixels.
 """
 
 import argparse
@@ -52,18 +53,19 @@ def peak() -> int:
 def measure(root: str, examples: int, size: int) -> dict:
   """{run: peak RSS in bytes after it} for prepare on the small set, again, and the 4x set,
   written to root/{small,again,big}_set; 'pixels': the 4x set's decoded bytes; 'rate': the
-  4x run's images a second."""
+  4x run's images a second; 'cpu_ms': its CPU time (user and system, all threads) an image."""
   small, big = noise_folder(root, examples, size)
   sys.path.insert(0, REPO)
   from tfpar.cli import data  # pylint: disable=import-outside-toplevel
   peaks = {}
   for name, folder in (("small", small), ("again", small), ("big", big)):
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), os.times()
     data.main(["tfpar.data", "prepare", "--task=classify", f"--data={folder}",
                f"--out={os.path.join(root, name + '_set')}", f"--image_size={size}",
                "--num_channels=3", "--num_classes=2", "--num_shards=2"])
     peaks[name] = peak()
   peaks["rate"] = 4 * examples / (time.perf_counter() - start)
+  peaks["cpu_ms"] = (sum(os.times()[:2]) - sum(cpu[:2])) / (4 * examples) * 1e3
   peaks["pixels"] = 4 * examples * size * size * 3
   return peaks
 
@@ -85,7 +87,7 @@ def main():
   print(f"peak RSS after prepare of {args.examples:,} images: {mib(peaks['small'])}; again: "
         f"{mib(peaks['again'])}; of {4 * args.examples:,}: {mib(peaks['big'])} "
         f"(+{mib(peaks['big'] - peaks['again'])}; their decoded pixels: {mib(peaks['pixels'])}), "
-        f"at {peaks['rate']:,.0f} images/s")
+        f"at {peaks['rate']:,.0f} images/s ({peaks['cpu_ms']:.2f} ms of CPU an image)")
 
 
 if __name__ == "__main__":
