@@ -372,8 +372,10 @@ def open_set(out, task, **sizes):
 
 def test_a_prepared_image_set_streams_the_batches_of_the_set_in_memory(tmp_path):
   """Labels, boxes and masks: the prepared set, held out and augmented as in memory, gives
-  the same batches; a damaged, mismatched or older (decoded pixels) set is one line; a
+  the same batches, and a record's image is the PNG of its pixels alone, whatever the chunk
+  it was encoded with; a damaged, mismatched or older (decoded pixels) set is one line; a
   reader that fails midway publishes nothing."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tfpar.data import digit_canvas, image_prepared, images  # pylint: disable=import-outside-toplevel
   from tfpar.tasks.classify import load_digits  # pylint: disable=import-outside-toplevel
   digits = load_digits().train
@@ -391,6 +393,11 @@ def test_a_prepared_image_set_streams_the_batches_of_the_set_in_memory(tmp_path)
     stream = open_set(out, task, image_size=size, channels=channels,
                       num_classes=10 if task != "segment" else 11)
     assert isinstance(stream, image_prepared.ImageStream) and len(stream) == len(data)
+    last = len(data) - 1  # In the last chunk (classify's is partial): a PNG of its pixels alone.
+    with open(stream.paths[last % len(stream.paths)], "rb") as f:
+      f.seek(int(stream.records[last, 0]))
+      size = int(np.frombuffer(f.read(4), "<u4")[0])
+      assert f.read(size) == tf.io.encode_png(data.images[last]).numpy(), task
     for want_set, got_set in zip(images.split(data, 0.25, 0), images.split(stream, 0.25, 0)):
       for (x, y), (u, v) in zip(image_batches(want_set), image_batches(got_set)):
         np.testing.assert_array_equal(x, u)
