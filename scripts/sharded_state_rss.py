@@ -49,7 +49,7 @@ def common(a, steps):
   return ["--dropout=0", "--seq_len=32", "--global_batch_size=8", "--steps_per_call=1", "--log_every=1",
           "--eval_every=0", "--eval_steps=0", "--learning_rate=1e-3", "--warmup_steps=1",
           f"--train_steps={steps}", f"--checkpoint_every={max(1, a.steps // 2)}",
-          "--keep_checkpoints=5", "--jit_compile=false"]
+          "--keep_checkpoints=5", "--jit_compile=false", f"--async_checkpoint={a.async_checkpoint}"]
 
 
 def free_ports(n):
@@ -117,6 +117,10 @@ def main(argv=None):
   parser.add_argument("--d_model", type=int, default=2048)
   parser.add_argument("--steps", type=int, default=2)
   parser.add_argument("--layout", choices=("pipeline", "zero3"), default="pipeline")
+  parser.add_argument("--async_checkpoint", choices=("true", "false"), default="true",
+                      help="false: each save is written before the next step (on a CPU a "
+                           "background write overlapping the update holds one more copy of the "
+                           "process's weights, m and v)")
   parser.add_argument("--out", default="")
   parser.add_argument("--work_dir", default="")
   a = parser.parse_args(argv)
@@ -125,7 +129,8 @@ def main(argv=None):
   d = {name: os.path.join(work, name) for name in
        ("tiny", "train", "resume", "one", "back", "one_tiny")}
   base, model = common(a, a.steps), model_flags(a)
-  report = {"model": model, "workers": WORKERS, "steps": a.steps, "layout": a.layout}
+  report = {"model": model, "workers": WORKERS, "steps": a.steps, "layout": a.layout,
+            "async_checkpoint": a.async_checkpoint}
   run = lambda flags, workers, log: run_job(flags, workers, log, a.layout)
   peaks = {}
   peaks["tiny"], _ = run(base + TINY + [f"--model_dir={d['tiny']}"], WORKERS, d["tiny"])

@@ -20,8 +20,8 @@ test (conftest.EARLY) and shared by every test here:
 
 Each of `two`, `k4`, `d2` and `four` is held to one device's loss per step at relative
 1e-5 and its gradient norm at 1e-4; their final weights and AdamW slots
-(zero2's gathered from its shards, k4's and d2's gathered from their 4
-workers) to one device's; the 2-worker run's step-2 checkpoint restores on one device
+(zero2's gathered from its shards, k4's and d2's written by their 4
+workers, each its own slices) to one device's; the 2-worker run's step-2 checkpoint restores on one device
 and trains on to the same losses. (The unsharded float32 sum of D=2 copies
 in one program: `bf16`'s uncompressed small tensors, and
 test_a_codec_sums_copies_in_one_program_as_replicas_do; the unsharded
@@ -286,7 +286,7 @@ def test_a_stage_worker_s_sigterm_saves_and_its_kill_9_restarts_the_whole_job(
   out = job.output
   assert code == 0, out[-4000:]
   # SIGTERM: both workers agree on the step after the chunk, both save and exit 75 (each worker
-  # runs its own program: tfpar.engines.stage_worker; the chief writes the gathered checkpoint).
+  # runs its own program: tfpar.engines.stage_worker, and writes its own stage's slices).
   saved = re.search(r"^\[worker 0\] tfpar: preempted \(SIGTERM\), saved .*ckpt-(\d+) at step "
                     r"(\d+); the next start resumes at step (\d+)$", out, re.M)
   assert saved, out[-4000:]

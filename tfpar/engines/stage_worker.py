@@ -33,11 +33,14 @@ global batch (the data position follows from the step); the first stage's
 worker feeds the inputs, the last the targets; a middle stage's worker reads
 no data. The chief logs, writes plan.json and checkpoints.
 
-Checkpoints stay canonical (tfpar.training.checkpoint): this process's layout
-holds every entry of the model at full shape; reading one gathers the whole
-state once per save (a SUM over the job's workers per entry: one holder of the
-entry contributes it, every other worker zeros), so the chief writes one checkpoint that restores under any plan; restoring assigns
-each worker the entries it holds.
+Checkpoints stay canonical (tfpar.training.checkpoint) and are written in
+slices: each worker writes the slices of the weights and AdamW slots it holds
+(copy 0's; the embedding by the first stage) into its own bundle and restores
+exactly the slices it holds, so no process holds another's state and a
+checkpoint restores under any plan. The chief adds the step and the dropout
+layers' RNG states (every worker holds each, the one running the layer
+advances it: the largest value over the job's workers, one small collective
+per state at each save).
 """
 
 from typing import Dict, List
@@ -56,7 +59,7 @@ from tfpar.parallel.pipeline import Pipeline
 from tfpar.parallel.stage_program import StageProgram
 from tfpar.parallel.zero import clip_factor
 from tfpar.training import initialise
-from tfpar.training.checkpoint import layout_slices, model_layout
+from tfpar.training.checkpoint import CanonicalCheckpointer, layout_slices, model_layout
 from tfpar.training.optimizer import inner_optimizer
 from tfpar.training.step import apply_or_skip
 
@@ -222,11 +225,35 @@ class StageWorkerEngine(Engine):
     return model_layout(self.model, self.optimizer)
 
   def _state_layout(self) -> Dict:
-    """Every canonical entry at full shape, as a view (`_Entry`) onto the gathered state."""
+    """Every canonical entry at full shape, as a view (`_Entry`) that assigns this worker's
+    part of a full value (--init_from); of the integer entries it also reads the job's value."""
     own = self._own_layout()
     self._entries["optimizer/iterations"] = ((), tf.int64)
     return {name: (None, [_Entry(self, name, shape, dtype, own.get(name))])
             for name, (shape, dtype) in self._entries.items()}
+
+  def checkpointer(self, directory: str, **kwargs) -> CanonicalCheckpointer:
+    """Each worker writes the slices it holds and contributes (`_contributes`: copy 0's, the
+    embedding by its first stage) and restores every slice it holds; no worker gathers a
+    weight or slot. The chief writes the step and the dropout RNG states (`gathered`: the
+    job's value of each, a collective every worker joins at each save)."""
+    own = self._own_layout()
+    mine = layout_slices(own)
+    floats = [p for p in mine if tf.as_dtype(p.variable.dtype).is_floating]
+    views = [p for p in layout_slices(self.layouts[0]) if p.name in self._rng_entries()]
+    step = [p for p in mine if p.name == "optimizer/iterations"]
+    is_chief = kwargs.get("is_chief", True)
+    return CanonicalCheckpointer(
+        self.layouts, directory, held=mine,
+        write=[p for p in floats if self._contributes(p.name, own)]
+        + (step + views if is_chief else []),
+        joined=[] if is_chief else views, writers=len(self.members), **kwargs)
+
+  def _rng_entries(self) -> List[str]:
+    """The integer entries other than the step (the dropout layers' RNG states), which each
+    worker holds but only the worker running the layer advances."""
+    return [name for name, (_, dtype) in self._entries.items()
+            if not dtype.is_floating and name != "optimizer/iterations"]
 
   def _contributes(self, name: str, own) -> bool:
     """Whether this worker's value of entry `name` is the one saved: copy 0's, and of the
@@ -241,30 +268,27 @@ class StageWorkerEngine(Engine):
     return base is not None and any(id(v) in ids for v in base[1])
 
   def gathered(self) -> Dict[str, np.ndarray]:
-    """The whole model's state at full shape, gathered from the replica's workers (one
-    collective per entry: every worker calls this at the same save)."""
+    """The job's value of each dropout RNG state (`_rng_entries`: one collective per entry,
+    every worker calls this at the same save)."""
     if self._gathered is None:
       self._gathered = {k: v.numpy() for k, v in self._gather().items()}
     return self._gathered
 
   @tf.function
   def _gather(self):
-    """Each float entry: the SUM of one holder's value (`_contributes`) and zeros from the
-    rest; each integer one (the step, dropout's RNG states): the largest value held."""
-    own, out = self._own_layout(), {}
+    """Each RNG state: the largest value held (the worker running the layer advanced it)."""
+    own, out, wanted = self._own_layout(), {}, set(self._rng_entries())
     with tf.device(self.device):
       for i, (name, (shape, dtype)) in enumerate(self._entries.items()):
-        if self._contributes(name, own) or (not dtype.is_floating and name in own):
+        if name not in wanted:
+          continue
+        if name in own:
           axis, shards = own[name]
           parts = [tf.convert_to_tensor(getattr(v, "value", v)) for v in shards]
           value = parts[0] if len(parts) == 1 else tf.concat(parts, axis)
         else:
-          value = tf.zeros(shape, dtype) if dtype.is_floating else tf.fill(shape, dtype.min)
-        key = self.keys.extra(4 + i)
-        if dtype.is_floating:  # One worker's value, zeros from the rest.
-          out[name] = self.groups.sum(value, self.members, key)
-        else:
-          out[name] = self.groups.max(value, self.members, key)
+          value = tf.fill(shape, dtype.min)
+        out[name] = self.groups.max(value, self.members, self.keys.extra(4 + i))
     return out
 
   def measured_bytes(self) -> dict:
@@ -294,15 +318,15 @@ def _compute_dtype():
 
 
 class _Entry:
-  """One canonical checkpoint entry at full shape: read from the gathered state, assigned to
-  this worker's variable (if it holds it)."""
+  """One canonical entry at full shape: assigned to this worker's variable (if it holds it);
+  an RNG state's is read from the job's (`StageWorkerEngine.gathered`)."""
 
   def __init__(self, engine: StageWorkerEngine, name: str, shape, dtype, own):
     self.engine, self.name, self.shape, self.dtype, self.own = engine, name, tuple(shape), dtype, own
 
   @property
   def value(self):
-    return self.engine.gathered()[self.name]
+    return self.engine.gathered()[self.name]  # The RNG states only (`_rng_entries`).
 
   def assign(self, value) -> None:
     self.engine._gathered = None  # pylint: disable=protected-access

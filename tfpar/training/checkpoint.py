@@ -342,6 +342,9 @@ class CanonicalCheckpointer:
     write: the Slices this process writes (default: copy 0's on the chief,
       none elsewhere: data-parallel replicas hold copies of the chief's state).
     writers: how many processes write parts (the chief waits for each).
+    joined: Slices this process reads at each save without writing them (views whose
+      reading runs collectives that every worker joins, as the writer's reading does);
+      default: copy 0's on a process that writes none of it (`write` not given).
     background: write in a background thread (`save` returns once the slices
       are copied; `wait` joins).
     log: called with "saved <path>" once the chief has published a checkpoint.
@@ -350,7 +353,7 @@ class CanonicalCheckpointer:
   def __init__(self, layouts: Sequence[Layout], directory: str, *, keep: int = 3,
                is_chief: bool = True, worker_index: int = 0, held: Optional[List[Slice]] = None,
                write: Optional[List[Slice]] = None, writers: int = 1, background: bool = False,
-               log=None):
+               log=None, joined: Optional[List[Slice]] = None):
     self.layouts = list(layouts)
     self.directory = _absolute(directory)
     self.keep = keep
@@ -363,8 +366,9 @@ class CanonicalCheckpointer:
         p for layout in self.layouts for p in layout_slices(layout)]
     # Copy 0's state may be a view that gathers shards (ZeRO) with collectives, which every
     # worker must run in the same order: a worker that writes none of it still reads it.
-    self.read_only_slices = layout_slices(self.layouts[0]) if write is None and not is_chief \
-        else []
+    if joined is None:
+      joined = layout_slices(self.layouts[0]) if write is None and not is_chief else []
+    self.read_only_slices = joined
     if write is None:
       write = layout_slices(self.layouts[0]) if is_chief else []
     self.written_slices = write
