@@ -206,8 +206,10 @@ def answer(fv):
 def main(argv):
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}: flags are written --name=value")
-  # Looking up the task's model family imports its module, and so TensorFlow: quietly, first.
-  console.import_tensorflow_quietly(FLAGS.verbosity if FLAGS["verbosity"].present else None)
+  # Planning is pure Python. A YAML --cluster and --emit_flags go through tf.io.gfile (gs://
+  # works too), so only then is TensorFlow imported: quietly, first.
+  if FLAGS.emit_flags or clusters.is_file(FLAGS.cluster or ""):
+    console.import_tensorflow_quietly(FLAGS.verbosity if FLAGS["verbosity"].present else None)
   try:
     m, cluster, system, ranked = answer(FLAGS)
   except (ConfigError, clusters.ClusterError, PlanError) as e:

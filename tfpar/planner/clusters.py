@@ -137,13 +137,18 @@ REQUIRED = ("devices", "memory_bytes", "memory_bandwidth", "peak_flops", "device
             "intra_latency", "inter_bandwidth", "inter_latency")
 
 
+def is_file(spec: str) -> bool:
+  """Does --cluster name a YAML file (read through tf.io.gfile) rather than NAME:N?"""
+  return spec.endswith((".yaml", ".yml")) or os.path.sep in spec
+
+
 def parse(spec: str) -> Cluster:
   """`NAME:N` (a built-in type) or a YAML file path -> Cluster.
 
   Raises:
     ClusterError: one line naming what is wrong and how to fix it.
   """
-  if spec.endswith((".yaml", ".yml")) or os.path.sep in spec:
+  if is_file(spec):
     return from_yaml(spec)
   name, _, count = spec.partition(":")
   if name not in BUILT_IN:
