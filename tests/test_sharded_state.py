@@ -83,6 +83,11 @@ def test_tensor_parallel_checkpoint_stores_slices_and_reads_whole(tmp_path):
   from tfpar.training.checkpoint import (  # pylint: disable=import-outside-toplevel
       CanonicalCheckpointer, _checkpoint_key)
   engine = build(PLANS["tensor_2"], tmp_path / "t2")
+  # A worker the chief waits for no part from (a replica of the chief's state) touches nothing:
+  # a ckpt-N.tmp/ it made could outlive the chief's publish, or vanish under its own write.
+  assert CanonicalCheckpointer(engine.layouts, str(tmp_path / "ckpt"), is_chief=False,
+                               worker_index=1, writers=1).save(3) is None
+  assert not tf.io.gfile.exists(str(tmp_path / "ckpt"))
   written = CanonicalCheckpointer(engine.layouts, str(tmp_path / "ckpt")).save(3)
   assert not tf.io.gfile.glob(str(tmp_path / "ckpt" / "*.tmp"))
   reader = tf.train.load_checkpoint(written)

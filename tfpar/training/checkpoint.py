@@ -400,6 +400,8 @@ class CanonicalCheckpointer:
     for p in self.read_only_slices:  # The same collectives as the chief's copy (see __init__).
       tf.convert_to_tensor(_tf_var(p.variable))
     groups = self._snapshot(step)
+    if self.worker_index >= self.writers:
+      return None  # The chief waits for parts w0..w{writers-1} only: none from this process.
     if not self.background:
       self._finish(step, groups)
     else:
