@@ -67,16 +67,20 @@ class Groups:
 
   def send(self, tensor: tf.Tensor, me: int, peer: int, instance: int) -> tf.Operation:
     """Sends `tensor` to worker `peer` (who calls `recv` with the same `instance`)."""
+    if tensor.dtype == tf.bfloat16:  # Not a type the op takes: its 16 bits as float16's.
+      tensor = tf.bitcast(tensor, tf.float16)
     return tf.raw_ops.CollectiveBcastSendV2(
         input=tensor, group_size=2, group_key=self.key((me, peer)), instance_key=instance,
         communication_hint=self.hint, timeout_seconds=self.timeout)
 
   def recv(self, shape, dtype, me: int, peer: int, instance: int) -> tf.Tensor:
     """What worker `peer` sends with the same `instance` (its shape and dtype known here)."""
-    return tf.raw_ops.CollectiveBcastRecvV2(
+    wire = tf.float16 if dtype == tf.bfloat16 else dtype
+    out = tf.raw_ops.CollectiveBcastRecvV2(
         group_size=2, group_key=self.key((me, peer)), instance_key=instance,
-        shape=tf.constant(list(shape), tf.int32), T=dtype, communication_hint=self.hint,
+        shape=tf.constant(list(shape), tf.int32), T=wire, communication_hint=self.hint,
         timeout_seconds=self.timeout)
+    return tf.bitcast(out, dtype) if wire != dtype else out
 
   def sum(self, tensor: tf.Tensor, members: Sequence[int], instance: int) -> tf.Tensor:
     """The SUM of `tensor` over the workers `members` (every one of them calls it)."""
@@ -98,13 +102,19 @@ class Groups:
         timeout_seconds=self.timeout)
 
   def _reduce(self, tensor, members, instance, merge_op):
+    """A bfloat16 tensor (not a type the op takes) is reduced in float32 and rounded back:
+    of two members, the bfloat16 sum itself."""
     members = sorted(set(members))
     if len(members) == 1:
       return tf.identity(tensor)
-    return tf.raw_ops.CollectiveReduceV2(
+    dtype = tensor.dtype
+    if dtype == tf.bfloat16:
+      tensor = tf.cast(tensor, tf.float32)
+    out = tf.raw_ops.CollectiveReduceV2(
         input=tensor, group_size=len(members), group_key=self.key(members),
         instance_key=instance, ordering_token=[], merge_op=merge_op, final_op="Id",
         communication_hint=self.hint, timeout_seconds=self.timeout)
+    return tf.cast(out, dtype) if dtype != out.dtype else out
 
 
 class Keys:
