@@ -405,8 +405,8 @@ def _validate_parallel(cfg: Config) -> None:
 def stages_across_workers(cfg: Config, devices_per_worker: int) -> bool:
   """Whether a replica spans workers: multi-worker, K x T more than a worker's G devices.
 
-  Then the chief runs every stage and the other workers serve theirs
-  (tfpar.parallel.remote); tfpar.launch ends them when the chief is done.
+  Then each worker runs its own stages (`one_program_per_worker`), or the chief runs
+  every stage and the other workers serve theirs (tfpar.parallel.remote).
   """
   p = cfg.parallel
   return (cfg.dist.strategy == "multi_worker_mirrored" and p.model_parallel and

@@ -19,14 +19,21 @@ The step on worker w, in the plan's schedule (GPipe, 1F1B, interleaved):
      stage's worker holds a copy of the embedding too (as Megatron-LM does),
      and the two copies' gradients are summed between the first and the last
      stage's workers: both then apply the same update and stay equal;
-  3. D > 1: one SUM of all its gradients (one vector) with the same stage's
-     workers of the other copies;
+  3. D > 1: the sum of its gradients with the same stage's workers of the
+     other copies, through the run's gradient exchange (plain float32, or a
+     codec of tfpar.parallel.compression), whose sums are collectives among
+     those workers (p2p.Among);
   4. one SUM over every worker of the job of [its copy's last stage's loss
      share, its squared gradient norm] (counted by copy 0 only, the shared
      embedding once): the step's loss and gradient norm, the numbers one
      device computes, so every worker clips by the same factor and skips
      (--on_nonfinite=skip) alike;
-  5. its AdamW update of its own weights.
+  5. its AdamW update of its own weights; under --optimizer_sharding=zero1/2
+     (tfpar.parallel.zero.PlanZero over its own weights, sharded over the
+     stage's D copies) steps 3 and 5 are instead: zero1 sums the gradient
+     through the exchange, zero2 chunk by chunk keeping its own shard
+     (zero.reduce_scatter), each copy updates its shard of m, v and the
+     weights, and one all-gather among the copies brings back every copy's.
 
 Input: copy d's first and last stages' workers iterate slice d of D of every
 global batch (the data position follows from the step); the first stage's
@@ -37,7 +44,10 @@ Checkpoints stay canonical (tfpar.training.checkpoint) and are written in
 slices: each worker writes the slices of the weights and AdamW slots it holds
 (copy 0's; the embedding by the first stage) into its own bundle and restores
 exactly the slices it holds, so no process holds another's state and a
-checkpoint restores under any plan. The chief adds the step and the dropout
+checkpoint restores under any plan. ZeRO's m and v are gathered at full shape
+among the stage's copies at a save and written by copy 0, and restored whole
+into each copy's shard; PowerSGD's residuals and Q are slices of the canonical
+flat entries (tfpar.parallel.exchange_state). The chief adds the step and the dropout
 layers' RNG states (every worker holds each, the one running the layer
 advances it: the largest value over the job's workers, one small collective
 per state at each save).
@@ -72,7 +82,7 @@ COPY_KEYS, COMPRESSED_KEYS, SLOT_KEYS = 1 << 16, 1 << 17, 3 << 16
 
 
 class StageWorkerEngine(Engine):
-  """This worker's stages of a D=1 plan whose stages are on different workers (module docstring).
+  """This worker's stages of a plan whose stages are on different workers (module docstring).
 
   Args:
     cfg: the run's config.

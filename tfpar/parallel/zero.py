@@ -44,8 +44,8 @@ writes each shard's part, so any sharding restores any other's checkpoint.
 Model-parallel plans (`PlanZero`): each device position (k, t) of a plan row
 is a ZeroUpdate of its own over the weights it holds, sharded over the D peers
 (d, k, t); the global norm stays that of the whole gradient. With pipeline
-stages on different workers every copy runs in one program without replica
-context, and the same code sums, scatters and gathers by placement instead of
+stages on different workers in the chief's one program (tfpar.parallel.remote)
+every copy runs there without replica context, and the same code sums, scatters and gathers by placement instead of
 collectives (`PlanZero.apply`, `reduce_scatter`); all D shards are then local,
 so a save concatenates them.
 
@@ -415,7 +415,9 @@ class PlanZero:
   positions (the number one device computes, which clips and skips), each position's
   shard updated on its device (one XLA program per position and copy under jit_compile),
   and every copy's new shards brought back into each copy's weights. The weights stay
-  replicated: only m and v are split.
+  replicated: only m and v are split. (A stage worker, tfpar.engines.stage_worker, holds
+  one copy of its stage's weights, sums through `reduce_scatter(ops=...)` and the
+  exchange among the stage's copies, and gathers with `gather`.)
 
   Two ways to run it, one code path: in copy d's replica function (the D copies are the
   replicas in sync: MirroredStrategy over the anchors, or one copy per worker), the sums
