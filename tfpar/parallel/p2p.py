@@ -102,13 +102,14 @@ class Groups:
         timeout_seconds=self.timeout)
 
   def _reduce(self, tensor, members, instance, merge_op):
-    """A bfloat16 tensor (not a type the op takes) is reduced in float32 and rounded back:
-    of two members, the bfloat16 sum itself."""
+    """A bfloat16 or float16 tensor is reduced in float32 and rounded back (of two members,
+    the narrow sum itself): the op takes no bfloat16, and a float16 sum among a stage's
+    copies on CPUs did not complete."""
     members = sorted(set(members))
     if len(members) == 1:
       return tf.identity(tensor)
     dtype = tensor.dtype
-    if dtype == tf.bfloat16:
+    if dtype in (tf.bfloat16, tf.float16):
       tensor = tf.cast(tensor, tf.float32)
     out = tf.raw_ops.CollectiveReduceV2(
         input=tensor, group_size=len(members), group_key=self.key(members),
