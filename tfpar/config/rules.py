@@ -405,8 +405,8 @@ def _validate_parallel(cfg: Config) -> None:
 def stages_across_workers(cfg: Config, devices_per_worker: int) -> bool:
   """Whether a replica spans workers: multi-worker, K x T more than a worker's G devices.
 
-  Then the chief runs every stage and the other workers serve theirs
-  (tfpar.parallel.remote); tfpar.launch ends them when the chief is done.
+  Then each worker runs its own stages (`one_program_per_worker`), or the chief runs
+  every stage and the other workers serve theirs (tfpar.parallel.remote).
   """
   p = cfg.parallel
   return (cfg.dist.strategy == "multi_worker_mirrored" and p.model_parallel and
@@ -416,14 +416,11 @@ def stages_across_workers(cfg: Config, devices_per_worker: int) -> bool:
 def one_program_per_worker(cfg: Config, num_workers: int, devices_per_worker: int) -> bool:
   """Whether a plan whose replica spans workers runs as one program per worker
   (tfpar.engines.stage_worker) rather than from the chief's program over every worker
-  (tfpar.parallel.remote, whose other workers only serve): so far plans of a language
-  model (whose eval output is its loss) with the plain float32 sum between copies (D=1,
-  or no --grad_compression or --optimizer_sharding)."""
-  if not stages_across_workers(cfg, devices_per_worker):
-    return False
-  d, _ = worker_layout(cfg.parallel, num_workers, devices_per_worker, cfg.compression.method)
-  plain = cfg.compression.method == "none" and cfg.parallel.optimizer_sharding == "none"
-  return (d == 1 or plain) and tasks.spec(cfg.model.task).eval_is_loss
+  (tfpar.parallel.remote, whose other workers only serve): every plan of a task whose eval
+  output is its loss (a language model), whatever its --optimizer_sharding (zero1, zero2)
+  and --grad_compression; a task that evaluates more runs from the chief's program."""
+  return (stages_across_workers(cfg, devices_per_worker) and
+          tasks.spec(cfg.model.task).eval_is_loss)
 
 
 def stage_servers(cfg: Config, num_workers: int, devices_per_worker: int) -> bool:

@@ -26,8 +26,10 @@ holding its K x T devices), nothing at all for D=1. Each replica function
      all-reduces per round (device (d, k, t) with its peers (d', k, t)), not
      one per weight. PowerSGD works per weight matrix before that packing
      (its P and Q are what gets packed), with its state beside each weight.
-     It RETURNS the reduced gradients. (Stages across workers: no replica
-     context; the exchange's `reduce_copies` sums all D copies in one program.)
+     It RETURNS the reduced gradients. (Stages across workers for a task whose
+     eval outputs are more than its loss, tfpar.parallel.remote: no replica
+     context; the exchange's `reduce_copies` sums all D copies in one program.
+     Every other plan across workers runs tfpar.engines.stage_worker.)
 
 Then, in cross-replica context and outside any strategy scope, each copy's
 optimizer applies its reduced gradients to its own variables

@@ -19,14 +19,21 @@ The step on worker w, in the plan's schedule (GPipe, 1F1B, interleaved):
      stage's worker holds a copy of the embedding too (as Megatron-LM does),
      and the two copies' gradients are summed between the first and the last
      stage's workers: both then apply the same update and stay equal;
-  3. D > 1: one SUM of all its gradients (one vector) with the same stage's
-     workers of the other copies;
+  3. D > 1: the sum of its gradients with the same stage's workers of the
+     other copies, through the run's gradient exchange (plain float32, or a
+     codec of tfpar.parallel.compression), whose sums are collectives among
+     those workers (p2p.Among);
   4. one SUM over every worker of the job of [its copy's last stage's loss
      share, its squared gradient norm] (counted by copy 0 only, the shared
      embedding once): the step's loss and gradient norm, the numbers one
      device computes, so every worker clips by the same factor and skips
      (--on_nonfinite=skip) alike;
-  5. its AdamW update of its own weights.
+  5. its AdamW update of its own weights; under --optimizer_sharding=zero1/2
+     (tfpar.parallel.zero.PlanZero over its own weights, sharded over the
+     stage's D copies) steps 3 and 5 are instead: zero1 sums the gradient
+     through the exchange, zero2 chunk by chunk keeping its own shard
+     (zero.reduce_scatter), each copy updates its shard of m, v and the
+     weights, and one all-gather among the copies brings back every copy's.
 
 Input: copy d's first and last stages' workers iterate slice d of D of every
 global batch (the data position follows from the step); the first stage's
@@ -37,7 +44,10 @@ Checkpoints stay canonical (tfpar.training.checkpoint) and are written in
 slices: each worker writes the slices of the weights and AdamW slots it holds
 (copy 0's; the embedding by the first stage) into its own bundle and restores
 exactly the slices it holds, so no process holds another's state and a
-checkpoint restores under any plan. The chief adds the step and the dropout
+checkpoint restores under any plan. ZeRO's m and v are gathered at full shape
+among the stage's copies at a save and written by copy 0, and restored whole
+into each copy's shard; PowerSGD's residuals and Q are slices of the canonical
+flat entries (tfpar.parallel.exchange_state). The chief adds the step and the dropout
 layers' RNG states (every worker holds each, the one running the layer
 advances it: the largest value over the job's workers, one small collective
 per state at each save).
@@ -54,18 +64,25 @@ from tfpar.data import pipeline
 from tfpar.engines.base import Engine, build_model
 from tfpar.engines.model_parallel import _worker_devices, _worker_index, measured_bytes
 from tfpar.layout import placement as plan_lib
-from tfpar.parallel import p2p, schedules, tensor, zero3
+from tfpar.parallel import collectives, p2p, schedules, tensor, zero, zero3
+from tfpar.parallel.compression import initial_q, make_exchange
 from tfpar.parallel.pipeline import Pipeline
 from tfpar.parallel.stage_program import StageProgram
 from tfpar.parallel.zero import clip_factor
 from tfpar.training import initialise
-from tfpar.training.checkpoint import CanonicalCheckpointer, layout_slices, model_layout
+from tfpar.parallel.traffic import matrix_shape
+from tfpar.training.checkpoint import CanonicalCheckpointer, Slice, layout_slices, model_layout
 from tfpar.training.optimizer import inner_optimizer
 from tfpar.training.step import apply_or_skip
 
 
+# Instance keys (p2p.Keys.extra) of the collectives among a stage's copies: a step's, a
+# compressed step's (its own trace, other shapes), and ZeRO's slot gathers at a save.
+COPY_KEYS, COMPRESSED_KEYS, SLOT_KEYS = 1 << 16, 1 << 17, 3 << 16
+
+
 class StageWorkerEngine(Engine):
-  """This worker's stages of a D=1 plan whose stages are on different workers (module docstring).
+  """This worker's stages of a plan whose stages are on different workers (module docstring).
 
   Args:
     cfg: the run's config.
@@ -124,8 +141,13 @@ class StageWorkerEngine(Engine):
     # Counted once: by copy 0, the embedding by its first stage.
     self.counted = [i for i in range(len(self.variables))
                     if self.copy == 0 and (i not in self.shared or me == self.first)]
-    with tf.device(row[chunks[mine[0]][0]][0]):
-      self.optimizer = self.build_optimizer(self.variables)
+    self.device = row[chunks[mine[0]][0]][0]
+    sharding = cfg.parallel.optimizer_sharding
+    with tf.device(self.device):
+      self.optimizer = self.build_optimizer(self.variables, slots=sharding == "none")
+    self.shard = self.copies.index(me)  # Which 1/D of this stage's state ZeRO keeps here.
+    self.exchange = self._make_exchange() if len(self.copies) > 1 else None
+    self.zero = None if sharding == "none" else self._plan_zero(sharding)
     self.clip_norm = cfg.optim.clip_norm or None
     inner_optimizer(self.optimizer).global_clipnorm = None  # Clipped by the replica's norm here.
     self.pipeline = Pipeline(model, stage_blocks=[blocks for _, blocks in chunks],
@@ -137,7 +159,6 @@ class StageWorkerEngine(Engine):
     self.program = StageProgram(self.pipeline, chunk_workers, me, self.groups,
                                 (tuple(model.block_shape[1:]), _compute_dtype()))
     self.keys = self.program.keys
-    self.device = row[chunks[mine[0]][0]][0]
     self._initialise(initializers)
     self._gathered = None
     self.layouts = [self._state_layout()]
@@ -177,9 +198,73 @@ class StageWorkerEngine(Engine):
       entries.setdefault(name, (entries[name.split("@")[0]][0], tf.float32))
     self._entries = dict(sorted(entries.items()))
 
+  def _make_exchange(self):
+    """The gradient exchange among this stage's copies (a codec's state for this worker's
+    weights, PowerSGD's first Q each as the whole model's exchange draws it)."""
+    compression, first_q = self.cfg.compression, None
+    if compression.method == "powersgd":
+      # Where each of this worker's weights lies among the whole model's (the order the
+      # draws, the checkpoint's flat entries and every other plan follow).
+      template = zero3.build_template(lambda: build_model(
+          self.cfg, tensor_shards=self.plan.tensor_parallel, task=self.task, initialised=False))
+      shapes = [tuple(int(n) for n in v.shape) for v in template.trainable_variables]
+      where = {path: i for i, path in enumerate(_paths(template))}
+      self._in_model = [where[path] for path in _paths(self.model)]
+      q0 = initial_q(shapes, compression, self.cfg.train.seed)
+      first_q = {i: q0[g] for i, g in enumerate(self._in_model) if g in q0}
+      self._flat_offsets = _offsets(shapes, sorted(q0), compression.rank)
+    return make_exchange(compression, self.variables, num_replicas=len(self.copies),
+                         state_devices=[[v.value.device for v in self.variables]],
+                         seed=self.cfg.train.seed, first_q=first_q)
+
+  def _compression_slices(self) -> tuple:
+    """(the Slices held, those written) of PowerSGD's state: this worker's matrices' parts of
+    the canonical flat entries (tfpar.parallel.exchange_state), its residuals in its copy's
+    row. Each copy writes its residuals and copy 0 the Qs (the same in every copy); the tied
+    embedding's, the first stage."""
+    if self.exchange is None or self.exchange.method != "powersgd":
+      return [], []
+    (q_total, q_at), (e_total, e_at) = self._flat_offsets
+    held, written = [], []
+    for i in sorted(self.exchange.q[0]):
+      g = self._in_model[i]
+      n, m = int(np.prod(self.exchange.q[0][i].shape)), int(np.prod(self.exchange.error[0][i].shape))
+      q = Slice("compression/powersgd@q", (q_total,), (q_at[g],), (n,),
+                _Reshaped(self.exchange.q[0][i], (n,)))
+      e = Slice("compression/powersgd@error", (self.num_replicas, e_total),
+                (self.copy, e_at[g]), (1, m), _Reshaped(self.exchange.error[0][i], (1, m)))
+      held += [q, e]
+      if i not in self.shared or self.worker_index == self.first:
+        written += [q, e] if self.copy == 0 else [e]
+    return held, written
+
+  def _plan_zero(self, mode: str) -> zero.PlanZero:
+    """ZeRO among this stage's D copies (tfpar.parallel.zero.PlanZero's shards and AdamW on
+    a shard): one position per device, the tied embedding a position of its own (its
+    gradient is counted in the norm by the first stage only)."""
+    rest = [i for i in range(len(self.variables)) if i not in self.shared]
+    groups = list(collectives.by_device([self.variables[i].value.device for i in rest]).values())
+    groups = [[rest[j] for j in g] for g in groups] + ([list(self.shared)] if self.shared else [])
+    plan = zero.PlanZero([self.optimizer], [self.variables], mode=mode, shard_ids=[self.shard],
+                         num_replicas=len(self.copies), groups=groups, gather=self._gather_slot,
+                         jit_compile=self.cfg.train.jit_compile)
+    # Each shard's m and v: its own instance key among the copies at a save.
+    self._slot_keys = {id(getattr(s, name)): 2 * g + (name == "v")
+                       for g, u in enumerate(plan.updates) for s in u.shards for name in "mv"}
+    return plan
+
+  def _gather_slot(self, shard) -> tf.Tensor:
+    """A ZeRO slot's [D * S] from the shard held here and its copies' (at a save)."""
+    return self._gather_slot_fn(tf.convert_to_tensor(shard), SLOT_KEYS + self._slot_keys[id(shard)])
+
+  @tf.function
+  def _gather_slot_fn(self, shard, key: int):
+    with tf.device(self.device):
+      among = p2p.Among(self.groups, self.copies, self.keys.extra(key))
+      return among.all_gather([shard], self.shard)[0]
+
   # --- the step -----------------------------------------------------------------
   def _replica_step(self, inputs, targets, compressed):
-    del compressed  # D=1: no gradient exchange.
     loss, grads = self.program.loss_and_grads(inputs, targets, self.variables)
     me = self.worker_index
     with tf.device(self.device):
@@ -189,21 +274,77 @@ class StageWorkerEngine(Engine):
         parts = tf.split(summed, [self.variables[i].shape.num_elements() for i in self.shared])
         for i, part in zip(self.shared, parts):
           grads[i] = tf.reshape(part, self.variables[i].shape)
-      if len(self.copies) > 1:  # The data-parallel SUM among this stage's copies, one vector.
-        sizes = [v.shape.num_elements() for v in self.variables]
-        flat = tf.concat([tf.reshape(g, [-1]) for g in grads], 0)
-        parts = tf.split(self.groups.sum(flat, self.copies, self.keys.extra(3)), sizes)
-        grads = [tf.reshape(part, v.shape) for part, v in zip(parts, self.variables)]
-      squares = tf.add_n([tf.reduce_sum(tf.square(grads[i])) for i in self.counted]) \
-          if self.counted else tf.zeros([])
-      stats = self.groups.sum(tf.stack([tf.cast(loss, tf.float32), squares]), self.members,
-                              self.keys.extra(1))
-      loss, norm = stats[0], tf.sqrt(stats[1])
+      # Sums among this stage's copies: the exchange's (plain or a codec's) and ZeRO's.
+      among = p2p.Among(self.groups, self.copies,
+                        self.keys.extra(COMPRESSED_KEYS if compressed else COPY_KEYS),
+                        [v.value.device for v in self.variables])
+      if self.zero:
+        return self._zero_step(loss, grads, among, compressed)
+      if self.exchange is not None:
+        grads = self.exchange.reduce_among(grads, among, compressed)
+      loss, norm = self._loss_and_norm(loss, [grads[i] for i in self.counted])
       if self.clip_norm:
         factor = clip_factor(norm, self.clip_norm)
         grads = [g * factor for g in grads]
     apply_or_skip(self.optimizer, grads, self.variables, norm,
                   skip_nonfinite=self.cfg.train.on_nonfinite == "skip")
+    return loss, norm
+
+  def _loss_and_norm(self, loss, counted, squares=()):
+    """(the step's loss, the whole gradient's norm): one SUM over the job of this worker's
+    loss share and the squares of its `counted` gradients (and `squares`)."""
+    squares = [tf.reduce_sum(tf.square(g)) for g in counted] + list(squares)
+    stats = self.groups.sum(tf.stack([tf.cast(loss, tf.float32),
+                                      tf.add_n(squares) if squares else tf.zeros([])]),
+                            self.members, self.keys.extra(1))
+    return stats[0], tf.sqrt(stats[1])
+
+  def _zero_step(self, loss, grads, among, compressed):
+    """ZeRO-1/2 among this stage's copies: zero1 sums the gradient whole (through the
+    exchange, a codec's too), zero2 chunk by chunk keeping its own (zero.reduce_scatter);
+    each copy updates its shard of every position, then one all-gather brings every
+    copy's new shards into its weights."""
+    z, shard = self.zero, self.shard
+    devices = [zero.variable_device(self.variables[g[0]]) for g in z.groups]
+    layouts = [u.layout for u in z.updates]
+    step = tf.convert_to_tensor(self.optimizer.iterations)
+    counted = [g for g, group in enumerate(z.groups)
+               if self.copy == 0 and (self.worker_index == self.first or group != self.shared)]
+    if z.mode == "zero1":
+      summed = self.exchange.reduce_among(grads, among, compressed) if self.exchange else grads
+      loss, norm = self._loss_and_norm(loss, [summed[i] for i in self.counted])
+      mine = []
+      for layout, group, device in zip(layouts, z.groups, devices):
+        with tf.device(device):
+          mine.append(layout.slice([summed[i] for i in group], shard))
+    else:
+      mine, squares = [None] * len(z.groups), []
+      # Every copy makes the same calls (their collectives pair up by key): the tied
+      # embedding's position apart, as only some workers count its squares.
+      parts = [[g for g, group in enumerate(z.groups) if group != self.shared]]
+      parts += [[g for g, group in enumerate(z.groups) if group == self.shared]]
+      for part in (p for p in parts if p):
+        kept, part_norm = zero.reduce_scatter(
+            [layouts[g] for g in part], [[[grads[i] for i in z.groups[g]] for g in part]],
+            [shard], [[devices[g] for g in part]], ops=among)
+        for g, k in zip(part, kept[0]):
+          mine[g] = k
+        if set(part) <= set(counted):
+          squares.append(tf.square(part_norm))
+      if self.exchange is not None:
+        zero.count_scatter(self.exchange, layouts, compressed)
+      loss, norm = self._loss_and_norm(loss, [], squares)
+    skip = self.cfg.train.on_nonfinite == "skip"
+    new = []
+    for update, device, summed_shard in zip(z.updates, devices, mine):
+      with tf.device(device):
+        new.append(update.update_shard(0, summed_shard, norm, step, skip))
+    for update, group, device, flat in zip(z.updates, z.groups, devices,
+                                           among.all_gather(new, shard)):
+      with tf.device(device):
+        for i, value in zip(group, update.layout.unflatten(flat)):
+          self.variables[i].assign(value)
+    self.optimizer.iterations.assign_add(1)
     return loss, norm
 
   def _eval_batch(self, iterator):
@@ -222,7 +363,8 @@ class StageWorkerEngine(Engine):
 
   # --- state --------------------------------------------------------------------
   def _own_layout(self) -> Dict:
-    return model_layout(self.model, self.optimizer)
+    return model_layout(self.model, self.optimizer,
+                        self.zero.checkpoint_slots if self.zero else None)
 
   def _state_layout(self) -> Dict:
     """Every canonical entry at full shape, as a view (`_Entry`) that assigns this worker's
@@ -238,16 +380,23 @@ class StageWorkerEngine(Engine):
     weight or slot. The chief writes the step and the dropout RNG states (`gathered`: the
     job's value of each, a collective every worker joins at each save)."""
     own = self._own_layout()
+    state, compression = self._compression_slices()
     mine = layout_slices(own)
     floats = [p for p in mine if tf.as_dtype(p.variable.dtype).is_floating]
     views = [p for p in layout_slices(self.layouts[0]) if p.name in self._rng_entries()]
     step = [p for p in mine if p.name == "optimizer/iterations"]
     is_chief = kwargs.get("is_chief", True)
+    # ZeRO's m and v, read at full shape by copy 0 from every copy's shard (a collective
+    # among the stage's copies that the others join); every worker reads the RNG states
+    # (a collective over the job) first.
+    slots = [p for p in floats if isinstance(p.variable, zero.SlotView)
+             and self._contributes(p.name, own, any_copy=True)]
     return CanonicalCheckpointer(
-        self.layouts, directory, held=mine,
-        write=[p for p in floats if self._contributes(p.name, own)]
-        + (step + views if is_chief else []),
-        joined=[] if is_chief else views, writers=len(self.members), **kwargs)
+        self.layouts, directory, held=mine + state,
+        write=(step + views if is_chief else [])
+        + [p for p in floats if self._contributes(p.name, own)] + compression,
+        joined=[] if is_chief else views + ([] if self.copy == 0 else slots),
+        writers=len(self.members), **kwargs)
 
   def _rng_entries(self) -> List[str]:
     """The integer entries other than the step (the dropout layers' RNG states), which each
@@ -255,10 +404,11 @@ class StageWorkerEngine(Engine):
     return [name for name, (_, dtype) in self._entries.items()
             if not dtype.is_floating and name != "optimizer/iterations"]
 
-  def _contributes(self, name: str, own) -> bool:
-    """Whether this worker's value of entry `name` is the one saved: copy 0's, and of the
-    embedding (held by the first and the last stage) the first stage's."""
-    if name not in own or self.copy != 0:
+  def _contributes(self, name: str, own, any_copy: bool = False) -> bool:
+    """Whether this worker's value of entry `name` is the one saved: copy 0's (or, with
+    `any_copy`, whether copy 0's is), and of the embedding (held by the first and the last
+    stage) the first stage's."""
+    if name not in own or (self.copy != 0 and not any_copy):
       return False
     return self.worker_index == self.first or not self._is_shared(name, own)
 
@@ -292,7 +442,7 @@ class StageWorkerEngine(Engine):
     return out
 
   def measured_bytes(self) -> dict:
-    return measured_bytes([self])
+    return measured_bytes([self], self.zero.slot_variables() if self.zero else ())
 
   def memory_devices(self):
     return sorted({v.value.device for v in self.model.variables})
@@ -304,12 +454,48 @@ class StageWorkerEngine(Engine):
             "plan": f"D={p.data_parallel} x K={p.pipeline_stages} x T={p.tensor_parallel}, M={p.microbatches}, "
                     f"{p.schedule}{f' v={p.virtual_stages}' if p.virtual_stages > 1 else ''}, "
                     f"bubble {p.bubble:.1%}, remat {p.remat}, "
-                    f"xla {'per stage/shard' if self.cfg.train.jit_compile else 'off'}",
+                    f"xla {'per stage/shard' if self.cfg.train.jit_compile else 'off'}"
+                    f"{f', optimizer {self.zero.mode}' if self.zero else ''}"
+                    f"{f', {self.exchange.method}' if self.exchange and self.exchange.method != 'none' else ''}",
             "parameters": self.parameters,
             "measured_bytes_per_device": {
                 dev: f"params {plan_lib.kib(b['parameters'])} + "
                      f"optimizer {plan_lib.kib(b['optimizer'])}"
                 for dev, b in self.measured_bytes().items()}}
+
+
+def _paths(model) -> List[str]:
+  """Each trainable weight's path inside `model` (without the model's name)."""
+  prefix = model.name + "/"
+  return [v.path[len(prefix):] if v.path.startswith(prefix) else v.path
+          for v in model.trainable_variables]
+
+
+def _offsets(shapes, compressed: List[int], rank: int):
+  """((Q's length, {i: offset}), (a residual row's length, {i: offset})) of the compressed
+  matrices `compressed` of a model of `shapes` in the flat entries (tfpar.parallel.
+  exchange_state): each Q n x R, each residual m x n, in variable order."""
+  out = []
+  for size in (lambda m, n: n * rank, lambda m, n: m * n):
+    at, total = {}, 0
+    for i in compressed:
+      at[i], total = total, total + size(*matrix_shape(shapes[i]))
+    out.append((total, at))
+  return tuple(out)
+
+
+class _Reshaped:
+  """A variable seen at another shape: a checkpoint slice of a flat entry."""
+
+  def __init__(self, variable, shape):
+    self.variable, self.shape, self.dtype = variable, tuple(shape), variable.dtype
+
+  @property
+  def value(self):
+    return tf.reshape(self.variable.read_value(), self.shape)
+
+  def assign(self, value) -> None:
+    self.variable.assign(tf.reshape(value, self.variable.shape))
 
 
 def _compute_dtype():

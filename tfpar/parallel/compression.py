@@ -117,12 +117,15 @@ class PowerSGDExchange(GradientExchange):
     compression: rank, min_size and warmup_steps.
     variables, num_replicas, state_devices, pack_by_device: as for GradientExchange.
     seed: seeds the first Q (the same on every replica).
+    first_q: {variable index: its first Q}, instead of drawing them from `seed` (a stage
+      worker's variables are part of the model's: `first_q` of the whole model's shapes).
   """
 
   method = "powersgd"
   needs_state_devices = True
 
-  def __init__(self, compression: CompressionConfig, variables, *, seed: int = 0, **kwargs):
+  def __init__(self, compression: CompressionConfig, variables, *, seed: int = 0, first_q=None,
+               **kwargs):
     super().__init__(variables, **kwargs)
     self.warmup_steps = compression.warmup_steps
     self.compressed = [powersgd_compresses(s, compression.rank, compression.min_size)
@@ -139,9 +142,7 @@ class PowerSGDExchange(GradientExchange):
           "m*n >= min_size and (m+n)*rank < m*n): lower them, or use --grad_compression=bf16")
     self.q: List[Dict[int, tf.Variable]] = []  # Per local replica: variable index -> Q.
     self.error: List[Dict[int, tf.Variable]] = []  # Per local replica: index -> residual.
-    rng = np.random.default_rng(seed)
-    q0 = {i: rng.standard_normal((matrix_shape(s)[1], compression.rank)).astype(np.float32)
-          for i, s in enumerate(self.shapes) if self.compressed[i]}
+    q0 = first_q if first_q is not None else initial_q(self.shapes, compression, seed)
     for replica, devices in enumerate(self.state_devices):
       q, error = {}, {}
       for i in q0:
@@ -205,9 +206,18 @@ class PowerSGDExchange(GradientExchange):
     return exchange_state.powersgd_entries(self.q, self.error, self.num_replicas, strategy)
 
 
+def initial_q(shapes, compression: CompressionConfig, seed: int) -> Dict[int, np.ndarray]:
+  """{i: the first Q of matrix i} of the tensors of `shapes` PowerSGD compresses, drawn in
+  order from `seed` (the same on every replica)."""
+  rng = np.random.default_rng(seed)
+  return {i: rng.standard_normal((matrix_shape(s)[1], compression.rank)).astype(np.float32)
+          for i, s in enumerate(shapes)
+          if powersgd_compresses(s, compression.rank, compression.min_size)}
+
+
 def make_exchange(compression: CompressionConfig, variables, *, num_replicas: int,
                   state_devices=None, pack_by_device: bool = False,
-                  seed: int = 0) -> GradientExchange:
+                  seed: int = 0, first_q=None) -> GradientExchange:
   """The run's gradient exchange: the plain all-reduce, or a codec (`compression.method`)."""
   kwargs = dict(num_replicas=num_replicas, state_devices=state_devices,
                 pack_by_device=pack_by_device)
@@ -215,7 +225,7 @@ def make_exchange(compression: CompressionConfig, variables, *, num_replicas: in
     return AllReduce(variables, **kwargs)
   if compression.method in ("fp16", "bf16"):
     return CastExchange(compression.method, variables, **kwargs)
-  return PowerSGDExchange(compression, variables, seed=seed, **kwargs)
+  return PowerSGDExchange(compression, variables, seed=seed, first_q=first_q, **kwargs)
 
 
 GradientReducer = make_exchange  # The name callers used before the exchange was an interface.

@@ -107,6 +107,12 @@ class GradientExchange:
     home = self.state_devices[replica] if self.state_devices else None
     return self._exchange([grads], [replica], InReplica(home, self.pack_by_device), compressed)
 
+  def reduce_among(self, grads: List[tf.Tensor], ops, compressed: bool = True
+                   ) -> List[tf.Tensor]:
+    """`reduce` of this process's one replica, its sums made by `ops` (tfpar.parallel.p2p.
+    Among: collectives among the workers that hold the same stage of every copy)."""
+    return self._exchange([grads], [0], ops, compressed)
+
   def reduce_copies(self, per_copy: List[List[tf.Tensor]],
                     compressed: bool = True) -> List[List[tf.Tensor]]:
     """[sum_r per_copy[r] (or its compressed estimate)] for each copy, when every replica runs

@@ -9,7 +9,11 @@ rest:
                 an activation to the next stage's worker, its gradient back;
   sum           CollectiveReduceV2 (SUM) among the workers of a group: the
                 tied embedding's gradient between the first and the last stage,
-                the loss and the squared gradient norm over every stage.
+                a stage's gradients over its D copies (`Among`: plain, through
+                a codec, or chunk by chunk for ZeRO-2), the loss and the
+                squared gradient norm over every stage;
+  gather        CollectiveGatherV2 among a stage's copies: ZeRO's updated
+                weight shards, and its m and v shards at a save.
 
 Keys. A group is a set of workers (by index in the job, chief first); its
 `group_key` is fixed by that set alone, so every member computes the same one
@@ -30,9 +34,11 @@ gRPC. `timeout_seconds` (--collective_timeout) bounds every wait: a peer that
 died ends the step with an error naming its task.
 """
 
-from typing import Dict, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import tensorflow as tf
+
+from tfpar.parallel.collectives import on_device
 
 GROUP_BASE = 1 << 20  # Above MultiWorkerMirroredStrategy's own group keys (1, 2, ...).
 
@@ -61,16 +67,20 @@ class Groups:
 
   def send(self, tensor: tf.Tensor, me: int, peer: int, instance: int) -> tf.Operation:
     """Sends `tensor` to worker `peer` (who calls `recv` with the same `instance`)."""
+    if tensor.dtype == tf.bfloat16:  # Not a type the op takes: its 16 bits as float16's.
+      tensor = tf.bitcast(tensor, tf.float16)
     return tf.raw_ops.CollectiveBcastSendV2(
         input=tensor, group_size=2, group_key=self.key((me, peer)), instance_key=instance,
         communication_hint=self.hint, timeout_seconds=self.timeout)
 
   def recv(self, shape, dtype, me: int, peer: int, instance: int) -> tf.Tensor:
     """What worker `peer` sends with the same `instance` (its shape and dtype known here)."""
-    return tf.raw_ops.CollectiveBcastRecvV2(
+    wire = tf.float16 if dtype == tf.bfloat16 else dtype
+    out = tf.raw_ops.CollectiveBcastRecvV2(
         group_size=2, group_key=self.key((me, peer)), instance_key=instance,
-        shape=tf.constant(list(shape), tf.int32), T=dtype, communication_hint=self.hint,
+        shape=tf.constant(list(shape), tf.int32), T=wire, communication_hint=self.hint,
         timeout_seconds=self.timeout)
+    return tf.bitcast(out, dtype) if wire != dtype else out
 
   def sum(self, tensor: tf.Tensor, members: Sequence[int], instance: int) -> tf.Tensor:
     """The SUM of `tensor` over the workers `members` (every one of them calls it)."""
@@ -80,14 +90,32 @@ class Groups:
     """The elementwise largest `tensor` over the workers `members`."""
     return self._reduce(tensor, members, instance, "Max")
 
-  def _reduce(self, tensor, members, instance, merge_op):
+  def gather(self, tensor: tf.Tensor, members: Sequence[int], instance: int) -> tf.Tensor:
+    """Every member's `tensor` concatenated along axis 0 (CollectiveGatherV2), in the group's
+    rank order: a caller that needs another order sends its position along."""
     members = sorted(set(members))
     if len(members) == 1:
       return tf.identity(tensor)
-    return tf.raw_ops.CollectiveReduceV2(
+    return tf.raw_ops.CollectiveGatherV2(
+        input=tensor, group_size=len(members), group_key=self.key(members),
+        instance_key=instance, ordering_token=[], communication_hint=self.hint,
+        timeout_seconds=self.timeout)
+
+  def _reduce(self, tensor, members, instance, merge_op):
+    """A bfloat16 or float16 tensor is reduced in float32 and rounded back (of two members,
+    the narrow sum itself): the op takes no bfloat16, and a float16 sum among a stage's
+    copies on CPUs did not complete."""
+    members = sorted(set(members))
+    if len(members) == 1:
+      return tf.identity(tensor)
+    dtype = tensor.dtype
+    if dtype in (tf.bfloat16, tf.float16):
+      tensor = tf.cast(tensor, tf.float32)
+    out = tf.raw_ops.CollectiveReduceV2(
         input=tensor, group_size=len(members), group_key=self.key(members),
         instance_key=instance, ordering_token=[], merge_op=merge_op, final_op="Id",
         communication_hint=self.hint, timeout_seconds=self.timeout)
+    return tf.cast(out, dtype) if dtype != out.dtype else out
 
 
 class Keys:
@@ -117,3 +145,73 @@ def owners(chunk_workers: Sequence[int]) -> Dict[int, Tuple[int, ...]]:
   for c, w in enumerate(chunk_workers):
     out.setdefault(w, []).append(c)
   return {w: tuple(cs) for w, cs in out.items()}
+
+
+class Among:
+  """Reductions among the workers `members` (a stage's copies), each from its own program.
+
+  The interface tfpar.parallel.exchange's codecs and tfpar.parallel.zero's reduce-scatter
+  sum through (exchange.InReplica's: `sum`, `peak`, `at`), plus `all_gather`. Each call
+  is one collective per (device, dtype) of the tensors it gets, the tensors of one such
+  pack concatenated; the calls take consecutive instance keys from `first_key`, which
+  matches them up because every member traces the same calls in the same order.
+
+  Args:
+    groups: the job's Groups.
+    members: the workers, this one among them.
+    first_key: the first instance key (a step's collectives among `members` take the keys
+      from here on; a second trace of other shapes starts elsewhere).
+    home: the device of each variable's gradient here (`at`).
+  """
+
+  def __init__(self, groups: Groups, members: Sequence[int], first_key: int,
+               home: Sequence[str] = ()):
+    self.groups, self.members = groups, sorted(set(members))
+    self.next_key, self.home = first_key, list(home)
+
+  def _key(self) -> int:
+    self.next_key += 1
+    return self.next_key - 1
+
+  def _packed(self, tensors: List[tf.Tensor], reduce) -> List[tf.Tensor]:
+    packs: Dict[Tuple[str, tf.DType], List[int]] = {}
+    for j, t in enumerate(tensors):
+      packs.setdefault((t.device, t.dtype), []).append(j)
+    out: List[tf.Tensor] = [None] * len(tensors)
+    for (device, _), js in packs.items():
+      with on_device(device):
+        flat = tf.concat([tf.reshape(tensors[j], [-1]) for j in js], 0)
+        parts = tf.split(reduce(flat, self._key()),
+                         [tensors[j].shape.num_elements() for j in js])
+        for j, part in zip(js, parts):
+          out[j] = tf.reshape(part, tensors[j].shape)
+    return out
+
+  def sum(self, per_copy, indices) -> List[tf.Tensor]:
+    """The SUM over `members` of each of this worker's tensors (`per_copy`: [its list])."""
+    del indices
+    return self._packed(list(per_copy[0]),
+                        lambda x, key: self.groups.sum(x, self.members, key))
+
+  def peak(self, per_copy, indices) -> List[tf.Tensor]:
+    """The largest value over `members` of each [1]-shaped tensor."""
+    del indices
+    return self._packed(list(per_copy[0]),
+                        lambda x, key: self.groups.max(x, self.members, key))
+
+  def at(self, i: int):
+    return on_device(self.home[i] if self.home else None)
+
+  def all_gather(self, tensors: List[tf.Tensor], shard: int) -> List[tf.Tensor]:
+    """[D * S_j] per tensor: this member's [S_j] (its `shard` of D) and every other
+    member's, in shard order; one collective, each row led by its shard."""
+    if len(self.members) == 1:
+      return list(tensors)
+    sizes = [int(t.shape.num_elements()) for t in tensors]
+    with on_device(tensors[0].device):
+      row = tf.concat([tf.constant([float(shard)])] +
+                      [tf.cast(t, tf.float32) for t in tensors], 0)[None]
+      rows = self.groups.gather(row, self.members, self._key())
+      rows = tf.gather(rows, tf.argsort(rows[:, 0]))
+      parts = tf.split(rows[:, 1:], sizes, axis=1)
+      return [tf.reshape(p, [-1]) for p in parts]

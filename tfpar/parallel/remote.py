@@ -2,8 +2,9 @@
 
 Under `--strategy=multi_worker_mirrored`, when a replica's K x T devices are
 more than a worker holds (tfpar.config.rules.worker_layout: W = K x T / G workers per
-replica) and `tfpar.config.rules.one_program_per_worker` says no (plans of D > 1 replicas; D = 1
-runs as one program per worker, tfpar.engines.stage_worker), the chief (worker 0) connects to the whole cluster
+replica) and `tfpar.config.rules.one_program_per_worker` says no (a task whose eval outputs
+are more than its loss; every other plan runs as one program per worker,
+tfpar.engines.stage_worker), the chief (worker 0) connects to the whole cluster
 (`tf.config.experimental_connect_to_cluster`) and every other worker only
 starts its gRPC server (`serve`). The chief's device list then names the other
 workers' devices ('/job:worker/replica:0/task:1/device:CPU:0'), and the

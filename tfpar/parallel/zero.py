@@ -44,8 +44,8 @@ writes each shard's part, so any sharding restores any other's checkpoint.
 Model-parallel plans (`PlanZero`): each device position (k, t) of a plan row
 is a ZeroUpdate of its own over the weights it holds, sharded over the D peers
 (d, k, t); the global norm stays that of the whole gradient. With pipeline
-stages on different workers every copy runs in one program without replica
-context, and the same code sums, scatters and gathers by placement instead of
+stages on different workers in the chief's one program (tfpar.parallel.remote)
+every copy runs there without replica context, and the same code sums, scatters and gathers by placement instead of
 collectives (`PlanZero.apply`, `reduce_scatter`); all D shards are then local,
 so a save concatenates them.
 
@@ -270,11 +270,14 @@ class ZeroUpdate:
     copies: the variables each local replica's update slices its weights from
       (default `variables` for every replica: mirrored ones, which each replica
       reads as its own); `variables` stay the layout's and the checkpoint's.
+    gather: `gather(shard)` -> [D * S], a slot's shard held here and every other
+      replica's, in shard order (a collective every replica joins at a save);
+      default: the strategy's all-gather.
   """
 
   def __init__(self, optimizer, variables, *, mode: str = "zero1", shard_ids: Sequence[int],
                devices: Sequence[str], num_replicas: int, strategy=None,
-               jit_compile: bool = False, copies=None):
+               jit_compile: bool = False, copies=None, gather=None):
     if mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     self.mode = mode
@@ -294,6 +297,7 @@ class ZeroUpdate:
     self._gathered = None  # ((step, version), {"m": [...], "v": [...]}): the last gather.
     # [D, S]: every replica's [1, S], in replica order over all processes (traced once).
     self._gather = tf.function(lambda v: strategy.gather(v, axis=0))
+    self._gather_shard = gather
     self._version = 0  # Bumped by every restore, so a gather after one is not stale.
 
   def slot_bytes(self) -> int:
@@ -370,6 +374,8 @@ class ZeroUpdate:
         mine = {s.shard: getattr(s, name) for s in self.shards}
         if len(mine) == self.layout.num_shards:
           flat = tf.concat([mine[i] for i in range(self.layout.num_shards)], 0)
+        elif self._gather_shard is not None:
+          flat = self._gather_shard(next(iter(mine.values())))
         else:
           flat = tf.reshape(self._gather(_per_replica(self.strategy, lambda i, n=name: getattr(
               self._shard_of(i), n))), [-1])
@@ -409,7 +415,9 @@ class PlanZero:
   positions (the number one device computes, which clips and skips), each position's
   shard updated on its device (one XLA program per position and copy under jit_compile),
   and every copy's new shards brought back into each copy's weights. The weights stay
-  replicated: only m and v are split.
+  replicated: only m and v are split. (A stage worker, tfpar.engines.stage_worker, holds
+  one copy of its stage's weights, sums through `reduce_scatter(ops=...)` and the
+  exchange among the stage's copies, and gathers with `gather`.)
 
   Two ways to run it, one code path: in copy d's replica function (the D copies are the
   replicas in sync: MirroredStrategy over the anchors, or one copy per worker), the sums
@@ -425,24 +433,28 @@ class PlanZero:
     optimizers: each local copy's Keras AdamW (built without slots; its step counter,
       schedule, decay set and clipping are used).
     copies: each local copy's trainable variables (the same order and shapes in every copy).
-    mode, num_replicas, strategy, jit_compile: as for ZeroUpdate (strategy: the
+    mode, num_replicas, strategy, jit_compile, gather: as for ZeroUpdate (strategy: the
       data-parallel one, None with every copy in one program).
     shard_ids: the global replica id of each local copy.
+    groups: the variable indices of each position, each its own FlatLayout (default: the
+      variables of each device; a stage worker keeps the tied embedding apart).
   """
 
   def __init__(self, optimizers, copies, *, mode: str, shard_ids: Sequence[int],
-               num_replicas: int, strategy=None, jit_compile: bool = False):
+               num_replicas: int, strategy=None, jit_compile: bool = False, groups=None,
+               gather=None):
     self.mode = mode
     self.optimizers = list(optimizers)
     self.copies = [list(c) for c in copies]
     self.num_replicas = num_replicas
-    self.groups = list(collectives.by_device([variable_device(v) for v in self.copies[0]]).values())
+    self.groups = [list(g) for g in groups] if groups is not None else list(
+        collectives.by_device([variable_device(v) for v in self.copies[0]]).values())
     # Each position's update slices each copy's own weights there (on the copy's device).
     self.updates = [
         ZeroUpdate(self.optimizers[0], [self.copies[0][i] for i in group], mode=mode,
                    shard_ids=shard_ids, devices=[variable_device(c[group[0]]) for c in self.copies],
                    num_replicas=num_replicas, strategy=strategy, jit_compile=jit_compile,
-                   copies=[[c[i] for i in group] for c in self.copies])
+                   copies=[[c[i] for i in group] for c in self.copies], gather=gather)
         for group in self.groups]
     self._slot_of = {id(c[i]): (update, j) for c in self.copies
                      for update, group in zip(self.updates, self.groups)
@@ -529,7 +541,8 @@ def variable_device(variable) -> str:
   return (variable if isinstance(variable, tf.Variable) else variable.value).device
 
 
-def reduce_scatter(layouts: Sequence[FlatLayout], copies, mine: Sequence[int], devices=None):
+def reduce_scatter(layouts: Sequence[FlatLayout], copies, mine: Sequence[int], devices=None,
+                   ops=None):
   """([[shard s of each group's summed flat gradient] for s in `mine`], the norm of the whole
   sum): zero2's sum.
 
@@ -542,7 +555,8 @@ def reduce_scatter(layouts: Sequence[FlatLayout], copies, mine: Sequence[int], d
   each round waiting for the previous round's sums of squares: a replica keeps the chunks
   of its own shard and drops each other one once its squares are counted, so at most two
   shards of the summed gradient are alive instead of all of it (in one program, no device
-  holds more than its own shard of the sum).
+  holds more than its own shard of the sum). `ops` sums one copy's chunks another way
+  (tfpar.parallel.p2p.Among: collectives among a stage's workers).
   """
   in_program = len(copies) > 1
   places = devices or [[None] * len(layouts)]
@@ -556,9 +570,9 @@ def reduce_scatter(layouts: Sequence[FlatLayout], copies, mine: Sequence[int], d
         for layout, grads, device in zip(layouts, groups, devs):
           with collectives.on_device(device):
             chunks[-1].append(layout.slice(grads, k))
-    ops = exchange_lib.InProgram(home) if in_program else exchange_lib.InReplica(
-        home, pack=devices is not None)
-    summed = ops.sum(chunks, range(len(layouts)))
+    summing = ops or (exchange_lib.InProgram(home) if in_program else exchange_lib.InReplica(
+        home, pack=devices is not None))
+    summed = summing.sum(chunks, range(len(layouts)))
     after = []
     for chunk, device in zip(summed, home):
       with collectives.on_device(device):
