@@ -55,9 +55,9 @@ VARIANTS = {  # name -> (render flags, train flags)
     "one_worker_pvc": (["--workers=1", "--pvc=runs-claim"],
                        ["--model_dir=/mnt/tfpar/runs/gpt", "--data=/mnt/tfpar/data/*.txt"]),
     # Pipeline stages across workers: a replica of 2 stages spans 2 CPU workers (D=2)...
-    # (zero1 keeps it on the chief's program: tfpar.config.rules.stage_servers)
+    # (a vision task keeps it on the chief's program: tfpar.config.rules.stage_servers)
     "stages_across": (["--workers=4"], MWMS + ["--pipeline_stages=2", "--microbatches=2",
-                                               "--optimizer_sharding=zero1"]),
+                                               "--task=classify"]),
     # ...or 2x4 devices span 2 workers of 4 GPUs; and 2 stages fit in one such worker.
     "stages_across_gpus": (["--workers=2", "--gpus_per_worker=4"],
                            MWMS + ["--pipeline_stages=2", "--tensor_parallel=4"]),
