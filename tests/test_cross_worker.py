@@ -208,6 +208,11 @@ def test_plan_says_which_worker_holds_which_stage_under_which_schedule(cross_wor
     assert plan["stage_workers"] == workers
     assert plan["data_parallel"] == len(workers)
     assert (plan["schedule"], plan["virtual_stages"]) == (schedule, chunks)
+    # The chief's peak beside what the plan puts on its own devices (its stage, not nothing).
+    chief = plan["process_memory"]["worker 0"]
+    own = sum(b["parameters"] + b["optimizer"] for d, b in plan["bytes_per_device"].items()
+              if d.startswith("worker:0/"))
+    assert own < chief["predicted_host_bytes"] < chief["peak_rss_bytes"], chief
   assert "schedule interleaved over v=2 chunks per stage" in four_out
   assert "stage 1: blocks 1-1, 3-3 + head" in four_out  # Chunks 1 and 3 on worker 1 (and 3).
   assert "[worker:1/CPU:0 | worker:3/CPU:0]" in four_out

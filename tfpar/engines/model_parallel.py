@@ -63,7 +63,7 @@ compiled per device too under --optimizer_sharding (PlanZero), op by op without.
 """
 
 import collections
-from typing import List
+from typing import Dict, List
 
 import numpy as np
 import tensorflow as tf
@@ -78,6 +78,18 @@ from tfpar.parallel.pipeline import Pipeline, split_batch
 from tfpar.training import initialise
 from tfpar.training.checkpoint import layout_slices, model_layout
 from tfpar.training.step import apply_gradients, reduce_gradients
+
+
+def predicted_memory(plan, devices) -> Dict[str, Dict[str, int]]:
+  """Per device of `devices` (this process's): the plan's weights, optimizer state and
+  activations, and a gradient as large as its weights."""
+  held, activations = plan.bytes_per_device(), plan.activation_bytes()
+  out = {}
+  for device in devices:
+    key = plan_lib.device_key(device)
+    out[device] = {"weights": held[key]["parameters"], "gradients": held[key]["parameters"],
+                   "optimizer": held[key]["optimizer"], "activations": activations.get(key, 0)}
+  return out
 
 
 class ModelCopy:
@@ -286,15 +298,7 @@ class ModelParallelEngine(Engine):
     return [device for copy in self.copies for stage in copy.devices for device in stage]
 
   def predicted_memory(self):
-    """Per device of this process: the plan's weights, optimizer state and activations, and
-    a gradient as large as its weights."""
-    held, activations = self.plan.bytes_per_device(), self.plan.activation_bytes()
-    out = {}
-    for device in self.memory_devices():
-      key = plan_lib.device_key(device)
-      out[device] = {"weights": held[key]["parameters"], "gradients": held[key]["parameters"],
-                     "optimizer": held[key]["optimizer"], "activations": activations.get(key, 0)}
-    return out
+    return predicted_memory(self.plan, self.memory_devices())
 
   def describe(self) -> dict:
     p = self.plan

@@ -62,7 +62,8 @@ from tfpar import strategies
 from tfpar.config.schema import Config, ConfigError
 from tfpar.data import pipeline
 from tfpar.engines.base import Engine, build_model
-from tfpar.engines.model_parallel import _worker_devices, _worker_index, measured_bytes
+from tfpar.engines.model_parallel import (_worker_devices, _worker_index, measured_bytes,
+                                          predicted_memory)
 from tfpar.layout import placement as plan_lib
 from tfpar.parallel import collectives, p2p, schedules, tensor, zero, zero3
 from tfpar.parallel.compression import initial_q, make_exchange
@@ -446,6 +447,9 @@ class StageWorkerEngine(Engine):
 
   def memory_devices(self):
     return sorted({v.value.device for v in self.model.variables})
+
+  def predicted_memory(self):
+    return predicted_memory(self.plan, self.memory_devices())
 
   def describe(self) -> dict:
     p = self.plan
