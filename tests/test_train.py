@@ -126,6 +126,17 @@ def test_mirrored_on_4_devices_matches_one_device(tmp_path, one_device_run):
                       rtol=1e-4, atol=2e-5)
 
 
+def test_the_run_records_its_peak_beside_what_the_plan_puts_in_its_memory(one_device_run):
+  """plan.json's process_memory: the peak RSS, and the plan's weights, gradient, AdamW slots
+  and activations on this process's devices (one_device names its device /job:localhost)."""
+  with open(os.path.join(one_device_run, "plan.json"), encoding="utf-8") as f:
+    plan = json.load(f)
+  (state,) = plan["bytes_per_device"].values()
+  memory = plan["process_memory"]["worker 0"]
+  assert (2 * state["parameters"] + state["optimizer"] < memory["predicted_host_bytes"]
+          < memory["peak_rss_bytes"]), (state, memory)
+
+
 def test_xla_and_no_xla_give_the_same_loss(tmp_path, one_device_run):
   xla = str(tmp_path / "xla")
   train_in_process(TINY + ["--train_steps=2", "--jit_compile=true", "--eval_steps=0",

@@ -125,9 +125,9 @@ def peak_rss() -> int:
 
 
 def _own(device: str, worker_index: int) -> bool:
-  """Whether `device` is this process's: no job named, or the task this worker is."""
+  """Whether `device` is this process's: no job or localhost named, or the task this worker is."""
   spec = tf.DeviceSpec.from_string(device)
-  if spec.job is None:
+  if spec.job in (None, "localhost"):  # A process without a cluster names its devices so.
     return True
   index = spec.task or 0
   return (spec.job == "chief" and worker_index == 0) or (
