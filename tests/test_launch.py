@@ -109,13 +109,24 @@ def assert_every_line_prefixed(job):
     (["--num_workers=2", "--restart_backoff=soon", "--", "--model_dir=/tmp/x"],
      "--restart_backoff=soon is not a number"),
 ])
-def test_bad_launcher_input_is_one_line_and_exit_2(args, message):
-  proc = run_module("tfpar.launch", args, check=False, timeout=60)
-  assert proc.returncode == 2, proc.stderr
-  assert proc.stdout == ""
+def test_bad_launcher_input_is_one_line_and_exit_2(args, message, capsys):
+  """launch.main, in this process: no task may start (the command's own wiring is below)."""
+  assert launch_lib.main(args) == 2
+  out, err = capsys.readouterr()
+  assert out == ""
+  lines = err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("tfpar.launch: error: "), err
+  assert message in lines[0]
+
+
+def test_the_command_refuses_bad_input_with_status_2_and_one_line():
+  """`python -m tfpar.launch` exits with main's status and prints only its line."""
+  proc = run_module("tfpar.launch", ["--num_workers=2", "--", "--model_dir=/tmp/x",
+                                     "--no_such_flag=1"], check=False, timeout=60)
+  assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("tfpar.launch: error: "), proc.stderr
-  assert message in lines[0]
+  assert "no_such_flag" in lines[0]
 
 
 def two_free_ports():

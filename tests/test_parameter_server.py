@@ -11,7 +11,9 @@ the asynchronous part).
 The checkpoint a PS job writes restores under one_device with the same
 weights: its held-out loss there equals the loss the chief measured on the
 ps-resident weights. With --ps_shards=2 over 2 ps, weights and AdamW slots are
-ShardedVariables, and a second job resumes from the checkpoint into them.
+ShardedVariables, and a restarted chief resumes from the checkpoint into them.
+Two jobs in all (a job is 4-5 TensorFlow processes): one to watch the
+asynchronous steps undisturbed, one to kill, preempt and resume.
 
 --jit_compile=false keeps each job near a minute on 2 cores (XLA compiles the
 step once per worker process, ~20 s more each); the XLA path of
@@ -86,23 +88,17 @@ def restored_one_device_eval(model_dir):
   return engine.step, engine.evaluate(engine.eval_iterator(), cfg.train.eval_steps)
 
 
-def test_two_workers_over_two_ps_shards_train_asynchronously_and_resume(tmp_path):
-  """One job, asserted many ways: asynchronous training, sharded variables, a resume.
+def test_two_workers_train_asynchronously_and_the_checkpoint_restores_under_one_device(
+    tmp_path):
+  """One job, asserted many ways: asynchronous training, the one-device restore.
 
-  Two workers train 60 steps with every weight and slot cut over 2 ps; a second
-  job resumes from its checkpoint for 10 more. The unsharded single-ps path
-  (the one-device restore of its checkpoint included) is the killed-worker
-  test's job below.
+  Two workers train 60 steps over 1 ps. Sharded variables (2 ps) and a resume
+  into them are the killed-worker test's job below.
   """
-  model_dir = str(tmp_path / "ps_shards")
-  steps, more = 60, 10
-  flags = ["--ps_shards=2"]
-  proc = run_ps_job(model_dir, num_ps=2, train_steps=steps, extra=flags)
+  model_dir = str(tmp_path / "ps")
+  steps = 60
+  proc = run_ps_job(model_dir, num_ps=1, train_steps=steps)
   assert "ParameterServerStrategy (async)" in proc.stdout
-  described = re.search(r"sharded variables (\d+), sharded slots (\d+)", proc.stdout)
-  assert described, proc.stdout[-2000:]
-  # Every weight of rank >= 1 and its two AdamW slots are cut over the 2 ps.
-  assert int(described.group(1)) > 0 and int(described.group(2)) == 2 * int(described.group(1))
 
   records = step_records(model_dir)
   assert len(records) == steps
@@ -127,20 +123,11 @@ def test_two_workers_over_two_ps_shards_train_asynchronously_and_resume(tmp_path
   train = read_metrics(model_dir)
   assert train[-1]["workers"] == 2 and train[-1]["replicas"] == 2
 
-  # Resuming assigns the full checkpoint tensors into the ShardedVariables.
-  proc = run_ps_job(model_dir, num_ps=2, train_steps=steps + more, extra=flags)
-  assert "resumed from" in proc.stdout and f"at step {steps}" in proc.stdout
-  resumed = step_records(model_dir)[len(records):]
-  assert len(resumed) == more and max(r["write_version"] for r in resumed) == steps + more
-  # The resumed steps go on from the trained weights (a mis-assigned shard
-  # would throw the loss back up): lower than the first job's start.
-  assert np.mean([r["loss"] for r in resumed[:3]]) < first - 0.5
-
-  # ShardedVariables read as full tensors: the canonical checkpoint restores
-  # under one_device bit for bit, with the held-out loss the chief measured.
+  # The unsharded checkpoint of one ps restores under one_device: identical weights, and
+  # the held-out loss the chief measured on the ps-resident weights.
   step, loss = restored_one_device_eval(model_dir)
-  assert step == steps + more
-  assert math.isclose(loss, read_metrics(model_dir, "eval")[-1]["loss"], rel_tol=1e-5)
+  assert step == steps
+  assert math.isclose(loss, evals[-1]["loss"], rel_tol=1e-5), (loss, evals[-1])
 
 
 def test_ps_shards_more_than_ps_and_missing_tasks_are_clear_errors():
@@ -159,20 +146,21 @@ def test_ps_shards_more_than_ps_and_missing_tasks_are_clear_errors():
 
 
 def test_the_job_survives_a_killed_worker_and_a_preempted_chief(tmp_path):
-  """kill -9 of a worker, then SIGTERM to the chief, in one job under tfpar.launch.
+  """kill -9 of a worker, then SIGTERM to the chief, in one job under tfpar.launch, every
+  weight and AdamW slot cut over 2 ps (--ps_shards=2).
 
   The worker's loss costs its in-flight step: the chief's ClusterCoordinator
   runs the steps on worker 0, and the launcher starts worker 1 again at the
   same address. The chief, on SIGTERM, saves and exits 75; the launcher starts
   the chief alone, and it reconnects to the very same worker and ps processes
   (servers no longer exit when their chief goes away), restores the checkpoint
-  and finishes the job.
+  into its ShardedVariables and finishes the job.
   """
   from test_launch import Launched  # pylint: disable=import-outside-toplevel
-  model_dir = str(tmp_path / "ps")
+  model_dir = str(tmp_path / "ps_shards")
   steps = 120
-  job = Launched(["--num_workers=2", "--num_ps=1", "--max_restarts=1", "--restart_backoff=0.5",
-                  "--", *PS_FLAGS, "--steps_per_call=10", "--log_every=10",
+  job = Launched(["--num_workers=2", "--num_ps=2", "--max_restarts=1", "--restart_backoff=0.5",
+                  "--", *PS_FLAGS, "--steps_per_call=10", "--log_every=10", "--ps_shards=2",
                   f"--model_dir={model_dir}", f"--train_steps={steps}"])
   try:
     job.wait_for(r"^\[chief\] step +20/", timeout=300)
@@ -191,18 +179,36 @@ def test_the_job_survives_a_killed_worker_and_a_preempted_chief(tmp_path):
   assert saved and saved.group(1) == saved.group(2), out[-4000:]
   assert "chief exited with status 75: starting the chief again (a preemption restart, not " \
          "counted in --max_restarts); the workers and ps keep serving" in out
-  assert re.search(rf"^\[chief\] resumed from .*ckpt-{saved.group(1)} at step", out, re.M)
+  resumed_at = re.search(rf"^\[chief\] resumed from .*ckpt-{saved.group(1)} at step (\d+)$",
+                         out, re.M)
+  assert resumed_at, out[-4000:]
   pids = job.task_pids()
   # The servers outlived the chief's restart: one process each, the chief two.
-  assert [len(pids[t]) for t in ("chief", "worker 0", "worker 1", "ps 0")] == [2, 1, 2, 1], pids
-  for server in ("worker 0", "ps 0"):
+  assert [len(pids[t]) for t in ("chief", "worker 0", "worker 1", "ps 0", "ps 1")] == \
+      [2, 1, 2, 1, 1], pids
+  for server in ("worker 0", "ps 0", "ps 1"):
     assert re.search(rf"^\[{server}\] tfpar: {server}: chief .* unreachable; serving on", out, re.M)
+  # Every weight of rank >= 1 and its two AdamW slots are cut over the 2 ps (both chiefs).
+  described = re.findall(r"^\[chief\] tfpar: .*sharded variables (\d+), sharded slots (\d+)",
+                         out, re.M)
+  assert len(described) == 2, out[-4000:]
+  for variables, slots in described:
+    assert int(variables) > 0 and int(slots) == 2 * int(variables)
   train = [r["step"] for r in read_metrics(model_dir)]
   assert train == sorted(set(train)) and train[-1] == steps, train  # each step logged once
   evals = read_metrics(model_dir, "eval")
   assert evals[-1]["step"] == steps
-  # The unsharded checkpoint of one ps restores under one_device: identical weights, and
-  # the held-out loss the chief measured on the ps-resident weights.
+  # Resuming assigned the full checkpoint tensors into the ShardedVariables: the restarted
+  # chief's steps (each incrementing the atomic counter once) go on from the trained weights
+  # (a mis-assigned shard would throw the loss back up): lower than the job's start.
+  records = step_records(model_dir)
+  first = np.mean([r["loss"] for r in records[:5]])
+  resumed = [r for r in records if r["write_version"] > int(resumed_at.group(1))]
+  assert len(resumed) == steps - int(resumed_at.group(1)), resumed
+  assert max(r["write_version"] for r in resumed) == steps
+  assert first > 5.0 and np.mean([r["loss"] for r in resumed[:3]]) < first - 0.5, (first, resumed)
+  # ShardedVariables read as full tensors: the canonical checkpoint restores under one_device
+  # bit for bit, with the held-out loss the chief measured on the ps-resident weights.
   step, loss = restored_one_device_eval(model_dir)
   assert step == steps
   assert math.isclose(loss, evals[-1]["loss"], rel_tol=1e-5), (loss, evals[-1])
