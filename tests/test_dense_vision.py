@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from conftest import make_config, read_metrics, run_module, run_modules, train_in_process
+from conftest import make_config, read_metrics, run_modules, train_in_process
 from tfpar import tasks
 from tfpar.data import pipeline
 
@@ -120,13 +120,21 @@ def _copy_run(model_dir, tmp_path, state_file):
   return str(copy)
 
 
-def test_predict_prints_boxes_and_writes_masks(detect_runs, tmp_path):
+def predict(args, capsys):
+  """What tfpar.predict's main prints on stdout, run in this process (its command line as a
+  process of its own: tests/test_vit.py)."""
+  from tfpar.cli import predict as predict_cli  # pylint: disable=import-outside-toplevel
+  capsys.readouterr()
+  predict_cli.main(["predict", *args])
+  return capsys.readouterr().out
+
+
+def test_predict_prints_boxes_and_writes_masks(detect_runs, tmp_path, capsys):
   image = str(tmp_path / "canvas.png")
   _canvas_png(image)
   model_dir = _copy_run(detect_runs[0], tmp_path, state_file=None)
-  out = run_module("tfpar.predict", [f"--model_dir={model_dir}", f"--image={image}",
-                                     "--score_threshold=0", "--overlay",
-                                     f"--output_dir={tmp_path}"]).stdout.splitlines()
+  out = predict([f"--model_dir={model_dir}", f"--image={image}", "--score_threshold=0",
+                 "--overlay", f"--output_dir={tmp_path}"], capsys).splitlines()
   assert out[0].startswith(f"{image}: ") and out[0].endswith((" box", " boxes"))
   boxes = [line for line in out if line.startswith("  class ")]
   assert len(boxes) == int(out[0].split()[1]) > 0  # threshold 0: every NMS survivor
@@ -135,11 +143,11 @@ def test_predict_prints_boxes_and_writes_masks(detect_runs, tmp_path):
   assert Image.open(tmp_path / "canvas.overlay.png").size == (64, 32)
 
 
-def test_predict_writes_a_mask_png(segment_run, tmp_path):
+def test_predict_writes_a_mask_png(segment_run, tmp_path, capsys):
   model_dir = _copy_run(segment_run[1], tmp_path, state_file=b"\xff\xfe\x00 not a state file")
   image = str(tmp_path / "canvas.png")
   _canvas_png(image)
-  out = run_module("tfpar.predict", [f"--model_dir={model_dir}", f"--image={tmp_path}"]).stdout
+  out = predict([f"--model_dir={model_dir}", f"--image={tmp_path}"], capsys)
   assert f"{image}: mask -> " in out
   mask = Image.open(os.path.join(model_dir, "predictions", "canvas.mask.png"))
   assert mask.mode == "P" and mask.size == (64, 32)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import (TINY, in_background, make_config, read_metrics, run_module, run_modules,
-                      selected_tests_use)
+                      selected_tests_use, train_in_process)
 from tfpar.config.schema import ModelConfig
 from tfpar.layout import placement as plan_lib
 from tfpar.layout import schedule as schedule_lib
@@ -676,41 +676,38 @@ def test_planner_refuses_in_one_line(args, words):
 
 # --- the command line ----------------------------------------------------------------------
 
-def plan_and_train(d):
-  """One planner run for 4 logical CPUs with K=2 fixed (JSON out and a flagfile), then
-  `python -m tfpar.train --flagfile=` of what it wrote. Returns (plan's CompletedProcess,
-  train's or None where the plan failed, the flagfile, the run's directory)."""
+def plan(d):
+  """One planner run for 4 logical CPUs with K=2 fixed (JSON out and a flagfile). Returns
+  (its CompletedProcess, the flagfile, the directory a run of the flagfile writes)."""
   flagfile = str(d / "plan.flags")
-  plan = run_module("tfpar.plan", TINY + [
+  proc = run_module("tfpar.plan", TINY + [
       f"--model_dir={d / 'run'}", "--cluster=cpu:4", "--pipeline_stages=2", "--format=json",
       "--top=3", f"--emit_flags={flagfile}", "--train_steps=3", "--eval_every=0"], check=False)
-  train = run_module("tfpar.train", [f"--flagfile={flagfile}"], check=False) \
-      if plan.returncode == 0 else None
-  return plan, train, flagfile, str(d / "run")
+  return proc, flagfile, str(d / "run")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def emitted_started(request, tmp_path_factory):
-  """plan_and_train, started with the file's first test when a selected test reads it: its
-  processes take the second core while the in-process tests run."""
+  """The planner's process, started with the file's first test when a selected test reads it:
+  it takes the second core while the in-process tests run."""
   if selected_tests_use(request, "emitted"):
-    return in_background(plan_and_train, tmp_path_factory.mktemp("plan"))
+    return in_background(plan, tmp_path_factory.mktemp("plan"))
   return None
 
 
 @pytest.fixture(scope="module")
 def emitted(emitted_started):
-  """The planner's JSON, its flagfile, the run directory and the training run of the flagfile."""
-  plan, train, flagfile, model_dir = emitted_started.result()
-  assert plan.returncode == 0, plan.stderr[-4000:]
+  """The planner's JSON, its flagfile and the directory a run of the flagfile writes."""
+  proc, flagfile, model_dir = emitted_started.result()
+  assert proc.returncode == 0, proc.stderr[-4000:]
   # Nothing but the answer: TensorFlow's C++ start-up lines (cuInit's E-line) stay silenced.
-  assert plan.stderr == f"wrote {flagfile}: python -m tfpar.train --flagfile={flagfile}\n", \
-      plan.stderr
-  return json.loads(plan.stdout), flagfile, model_dir, train
+  assert proc.stderr == f"wrote {flagfile}: python -m tfpar.train --flagfile={flagfile}\n", \
+      proc.stderr
+  return json.loads(proc.stdout), flagfile, model_dir
 
 
 def test_json_lists_plans_with_their_predictions(emitted):
-  out, _, _, _ = emitted
+  out, _, _ = emitted
   assert 1 <= len(out["plans"]) <= 3
   for p in out["plans"]:
     assert p["pipeline_stages"] == 2 and p["data_parallel"] * 2 * p["tensor_parallel"] == 4
@@ -721,11 +718,13 @@ def test_json_lists_plans_with_their_predictions(emitted):
 
 
 def test_emitted_plan_trains(emitted):
-  out, flagfile, model_dir, train = emitted
+  """tfpar.train --flagfile= of what the planner wrote, in this process
+  (conftest.train_in_process: tfpar.train's flags, checks and runner)."""
+  out, flagfile, model_dir = emitted
   text = open(flagfile).read()
   best = out["plans"][0]
   assert "--pipeline_stages=2\n" in text and f"--microbatches={best['microbatches']}\n" in text
-  assert train.returncode == 0, train.stderr[-4000:]
+  train_in_process([f"--flagfile={flagfile}"])
   records = read_metrics(model_dir)
   assert [r["step"] for r in records] == [1, 2, 3] and np.isfinite(records[-1]["loss"])
   plan = json.load(open(os.path.join(model_dir, "plan.json")))

@@ -5,10 +5,15 @@ training on a prepared set of hundreds of MB holds the memory of a tiny one.
 The real runs share one module fixture: a tiny prepared set and its text trained one device
 in memory and streamed (equal losses), two workers streamed to step 3 then resumed to step 6
 on one device and, from a copy, under a pipeline of 2 stages on 2 workers (equal losses), and
-two sets of 200 and 400 MB written with numpy (peak RSS)."""
+two sets of 200 and 400 MB written with numpy (peak RSS). The runs whose peak RSS is measured
+and those of several workers are processes of their own; the text's run in memory and the
+one-device resume are in this process (conftest.train_in_process: tfpar.train's checks and
+runner without a TensorFlow start)."""
 
+import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -19,7 +24,7 @@ import sysconfig
 import numpy as np
 import pytest
 
-from conftest import REPO, TINY, read_metrics, run_modules
+from conftest import REPO, TINY, in_background, read_metrics, run_module, run_modules, train_in_process
 from tfpar import tasks, tokenizer
 from tfpar.data import corpus, pipeline, prepare, prepared
 from tfpar.data.pipeline import Shard
@@ -73,43 +78,43 @@ def run_measured(args, log):
 
 @pytest.fixture(scope="module")
 def runs(tiny_set, tmp_path_factory):
-  """{name: model_dir} of the module's training runs, and the peak RSS of the streamed ones."""
-  from concurrent.futures import ThreadPoolExecutor  # pylint: disable=import-outside-toplevel
+  """{name: model_dir} of the module's training runs, the peak RSS of the streamed ones, and
+  what the one-device resume printed."""
   root = tmp_path_factory.mktemp("runs")
   dirs = {name: str(root / name) for name in ("text", "streamed", "two", "piped", "big", "bigger")}
+  two = in_background(run_module, "tfpar.launch", TWO_WORKERS + [
+      f"--data={tiny_set}", f"--model_dir={dirs['two']}", "--checkpoint_every=3",
+      f"--train_steps={RESUME_AT}"])
   sets = {}
   for name, size in (("big", 200 << 20), ("bigger", 400 << 20)):
     sets[name] = str(root / f"set_{name}")
     prepare.write_arrays(sets[name], BYTES, stdlib_documents(len(name), size), num_shards=4)
 
-  def measured(name, data):
-    return run_measured(ARGS + ["--strategy=one_device", f"--data={data}",
-                                f"--model_dir={dirs[name]}"], root / f"{name}.log")
+  def measured():  # One at a time: each peak is its own process's.
+    return {name: run_measured(ARGS + ["--strategy=one_device", f"--data={data}",
+                                       f"--model_dir={dirs[name]}"], root / f"{name}.log")
+            for name, data in (("streamed", tiny_set), ("big", sets["big"]),
+                               ("bigger", sets["bigger"]))}
 
-  with ThreadPoolExecutor(2) as pool:
-    two = pool.submit(run_modules, [("tfpar.launch", TWO_WORKERS + [
-        f"--data={tiny_set}", f"--model_dir={dirs['two']}", "--checkpoint_every=3",
-        f"--train_steps={RESUME_AT}"], {"check": True})], at_once=1)
-    rss = dict(zip(("streamed", "big", "bigger"), pool.map(
-        lambda a: measured(*a), [("streamed", tiny_set), ("big", sets["big"]),
-                                 ("bigger", sets["bigger"])])))
-    text = pool.submit(run_modules, [("tfpar.train", ARGS + [
-        "--strategy=one_device", f"--data={TEXT}", f"--model_dir={dirs['text']}"],
-                                      {"check": True})], at_once=1)
-    two.result(), text.result()
+  rss = in_background(measured)
+  train_in_process(ARGS + ["--strategy=one_device", f"--data={TEXT}",
+                           f"--model_dir={dirs['text']}"])
+  two.result()
+  # From the 2-worker checkpoint at step 3: a pipeline whose 2 stages are 2 worker processes
+  # (tfpar.engines.stage_worker: each stage's worker reads its windows), and one device.
+  shutil.copytree(dirs["two"], dirs["piped"])
+  piped = in_background(run_module, "tfpar.launch", TWO_WORKERS + [
+      "--pipeline_stages=2", f"--data={tiny_set}", f"--model_dir={dirs['piped']}"])
+  with contextlib.redirect_stdout(io.StringIO()) as said:
+    train_in_process(ARGS + ["--strategy=one_device", f"--data={tiny_set}",
+                             f"--model_dir={dirs['two']}"])
+  piped.result()
+  rss = rss.result()
   for name, (code, _) in rss.items():
     assert code == 0, open(root / f"{name}.log").read()[-3000:]
-  # From the 2-worker checkpoint at step 3: one device, and a pipeline whose 2 stages are
-  # 2 worker processes (tfpar.engines.stage_worker: each stage's worker reads its windows).
-  shutil.copytree(dirs["two"], dirs["piped"])
-  resumed, _ = run_modules([
-      ("tfpar.train", ARGS + ["--strategy=one_device", f"--data={tiny_set}",
-                              f"--model_dir={dirs['two']}"], {"check": True}),
-      ("tfpar.launch", TWO_WORKERS + ["--pipeline_stages=2", f"--data={tiny_set}",
-                                      f"--model_dir={dirs['piped']}"], {"check": True})])
   for name in sets.values():
     shutil.rmtree(name)
-  return dirs, {name: peak for name, (_, peak) in rss.items()}, resumed
+  return dirs, {name: peak for name, (_, peak) in rss.items()}, said.getvalue()
 
 
 def losses(model_dir, after=0):
@@ -127,7 +132,7 @@ def test_two_streamed_workers_then_one_device_resumed_give_the_uninterrupted_los
   two = read_metrics(dirs["two"])
   assert [r["step"] for r in two] == list(range(1, STEPS + 1))
   assert two[0]["workers"] == 2 and two[-1]["workers"] == 1
-  assert "resumed from" in resumed.stdout + resumed.stderr
+  assert "resumed from" in resumed, resumed
   np.testing.assert_allclose(losses(dirs["two"]), losses(dirs["text"]), rtol=1e-5)
 
 
@@ -461,14 +466,13 @@ def test_a_prepared_image_set_trains_to_the_losses_of_its_images_in_memory(tmp_p
          "--steps_per_call=1", "--eval_every=0", "--eval_steps=1", "--train_steps=4",
          "--jit_compile=false", "--max_shift=1", "--strategy=one_device"]
   prepared_set, dirs = str(tmp_path / "prep"), {n: str(tmp_path / n) for n in ("mem", "streamed")}
-  memory, prep = run_modules([
-      ("tfpar.train", vit + [f"--data={records}", f"--model_dir={dirs['mem']}"]),
-      ("tfpar.data", ["prepare", "--task=classify", f"--data={records}", f"--out={prepared_set}",
-                      "--image_size=8", "--num_channels=1", "--num_classes=10"])])
-  assert memory.returncode == 0 and prep.returncode == 0, memory.stderr[-2000:] + prep.stderr
-  streamed = run_modules([("tfpar.train", vit + [f"--data={prepared_set}",
-                                                 f"--model_dir={dirs['streamed']}"])])[0]
-  assert streamed.returncode == 0, streamed.stderr[-3000:]
+  # The prepare is the CLI's process; both trainings run in this process meanwhile.
+  prep = in_background(run_module, "tfpar.data", [
+      "prepare", "--task=classify", f"--data={records}", f"--out={prepared_set}",
+      "--image_size=8", "--num_channels=1", "--num_classes=10"])
+  train_in_process(vit + [f"--data={records}", f"--model_dir={dirs['mem']}"])
+  prep.result()
+  train_in_process(vit + [f"--data={prepared_set}", f"--model_dir={dirs['streamed']}"])
   assert len(losses(dirs["mem"])) == 4
   np.testing.assert_allclose(losses(dirs["streamed"]), losses(dirs["mem"]), rtol=1e-5)
 

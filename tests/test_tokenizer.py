@@ -12,7 +12,7 @@ import sysconfig
 import numpy as np
 import pytest
 
-from conftest import TINY, read_metrics, run_module, run_modules
+from conftest import TINY, read_metrics, run_module, run_modules, train_in_process
 from tfpar import tokenizer
 
 STDLIB = sysconfig.get_paths()["stdlib"]
@@ -89,12 +89,15 @@ def test_a_file_that_is_not_a_model(tmp_path):
 
 @pytest.fixture(scope="module")
 def sp_run(trained, tmp_path_factory):
-  """A Llama, 4 steps on the tokenizer's ids (vocab_size from the tokenizer), then the dir moved."""
+  """A Llama, 4 steps on the tokenizer's ids (vocab_size from the tokenizer), then the dir moved.
+
+  Trained in this process (conftest.train_in_process: the flags, checks and runner of
+  tfpar.train): what is under test is what the run writes, not a process start."""
   root = tmp_path_factory.mktemp("run")
-  run_module("tfpar.train", [*TINY, f"--data={STDLIB}/[a-c]*.py", f"--model_dir={root}/a",
-                             f"--tokenizer=sentencepiece:{trained[0]}", "--train_steps=4",
-                             "--architecture=llama", "--num_kv_heads=2", "--eval_every=4",
-                             "--checkpoint_every=4", "--nojit_compile"])
+  train_in_process([*TINY, f"--data={STDLIB}/[a-c]*.py", f"--model_dir={root}/a",
+                    f"--tokenizer=sentencepiece:{trained[0]}", "--train_steps=4",
+                    "--architecture=llama", "--num_kv_heads=2", "--eval_every=4",
+                    "--checkpoint_every=4", "--nojit_compile"])
   shutil.move(f"{root}/a", f"{root}/b")
   return str(root / "b")
 
@@ -119,11 +122,14 @@ def test_a_run_records_its_tokenizer_and_reports_loss_per_byte(trained, sp_run):
   assert 1.5 < ev["loss"] / ev["loss_per_byte"] < 6  # Bytes per held-out token.
 
 
-def test_generate_decodes_with_the_run_s_copy(trained, sp_run):
+def test_generate_decodes_with_the_run_s_copy(trained, sp_run, capsys):
+  """tfpar.generate's main in this process (its command line: tests/test_generate.py)."""
+  from tfpar.cli import generate  # pylint: disable=import-outside-toplevel
   with only_the_run_s_copy(trained):
-    proc = run_module("tfpar.generate", [f"--model_dir={sp_run}", "--prompt=def ",
-                                         "--max_new_tokens=5", "--temperature=0"])
-  assert proc.stdout.startswith("def ") and len(proc.stdout) > len("def \n")
+    generate.main(["generate", f"--model_dir={sp_run}", "--prompt=def ", "--max_new_tokens=5",
+                   "--temperature=0"])
+  out = capsys.readouterr().out
+  assert out.startswith("def ") and len(out) > len("def \n")
 
 
 def test_export_writes_the_run_s_tokenizer_into_the_preset(trained, sp_run, tmp_path):
