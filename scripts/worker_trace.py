@@ -7,7 +7,9 @@ K=N, the same --num_layers-block model, GPipe, XLA off), builds the engine
 each design runs and traces one training step (`tf.function`'s
 get_concrete_function of the step loop, nothing run) and prints, per N and
 design, the seconds that trace took and the ops of its graph (every function
-in its library counted):
+in its library counted); the trace's seconds are given as wall time and as the CPU time
+of the thread that traced (N processes on fewer cores wait for each other; the CPU time
+does not):
 
   chief        tfpar.parallel.remote: worker 0 connects to the cluster and
                traces every stage's ops (tfpar.engines.model_parallel);
@@ -72,10 +74,11 @@ def child(args):
     strategy = strategies.make_strategy(cfg.dist, from_env())
     engine = engines.make(cfg, strategy, corpus, task=task)
   iterator = engine.train_iterator(0)
-  start = time.perf_counter()
+  start, cpu = time.perf_counter(), time.thread_time()
   traced = engine._train_fn.get_concrete_function(iterator, tf.constant(1), False)  # pylint: disable=protected-access
-  seconds = time.perf_counter() - start
-  print("RESULT " + json.dumps({"seconds": seconds, "ops": op_count(traced.graph)}), flush=True)
+  seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
+  print("RESULT " + json.dumps({"seconds": seconds, "cpu": cpu, "ops": op_count(traced.graph)}),
+        flush=True)
   if args.design != "chief":  # Peers may still be tracing: the strategy's server must stay up.
     time.sleep(float(args.linger))
 
@@ -92,8 +95,9 @@ def main():
   if args.design:
     args.workers = len(json.loads(args.spec))
     return child(args)
-  print("| workers | design | trace s (worst worker) | graph ops (worst worker) |")
-  print("|---|---|---|---|")
+  print("| workers | design | trace s, wall (worst worker) | trace s, CPU of the tracing thread "
+        "(worst worker) | graph ops (worst worker) |")
+  print("|---|---|---|---|---|")
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
   for n in [int(x) for x in args.workers.split(",")]:
     for design in ("chief", "per-worker"):
@@ -111,7 +115,7 @@ def main():
           out, err = proc.communicate(timeout=900)
           lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
           if not lines:
-            print(f"| {n} | {design} | failed: {err.strip().splitlines()[-1:]} | |", flush=True)
+            print(f"| {n} | {design} | failed: {err.strip().splitlines()[-1:]} | | |", flush=True)
             break
           results.append(json.loads(lines[0][7:]))
       finally:
@@ -120,7 +124,8 @@ def main():
           proc.wait()
       if results:
         print(f"| {n} | {design} | {max(r['seconds'] for r in results):.2f} | "
-              f"{max(r['ops'] for r in results):,} |", flush=True)
+              f"{max(r['cpu'] for r in results):.2f} | {max(r['ops'] for r in results):,} |",
+              flush=True)
 
 
 if __name__ == "__main__":
