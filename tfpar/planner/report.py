@@ -224,8 +224,10 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
       f"(K x T = {K * T} devices, {cluster.devices_per_node} per node) -> "
       f"{p['time']['pipeline_comm']:.4g} s",
       f"  data {DATA_EXCHANGE[sharded and system.sharding_all_reduces]}, "
-      f"n = {r['params_per_device'][i]:,.0f} x {bpp[1]} B over D={D} -> "
-      f"{p['time']['data_comm']:.4g} s",
+      f"n = {r['params_per_device'][i]:,.0f} x {bpp[1]} B over D={D}"
+      + (", + the tied embedding's gradient all-reduced between the first and last stage"
+         if K > 1 and (system.vocab_parallel or cost.one_program_per_worker(system, cluster, K, T))
+         else "") + f" -> {p['time']['data_comm']:.4g} s",
       f"  step = M x slot + (K-1) x (slot/v + send) + data exchange = {p['step_seconds']:.4g} s; "
       f"TFLOP/s per device = step FLOPs / step / {D * K * T} = {p['tflops_per_device']:.2f}; "
       f"MFU = G(3 L layer + 3 logits) / step / devices / peak = {p['mfu']:.1%}",
