@@ -443,16 +443,15 @@ def test_zero3_holds_a_dth_of_the_state_and_gathers_the_weights_twice():
   assert r["data_comm"][1] == pytest.approx(want)
 
 
-def test_copies_across_nodes_sum_by_collectives_and_under_zero_by_placement():
-  """D=4 copies of a K=8 x T=2 replica on 64 A100s (nodes of 8), stages on different workers.
-  Unsharded, each worker runs its own program (tfpar.engines.stage_worker): a stage's 4 copies
-  all-reduce its gradient as one vector on the inter-node link (a ring), the first and last
+def test_copies_across_nodes_sum_by_collectives_under_every_sharding():
+  """D=4 copies of a K=8 x T=2 replica on 64 A100s (nodes of 8), stages on different workers,
+  each worker its own program (tfpar.engines.stage_worker) under none, zero1 and zero2 alike:
+  a stage's 4 copies all-reduce its gradient on the inter-node link (a ring), the first and last
   stage's workers sum the tied embedding's gradient, and the last stage holds that embedding's
-  copy; it holds the vector and its sum beside its gradients (2). No chief term. Under zero1
-  and zero2 the copies still run in the chief's one program (reduce_copies, PlanZero): zero1
-  the placed sum (3 quarters into each device and 3 of the sum back) and 3 new weight shards;
-  zero2 4 rounds, each 3 chunks into one copy's device, then the shards; a device holds its own
-  gradient, 3 received quarters and the joined sum (2.75), under zero2 4 quarters."""
+  copy; zero1 and zero2 then all-gather the 3 other copies' new weight shards (zero2's 4 chunked
+  rounds move one all-reduce's bytes). No chief term. Gradients held: the flat vector's sum
+  beside the gradient (2) unsharded and under zero1; under zero2 the gradient and 2 of the
+  sum's 4 shards (1.5). m and v: a quarter under zero1 and zero2."""
   a100 = clusters.parse("a100-80gb:64")
   plans = search.candidates(DEEP, a100, 64, cost.TFPAR, data_parallel=4, pipeline_stages=8,
                             tensor_parallel=2, microbatches=8, remat="none",
@@ -461,20 +460,20 @@ def test_copies_across_nodes_sum_by_collectives_and_under_zero_by_placement():
   assert list(r["sharding"]) == [0, 1, 2]
   bw, lat = a100.inter_bandwidth, a100.inter_latency
   embedding = plan_lib.count_params(DEEP).embedding
-  own, chief = r["params_per_device"][0] * 4, r["params_per_device"][1] * 4
-  assert r["params_per_device"][2] == r["params_per_device"][1]
-  # The last stage's copy of the embedding is on the busiest device of the per-worker plan only.
+  # The last stage's copy of the embedding is on the busiest device under every sharding.
   stage_params = cost.stages(DEEP, 8, 2, cost.TFPAR).params
-  assert own == 4 * max(stage_params[:-1].max(), stage_params[-1] + embedding)
-  assert chief == 4 * stage_params.max()
-  ring = 2 * 3 / 4 * own / bw + 6 * lat
+  n = 4 * max(stage_params[:-1].max(), stage_params[-1] + embedding)  # float32: weights too
+  assert (r["params_per_device"] * 4 == n).all()
+  ring = 2 * 3 / 4 * n / bw + 6 * lat
   tied = embedding * 4 / bw + 2 * lat
-  shards_back = 3 / 4 * chief / bw + lat
-  placed = 2 * (3 / 4 * chief / bw + lat)
-  assert r["data_comm"] == pytest.approx([ring + tied, placed + shards_back,
-                                          4 * (3 / 4 * chief / bw + lat) + shards_back])
-  assert r["gradients"] / r["weights"] == pytest.approx([2, 2.75, 1])
-  assert r["optimizer"] / r["weights"] == pytest.approx([2, 0.5, 0.5])
+  shards_back = 3 / 4 * n / bw + 3 * lat
+  assert r["data_comm"] == pytest.approx([ring + tied, ring + shards_back + tied,
+                                          ring + shards_back + tied])
+  # Memory: the device that needs the most (its activations too), the same under all three.
+  w = r["weights"][0]
+  assert (r["weights"] == w).all()
+  assert r["gradients"] == pytest.approx([2 * w, 2 * w, 1.5 * w])
+  assert r["optimizer"] == pytest.approx([2 * w, w / 2, w / 2])
 
 
 def test_every_plan_across_nodes_passes_tfpars_rules():

@@ -11,8 +11,9 @@ selective recompute q (0 or 1), optimizer sharding none, zero1, zero2 or zero3:
   bytes per parameter:          weights + gradients + optimizer (per System); zero1 divides
                                 the optimizer's by D, zero2 the summed gradient's too (tfpar
                                 keeps 2 of its D shards alive, tfpar.parallel.zero.state_bytes);
-                                tfpar's copies in one program (a replica spanning nodes) hold
-                                3 - 1/D gradients on a device (none, zero1), zero2 one;
+                                a tfpar stage worker (a replica spanning nodes) holds its
+                                gradient and the flat vector's sum (none, zero1: 2), under
+                                zero2 its gradient and 2 of the sum's D shards;
                                 zero3 (tfpar, K = T = 1: tfpar.parallel.zero3) divides all
                                 three by D and adds one part's gathered weights, its full
                                 gradient and that gradient's sum, P_part (w + 2g), P_part =
@@ -42,10 +43,9 @@ selective recompute q (0 or 1), optimizer sharding none, zero1, zero2 or zero3:
   data parallel:                the ring all-reduce of the busiest device's gradient over the
                                 D replicas (tfpar sharded: and an all-gather of its new weights);
                                 a tfpar replica spanning nodes runs one program per worker, its
-                                copies all-reduced by collective, the tied embedding summed
-                                between the first and last stage; under zero1/zero2 its D copies
-                                still run in the chief's program, summed by placement
-                                (`in_program_seconds`); zero3:
+                                copies all-reduced by collective (under zero1/zero2 too, then
+                                the new weight shards all-gathered), the tied embedding summed
+                                between the first and last stage; zero3:
                                 each of the L + 2 parts all-gathers its weights in the forward
                                 and again in the backward and all-reduces its gradient
                                 (`zero3_seconds`)
@@ -118,11 +118,11 @@ class System:
       plans only, every block recomputed).
     sharding_with_float16: whether it shards the optimizer under mixed_float16 (tfpar: no,
       its loss scaling is not sharded).
-    copies_in_one_program: tfpar's runtime for a replica whose K x T devices span nodes:
-      one program per worker (its copies all-reduced by collective, the last stage's worker
-      holding its own copy of the tied embedding), except under zero1 and zero2, whose D
-      copies run in the chief's one program, summed by placement (`in_program_seconds`);
-      else (Megatron) collectives everywhere.
+    program_per_worker: tfpar's runtime for a replica whose K x T devices span nodes: one
+      program per worker (tfpar.engines.stage_worker: a stage's copies summed by collective,
+      under every --optimizer_sharding but zero3, the last stage's worker holding its own
+      copy of the tied embedding); else (Megatron) collectives everywhere, one tied
+      embedding shard per stage.
     sharding_all_reduces: a sharded step all-reduces the gradient and then all-gathers
       the new weights (tfpar: ReplicaContext has no reduce-scatter); else it
       reduce-scatters and all-gathers, the bytes of one all-reduce.
@@ -148,7 +148,7 @@ class System:
   optimizer_bytes: Dict[str, int]
   shardings: Tuple[str, ...] = ("none",)
   sharding_with_float16: bool = True
-  copies_in_one_program: bool = False
+  program_per_worker: bool = False
   zero2_gradient_shards: int = 1
   sharding_all_reduces: bool = False
   regather: bool = False
@@ -165,9 +165,9 @@ TFPAR = System(
     optimizer_bytes={p: plan_lib.OPTIMIZER_SLOTS * _FP32 for p in COMPUTE_DTYPE},
     # tfpar.parallel.zero: m and v sharded (the float32 weights stay replicated); zero2's
     # chunked sum keeps its own shard and the one in flight; over the D copies of a
-    # model-parallel plan too, per device position, its copies in one program once a
-    # replica spans nodes (PlanZero: sums placed on the copies' devices).
-    shardings=SHARDINGS, sharding_with_float16=False, copies_in_one_program=True,
+    # model-parallel plan too, per device position, by collectives among a stage's copies
+    # once a replica spans nodes (tfpar.engines.stage_worker).
+    shardings=SHARDINGS, sharding_with_float16=False, program_per_worker=True,
     zero2_gradient_shards=2,
     sharding_all_reduces=True, activation_counts="tfpar")  # zero3: tfpar.parallel.zero3.
 MEGATRON = System(
@@ -371,16 +371,12 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   grad_share = np.where(z == 2, np.minimum(1.0, system.zero2_gradient_shards / D),
                         np.where(z == ZERO3, 1 / D, 1.0))
   weight_share = np.where(z == ZERO3, 1 / D, 1.0)
-  # A replica spanning nodes (stages on different workers): one program per worker, its
-  # copies summed by a collective (the flat vector and its sum held); under ZeRO its D copies
-  # still run in the chief's one program, summed by placement.
+  # A replica spanning nodes (stages on different workers): one program per worker, a
+  # stage's copies summed by collectives (`stage_worker_gradients` held).
   spanning = replica_spans_nodes(system, cluster, D, K, T)
-  own_programs = one_program_per_worker(system, cluster, K, T) & ~copies_in_one_program(
-      system, cluster, D, K, T, z)
+  own_programs = one_program_per_worker(system, cluster, K, T)
   embedding = plan_lib.count_params(m).embedding
-  placed = copies_in_one_program(system, cluster, D, K, T, z)
-  grad_share = np.where(placed, in_program_gradients(D, z),
-                        np.where(spanning & (z == 0), 1.0 + PER_WORKER_SUM_GRADIENTS, grad_share))
+  grad_share = np.where(spanning & (z != ZERO3), stage_worker_gradients(D, z, system), grad_share)
   slot = np.zeros(n)
   interleaved = sched == schedule_lib.INTERLEAVED
   for k, t, uniform in set(zip(plans.K.tolist(), plans.T.tolist(), interleaved.tolist())):
@@ -449,15 +445,13 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   # On a shared host a stage's idle time is another stage's working time: no bubble cost.
   # Else the fill and drain: K - 1 chunk slots (a chunk is 1/v of a stage) and sends.
   out["bubble"] = np.zeros(n) if cluster.shared else (K - 1) * (slot / v + p2p)
-  # Data parallel: the busiest device's gradients summed over the D copies (and, sharded,
-  # the new weight shards brought back): collectives, or placement in one program.
+  # Data parallel: the busiest device's gradients summed over the D copies by collectives
+  # (and, sharded, the new weight shards brought back).
   grads = out["params_per_device"] * system.grad_bytes[precision]
   weights = out["params_per_device"] * system.weight_bytes[precision]
   out["data_comm"] = np.where(
-      placed, in_program_seconds(grads, weights, D, z, cluster),
-      np.where(z == ZERO3, zero3_seconds(grads, weights, D, m.num_layers + 2, bw(D), lat(D)),
-               collective_seconds(grads, weights, D, z, bw(D * K * T), lat(D * K * T),
-                                  system)))
+      z == ZERO3, zero3_seconds(grads, weights, D, m.num_layers + 2, bw(D), lat(D)),
+      collective_seconds(grads, weights, D, z, bw(D * K * T), lat(D * K * T), system))
   # The tied embedding's two copies (first and last stage) sum their gradients once a step:
   # Megatron-LM's vocabulary-parallel shards, tfpar's workers of one program each.
   tied = (m.vocab_size * m.d_model / T if system.vocab_parallel else
@@ -487,26 +481,33 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
 PER_WORKER_SUM_GRADIENTS = 1.0
 
 
+def stage_worker_gradients(D, z, system: System):
+  """Gradients a stage worker holds at once (x its parameters' gradient bytes) when a stage's
+  D copies sum by collectives (tfpar.engines.stage_worker), modelled from the code, not
+  measured: unsharded and under zero1 the exchange sums the whole gradient as one flat
+  vector (p2p.Among.sum: a CollectiveReduceV2 per device), 1 + PER_WORKER_SUM_GRADIENTS;
+  zero1 then cuts its shard from the sum. zero2 (`_zero_step`, zero.reduce_scatter with
+  p2p.Among) sums D shard-sized chunks in turn, each sliced from the gradient, which stays
+  whole through the D rounds: 1 + the sum's shards alive (its own and the one in flight,
+  `zero2_gradient_shards` of D, as the data-parallel zero2 counts). The all-gathered new
+  weights are transient and not counted, as for every sharded plan here."""
+  D = np.asarray(D, dtype=float)
+  return 1.0 + np.where(np.asarray(z) == 2, np.minimum(1.0, system.zero2_gradient_shards / D),
+                        PER_WORKER_SUM_GRADIENTS)
+
+
 def replica_spans_nodes(system: System, cluster: Cluster, D, K, T) -> np.ndarray:
   """Which plans have D > 1 copies of a replica whose K x T devices span nodes (tfpar: stages
   on different workers, one program per worker, tfpar.engines.stage_worker)."""
   D, span = np.asarray(D, dtype=float), np.asarray(K, dtype=float) * T
-  return system.copies_in_one_program & (D > 1) & (span > cluster.devices_per_node)
+  return system.program_per_worker & (D > 1) & (span > cluster.devices_per_node)
 
 
 def one_program_per_worker(system: System, cluster: Cluster, K, T) -> np.ndarray:
   """Which plans put a replica's stages on different workers, each its own program
-  (tfpar.engines.stage_worker; under ZeRO with D > 1, `copies_in_one_program` instead)."""
+  (tfpar.engines.stage_worker, under every sharding the planner plans there)."""
   span = np.asarray(K, dtype=float) * T
-  return system.copies_in_one_program & (np.asarray(K) > 1) & (span > cluster.devices_per_node)
-
-
-def copies_in_one_program(system: System, cluster: Cluster, D, K, T, z) -> np.ndarray:
-  """Which plans' D copies still run in the chief's one program, summed by placement, not
-  collectives: ZeRO (zero1, zero2) on a replica spanning nodes (tfpar.config.rules.
-  one_program_per_worker runs only the plain sum as one program per worker)."""
-  z = np.asarray(z)
-  return replica_spans_nodes(system, cluster, D, K, T) & ((z == 1) | (z == 2))
+  return system.program_per_worker & (np.asarray(K) > 1) & (span > cluster.devices_per_node)
 
 
 def collective_seconds(grads, weights, D, z, bandwidth, latency, system: System):
@@ -534,40 +535,6 @@ def zero3_seconds(grads, weights, D, parts: int, bandwidth, latency):
   return np.where(D > 1, 2 * all_gather_seconds(weights, D, bandwidth, 0.0)
                   + all_reduce_seconds(grads, D, bandwidth, 0.0)
                   + (parts * 4 + 2) * (D - 1) * latency, 0.0)
-
-
-def in_program_seconds(grads, weights, D, z, cluster: Cluster):
-  """The data-parallel exchange of D copies in one program, by placement (tfpar.parallel.zero
-  PlanZero, tfpar.parallel.exchange reduce_copies), on the inter-node link of each device.
-
-  Copy d's device of a position and its peers sit on different nodes. n: a device's
-  gradient bytes (`grads`), w: its weight bytes (`weights`), B, a: the inter-node link.
-    none:  the placed sum (collectives.placed_sum): chunk d of every copy's gradient
-           summed on copy d's device, then every device joins the D chunks, each device
-           sending and receiving (D-1)/D n per phase, as a ring:   2 (D-1)/D n/B + 2a
-    zero1: the same sum on every copy's devices, each copy's shard cut from its own; then
-           the D new weight shards to every copy's device:  2 (D-1)/D n/B + 2a + (D-1)/D w/B + a
-    zero2: D rounds one after another (each waits for the previous one's squares), round d
-           sums chunk d of every copy on copy d's device; then the new shards as zero1:
-                                                    D ((D-1)/D n/B + a) + (D-1)/D w/B + a
-  One phase's transfers into a device share its link; phases do not overlap (as the ring's).
-  (A codec's sums land on copy 0's device instead: the planner plans no codec.)
-  """
-  D = np.asarray(D, dtype=float)
-  bw, a = cluster.inter_bandwidth, cluster.inter_latency
-  gather = (D - 1) / D * weights / bw + a
-  placed = 2 * (D - 1) / D * grads / bw + 2 * a
-  return np.select([z == 0, z == 1], [placed, placed + gather],
-                   D * ((D - 1) / D * grads / bw + a) + gather)
-
-
-def in_program_gradients(D, z):
-  """Gradients one device holds at once when D copies sum in one program, in device gradients:
-  its own, the D-1 chunks of 1/D it receives and their sum joined whole (none, zero1:
-  2 + (D-1)/D); under zero2 copy d's device receives chunk d of the D-1 others and sums it
-  (D chunks of 1/D: 1)."""
-  D = np.asarray(D, dtype=float)
-  return np.where(np.asarray(z) == 2, 1.0, 2 + (D - 1) / D)
 
 
 def stage_send_seconds(nbytes, K, T, cluster: Cluster, system: System):

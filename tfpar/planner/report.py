@@ -186,7 +186,6 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
          system.optimizer_bytes[precision])
   grads_held = round(r["gradients"][i] / bpp[1] / (r["weights"][i] / bpp[0]), 6)  # x its weights
   sharded = p["optimizer_sharding"] != "none"
-  placed = bool(cost.copies_in_one_program(system, cluster, D, K, T, cost.SHARDINGS.index(p['optimizer_sharding'])))
   lines = [
       "", "how the best plan's numbers come about (docs/planner.md has the sources):",
       f"  layer FLOPs/sequence = 2s(4h^2 + 2hf) + 4s^2h = 2*{s}*(4*{h}^2 + 2*{h}*{f}) + "
@@ -224,9 +223,11 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
       f"times, on the {'inter' if K * T > cluster.devices_per_node else 'intra'}-node link "
       f"(K x T = {K * T} devices, {cluster.devices_per_node} per node) -> "
       f"{p['time']['pipeline_comm']:.4g} s",
-      f"  data {DATA_EXCHANGE[placed, sharded and system.sharding_all_reduces]}, "
-      f"n = {r['params_per_device'][i]:,.0f} x {bpp[1]} B over D={D} -> "
-      f"{p['time']['data_comm']:.4g} s",
+      f"  data {DATA_EXCHANGE[sharded and system.sharding_all_reduces]}, "
+      f"n = {r['params_per_device'][i]:,.0f} x {bpp[1]} B over D={D}"
+      + (", + the tied embedding's gradient all-reduced between the first and last stage"
+         if K > 1 and (system.vocab_parallel or cost.one_program_per_worker(system, cluster, K, T))
+         else "") + f" -> {p['time']['data_comm']:.4g} s",
       f"  step = M x slot + (K-1) x (slot/v + send) + data exchange = {p['step_seconds']:.4g} s; "
       f"TFLOP/s per device = step FLOPs / step / {D * K * T} = {p['tflops_per_device']:.2f}; "
       f"MFU = G(3 L layer + 3 logits) / step / devices / peak = {p['mfu']:.1%}",
@@ -242,14 +243,11 @@ def explain(m, cluster, ranked: search.Ranked, precision: str, system) -> str:
   return "\n".join(lines)
 
 
-# The data-parallel exchange's formula, by (copies in one program, sharded); w = n in tfpar.
+# The data-parallel exchange's formula, by whether a sharded step all-gathers the new weights
+# after its all-reduce (tfpar); w = n in tfpar.
 DATA_EXCHANGE = {
-    (False, False): "all-reduce = 2(D-1)/D n/bw + 2(D-1) lat",
-    (False, True): "all-reduce + all-gather of the new weights = 3(D-1)/D n/bw + 3(D-1) lat",
-    (True, False): "sum placed in one program as a ring moves it, across nodes = "
-                   "2(D-1)/D n/bw + 2 lat",
-    (True, True): "sum placed in one program, across nodes (zero1: 3(D-1)/D n/bw + 3 lat; "
-                  "zero2: (D-1)(1 + 1/D) n/bw + (D+1) lat)",
+    False: "all-reduce = 2(D-1)/D n/bw + 2(D-1) lat",
+    True: "all-reduce + all-gather of the new weights = 3(D-1)/D n/bw + 3(D-1) lat",
 }
 IN_FLIGHT = {"gpipe": "M", "1f1b": "min(M, K-k)", "interleaved": "(2(K-k-1) + (v-1)K + 1)/v"}
 
