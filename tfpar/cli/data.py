@@ -74,8 +74,6 @@ def check_prepare_flags(fv) -> None:
     raise corpus.DataError(f"--workers={fv.workers} is for text (--task=lm): --task={fv.task} "
                            "prepares in one process, its images encoded on TensorFlow's "
                            "threads: drop --workers")
-  if "://" in fv.out:
-    console.import_tensorflow_quietly()  # Only a remote store's check needs tf.io.gfile.
   try:  # The output first: a tokenization that cannot be written is time lost.
     storage.check_output(fv.out, "out", directory=True)
   except (storage.NotWritable, storage.Unreachable) as e:
