@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -359,3 +360,50 @@ def test_a_corrupt_run_copy_of_the_tokenizer_is_named_not_the_original(tmp_path)
   assert f"the run's own copy of its tokenizer, {run / tokenizer.RUN_COPY}, is not" in message
   assert f"copy {original}" in message and "\n" not in message
   assert tokenizer.load(f"sentencepiece:{original}").vocab_size == VOCAB  # The original is fine.
+
+
+REFUSE_WITHOUT_TENSORFLOW = r'''
+import json, os, runpy, sys, tempfile
+found = []
+for module, argv in json.loads(sys.argv[1]):
+  sys.argv, saved = [module] + argv, os.dup(2)
+  with tempfile.TemporaryFile("w+") as err:
+    os.dup2(err.fileno(), 2)  # What the tool prints on stderr (fd 2: faulthandler wants one).
+    try:
+      runpy.run_module(module, run_name="__main__", alter_sys=True)
+      code = 0
+    except SystemExit as e:
+      code = e.code
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+    err.seek(0)
+    found.append([code, err.read(), "tensorflow" in sys.modules])
+print(json.dumps(found))
+'''
+
+
+def test_a_refused_local_path_answers_before_tensorflow_is_imported(tmp_path):
+  """The tools check a local --model_dir, --out and --image through tfpar.storage (os and open),
+  so refusing one costs ~0.3 s of CPU, not the ~5.5 s of importing TensorFlow. One process runs
+  each tool's main in turn, as `python -m` does, and asks sys.modules after each (train once:
+  it defines absl's global flags)."""
+  from conftest import REPO  # pylint: disable=import-outside-toplevel
+  fake = fake_run(tmp_path)
+  (tmp_path / "a_file").write_text("keep me")
+  cases = [
+      ("tfpar.cli.generate", ["--model_dir=/nonexistent/run"], "has no config.json"),
+      ("tfpar.cli.generate", [f"--model_dir={fake}", "--top_k=-1"], "--top_k=-1"),
+      ("tfpar.cli.export", [f"--model_dir={fake}", f"--out={tmp_path / 'a_file'}"], "is a file"),
+      ("tfpar.cli.predict", [f"--model_dir={fake}", "--image=x.png"], "holds a language model"),
+      ("tfpar.cli.train", TINY + [f"--model_dir={fake}", "--seed=7"], "--seed=7, but the run"),
+  ]
+  proc = subprocess.run(
+      [sys.executable, "-c", REFUSE_WITHOUT_TENSORFLOW,
+       json.dumps([[module, argv] for module, argv, _ in cases])],
+      capture_output=True, text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for (module, _, words), (code, stderr, imported) in zip(cases, json.loads(proc.stdout)):
+    assert code == 2 and stderr.count("\n") == 1 and words in stderr, (module, stderr)
+    assert not imported, (module, stderr)
+  assert (tmp_path / "a_file").read_text() == "keep me"

@@ -5,6 +5,13 @@ tfpar's own files (config.json, metrics.jsonl, plan.json, ps_steps.jsonl) go
 through these helpers, so `--model_dir=gs://bucket/run` (or s3://, hdfs://,
 or the in-memory ram:// the tests use) holds every file of a run.
 
+Questions and reads of a local path (no "://": exists, isdir, listdir, glob,
+read_text, read_bytes) go through Python's os and open, which answer alike
+(glob matches dot files, as TensorFlow's does); so the tools check their input
+before TensorFlow is imported, which costs seconds. A remote path imports it
+(quietly, tfpar.console) and goes through tf.io.gfile; so do writes and
+removals, which happen once TensorFlow runs.
+
 Appending: on object stores (GCS, S3) TensorFlow's filesystem implements
 append by rewriting the object, which costs one upload of the file per call;
 tfpar appends once per logged step, so that stays small.
@@ -20,10 +27,14 @@ temporary file when the write fails, so a failed write takes no space.
 
 import contextlib
 import errno
+import glob as glob_lib
 import os
 import re
+import sys
 import tempfile
-from typing import Iterable, Optional
+from typing import Iterable, List, Optional
+
+from tfpar import console
 
 # Why a write found no room, in libc's words (TensorFlow's messages quote them), and the fix.
 _NO_ROOM = {
@@ -117,10 +128,11 @@ def check_output(path: str, flag: str, *, directory: bool) -> None:
     Unreachable: a remote store that does not answer now.
   """
   what = "a directory (new or a run's)" if directory else "the path of a new file"
-  if "://" in path:
+  if is_remote(path):
+    gfile = _gfile()
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     try:
-      if _gfile().exists(path) and not directory and _gfile().isdir(path):  # exists() asks the store.
+      if gfile.exists(path) and not directory and gfile.isdir(path):  # exists() asks the store.
         raise NotWritable(f"--{flag}={path} is a directory: pass {what}")
     except tf.errors.OpError as e:
       raise describe_unreachable(f"--{flag}={path}", e) from None
@@ -147,20 +159,43 @@ def check_output(path: str, flag: str, *, directory: bool) -> None:
 
 
 def _gfile():
+  console.import_tensorflow_quietly()
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   return tf.io.gfile
 
 
+def is_remote(path: str) -> bool:
+  """A path of a filesystem TensorFlow provides (gs://, s3://, ram://), not a local one."""
+  return "://" in path
+
+
+def read_errors() -> tuple:
+  """What a failed question or read raises: OSError (a local path), and tf.errors.OpError once
+  TensorFlow is imported (a remote path imports it)."""
+  tf = sys.modules.get("tensorflow")
+  return (OSError,) if tf is None else (OSError, tf.errors.OpError)
+
+
 def exists(path: str) -> bool:
-  return _gfile().exists(path)
+  return _gfile().exists(path) if is_remote(path) else os.path.exists(path)
+
+
+def isdir(path: str) -> bool:
+  return _gfile().isdir(path) if is_remote(path) else os.path.isdir(path)
+
+
+def listdir(path: str) -> List[str]:
+  return _gfile().listdir(path) if is_remote(path) else os.listdir(path)
+
+
+def glob(pattern: str) -> list:
+  if is_remote(pattern):
+    return _gfile().glob(pattern)
+  return glob_lib.glob(pattern, include_hidden=True)
 
 
 def makedirs(path: str) -> None:
   _gfile().makedirs(path)
-
-
-def glob(pattern: str) -> list:
-  return _gfile().glob(pattern)
 
 
 def remove(path: str) -> None:
@@ -187,12 +222,19 @@ def discard(path: str) -> None:
 
 
 def read_text(path: str) -> str:
-  with _gfile().GFile(path, "r") as f:
+  """The file as UTF-8 text, its line ends as written."""
+  if is_remote(path):
+    with _gfile().GFile(path, "r") as f:
+      return f.read()
+  with open(path, encoding="utf-8", newline="") as f:
     return f.read()
 
 
 def read_bytes(path: str) -> bytes:
-  with _gfile().GFile(path, "rb") as f:
+  if is_remote(path):
+    with _gfile().GFile(path, "rb") as f:
+      return f.read()
+  with open(path, "rb") as f:
     return f.read()
 
 

@@ -74,8 +74,6 @@ def check_prepare_flags(fv) -> None:
     raise corpus.DataError(f"--workers={fv.workers} is for text (--task=lm): --task={fv.task} "
                            "prepares in one process, its images encoded on TensorFlow's "
                            "threads: drop --workers")
-  if "://" in fv.out:
-    console.import_tensorflow_quietly()  # Only a remote store's check needs tf.io.gfile.
   try:  # The output first: a tokenization that cannot be written is time lost.
     storage.check_output(fv.out, "out", directory=True)
   except (storage.NotWritable, storage.Unreachable) as e:
@@ -95,9 +93,14 @@ def main(argv: Sequence[str]) -> None:
     fail(str(e))
   if tasks.spec(fv.task).labels:  # A vision task's images, not text.
     return _prepare_images(fv)
+  try:  # A local SentencePiece model is read before TensorFlow is imported; keras-hub imports it.
+    if tokenizer_lib.parse(fv.tokenizer)[0] == "keras_hub":
+      console.import_tensorflow_quietly()
+    tok = tokenizer_lib.load(fv.tokenizer)
+  except tokenizer_lib.TokenizerError as e:
+    fail(str(e))
   console.import_tensorflow_quietly()
   try:
-    tok = tokenizer_lib.load(fv.tokenizer)
     files = corpus.list_files(fv.data)
     manifest = prepare(files, tok, fv.out, num_shards=fv.num_shards, workers=fv.workers,
                        overwrite=fv.overwrite, tfrecord_key=fv.tfrecord_key)

@@ -47,14 +47,13 @@ def check_out(out) -> None:
   """--out, before the weights are read: a new or empty directory that can be made (not under
   /proc or a file) on a store that answers (an unreachable gs:// is bad input here, exit 2: a
   person runs export, and nothing retries it)."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
   if not out:
     raise ConfigError("--out is not set: pass --out=DIR, the preset directory to write")
   try:  # First: the questions below would raise TensorFlow's own error on a store out of reach.
     storage.check_output(out, "out", directory=True)
   except (storage.NotWritable, storage.Unreachable) as e:
     raise ConfigError(str(e)) from None
-  if tf.io.gfile.exists(out) and (not tf.io.gfile.isdir(out) or tf.io.gfile.listdir(out)):
+  if storage.exists(out) and (not storage.isdir(out) or storage.listdir(out)):
     raise ConfigError(f"--out={out} exists and is not an empty directory: pass a new one")
 
 
@@ -73,11 +72,14 @@ def main(argv: Sequence[str]) -> None:
   fv = define_flags()
   if tool.parse_args(fv, argv, fail, doc=__doc__):
     return
+  try:  # Through tfpar.storage: a local path is checked before TensorFlow is imported.
+    generate.check_run_dir(fv.model_dir)
+    check_out(fv.out)
+  except (generate.GenerateError, ConfigError) as e:
+    fail(str(e))
   console.import_tensorflow_quietly()
   from tfpar.training.checkpoint import CheckpointMismatchError  # pylint: disable=import-outside-toplevel
   try:
-    generate.check_run_dir(fv.model_dir)
-    check_out(fv.out)
     task = export(fv.model_dir, fv.out)
   except (generate.GenerateError, tool.RunError, ConfigError, CheckpointMismatchError,
           tokenizer.TokenizerError) as e:

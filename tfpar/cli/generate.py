@@ -20,7 +20,7 @@ from typing import Callable, List, Sequence
 import numpy as np
 from absl import flags
 
-from tfpar import console
+from tfpar import console, storage
 from tfpar.cli import tool
 from tfpar.config import rundir
 from tfpar import tasks
@@ -49,20 +49,19 @@ class GenerateError(ValueError):
 
 def check_run_dir(d: str) -> None:
   """--model_dir holds a --task=lm run with a checkpoint (tfpar.export asks the same)."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  gfile = tf.io.gfile
   task = rundir.find_run(d, GenerateError, warn).model.task
   if tasks.spec(task).tool != "tfpar.generate":  # Say why, not "another version".
     raise GenerateError(f"--model_dir={d} holds a vision run (--task={task}), but "
                         "tfpar.generate samples text from a --task=lm run: pass the --model_dir "
                         "of one, or run python -m tfpar.predict on this one")
-  if not gfile.glob(os.path.join(d, "checkpoints", "ckpt-*.index")):
+  if not storage.glob(os.path.join(d, "checkpoints", "ckpt-*.index")):
     raise GenerateError(f"--model_dir={d} has no checkpoint yet: train into it first "
                         f"(python -m tfpar.train --model_dir={d} ...)")
 
 
 def check(fv: flags.FlagValues) -> None:
-  """Validates the flags and the run directory (through tf.io.gfile: gs:// works)."""
+  """Validates the flags and the run directory (through tfpar.storage: gs:// works, and a local
+  --model_dir is read before TensorFlow is imported)."""
   for flag in ("model_dir", "prompt"):
     line = console.not_utf8(flag, fv[flag].value)
     if line:
@@ -144,11 +143,11 @@ def main(argv: Sequence[str]) -> None:
   fv = define_flags()
   if tool.parse_args(fv, argv, fail, doc=__doc__):
     return
-  console.import_tensorflow_quietly()
   try:
     check(fv)
   except (GenerateError, ConfigError) as e:
     fail(str(e))
+  console.import_tensorflow_quietly()
   from tfpar.training.checkpoint import CheckpointMismatchError  # pylint: disable=import-outside-toplevel
   try:
     model, next_logits = load_model(fv.model_dir)

@@ -31,7 +31,7 @@ from typing import List, Sequence
 import numpy as np
 from absl import flags
 
-from tfpar import console
+from tfpar import console, storage
 from tfpar.cli import tool
 from tfpar.config import rundir
 from tfpar import tasks
@@ -56,17 +56,16 @@ class PredictError(ValueError):
 
 
 def list_images(path: str) -> List[str]:
-  """--image as a list of files (a directory: its images, sorted)."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  """--image as a list of files (a directory: its images, sorted), through tfpar.storage."""
   from tfpar.data.images import IMAGE_SUFFIXES  # pylint: disable=import-outside-toplevel
-  if tf.io.gfile.isdir(path):
-    files = sorted(os.path.join(path, f) for f in tf.io.gfile.listdir(path)
+  if storage.isdir(path):
+    files = sorted(os.path.join(path, f) for f in storage.listdir(path)
                    if f.lower().endswith(IMAGE_SUFFIXES) and not f.startswith("."))
     if not files:
       raise PredictError(f"--image={path} is a directory without images: pass an image "
                          "file or a directory of PNG/JPEG files")
     return files
-  if not tf.io.gfile.exists(path):
+  if not storage.exists(path):
     raise PredictError(f"--image={path} does not exist: pass an image file or a directory")
   return [path]
 
@@ -147,15 +146,15 @@ def main(argv: Sequence[str]) -> None:
   fv = define_flags()
   if tool.parse_args(fv, argv, fail, doc=__doc__):
     return
-  console.import_tensorflow_quietly()  # check() reads --model_dir through tf.io.gfile.
-  try:
+  try:  # Through tfpar.storage: a local path is checked before TensorFlow is imported.
     check(fv)
+    paths = list_images(fv.image)
   except (PredictError, ConfigError) as e:
     fail(str(e))
+  console.import_tensorflow_quietly()
   from tfpar.data.corpus import DataError  # pylint: disable=import-outside-toplevel
   from tfpar.training.checkpoint import CheckpointMismatchError  # pylint: disable=import-outside-toplevel
   try:
-    paths = list_images(fv.image)
     task, model = tool.load_run(fv.model_dir)  # check() refused a language model.
     output_dir = fv.output_dir or os.path.join(fv.model_dir, "predictions")
     lines = predict(task, model, paths, output_dir=output_dir, overlay=fv.overlay,

@@ -52,8 +52,6 @@ def check_train_flags(fv) -> None:
     raise tokenizer.TokenizerError(f"--vocab_size={fv.vocab_size} is more than SentencePiece can count "
                          f"({tokenizer.MAX_VOCAB_SIZE:,}): pass a vocabulary the text can fill, e.g. "
                          "--vocab_size=8000")
-  if "://" in fv.out:
-    console.import_tensorflow_quietly()  # Only a remote store's check needs tf.io.gfile.
   try:  # The output path first: a training that cannot be written is time lost.
     storage.check_output(fv.out, "out", directory=False)
   except (storage.NotWritable, storage.Unreachable) as e:

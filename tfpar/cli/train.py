@@ -31,6 +31,7 @@ from tfpar.config import cluster as cluster_lib
 from tfpar.config import config as config_lib
 from tfpar.cli import tool
 from tfpar.config import flags as tfpar_flags
+from tfpar.config import rundir
 from tfpar.config.schema import ConfigError
 from tfpar import status
 from tfpar import storage
@@ -49,6 +50,8 @@ def main(argv):
     fail(f"unexpected arguments {argv[1:]}: flags are written --name=value")
   try:  # The flags into a Config, then the same path as from Python (tfpar.trainer).
     cfg = config_lib.from_flags(FLAGS, warn=functools.partial(tool.warn, "train"))
+    if not storage.is_remote(cfg.train.model_dir):  # Trainer.fit's check of the run directory,
+      rundir.check_run(cfg)  # made here too before TensorFlow is imported (a gs:// one needs it).
     trainer = trainer_lib.Trainer(
         cfg, verbosity=FLAGS.verbosity if FLAGS["verbosity"].present else None)
     trainer.fit()

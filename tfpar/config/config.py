@@ -13,7 +13,7 @@ import json
 import os
 from typing import Optional, Tuple
 
-from tfpar import console, hub, tokenizer
+from tfpar import console, hub, storage, tokenizer
 from tfpar.config import rules as rules_lib
 from tfpar.config.rules import MAX_CPU_DEVICES, validate, validate_model
 from tfpar.config.rundir import RUN_CONFIG
@@ -87,17 +87,19 @@ def _tokenizer(f, init_from: Optional[str], resumed: Optional[dict]) -> str:
 def _vocab_size(f, spec: str) -> int:
   """--vocab_size, or the tokenizer's vocabulary; one smaller than that vocabulary is refused.
 
-  Reads a tokenizer file (through tf.io.gfile) only when one is named: the
-  embedding's rows must be known before the model is built.
+  Reads a tokenizer file (through tfpar.storage) only when one is named: the
+  embedding's rows must be known before the model is built. A local SentencePiece
+  model needs no TensorFlow, so a refusal of it costs no TensorFlow start.
   """
   try:
-    kind, _ = tokenizer.parse(spec)
+    kind, path = tokenizer.parse(spec)
     if kind == tokenizer.BYTES:
       return f.vocab_size if f.vocab_size is not None else VOCAB_SIZE
-    # Reading it may start TensorFlow's runtime: split the CPU first (a valid count only).
-    devices = getattr(f, "num_cpu_devices", 1)
-    console.import_tensorflow_quietly(
-        cpu_devices=devices if isinstance(devices, int) and devices <= MAX_CPU_DEVICES else 1)
+    if kind != "sentencepiece" or storage.is_remote(path):
+      # keras-hub (or gs://) may start TensorFlow's runtime: split the CPU first (a valid count).
+      devices = getattr(f, "num_cpu_devices", 1)
+      console.import_tensorflow_quietly(
+          cpu_devices=devices if isinstance(devices, int) and devices <= MAX_CPU_DEVICES else 1)
     size = tokenizer.load(spec, getattr(f, "model_dir", None)).vocab_size
   except tokenizer.TokenizerError as e:
     raise ConfigError(str(e)) from None

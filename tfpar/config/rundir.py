@@ -5,8 +5,9 @@ whole then renamed); a resume (`check_run`), tfpar.generate and tfpar.predict
 read it back with `load` (or `read_saved` and `from_saved`), so a field one
 tfpar version knows and another does not is handled alike everywhere: a
 missing one takes its default, an unknown one is dropped. Every file goes
-through tf.io.gfile (gs:// too); a file that cannot be read is one
-ConfigError line naming --model_dir and the fix.
+through tfpar.storage (gs:// too; a local path is checked without importing
+TensorFlow); a file that cannot be read is one ConfigError line naming
+--model_dir and the fix.
 """
 
 import dataclasses
@@ -73,17 +74,15 @@ def find_run(model_dir: str, error=ConfigError, warn=None) -> Config:
 def read_saved(model_dir: str) -> dict:
   """A run's config.json, parsed: tfpar.train (a resume), tfpar.generate and tfpar.predict.
 
-  Read through tf.io.gfile (gs:// too). Raises ConfigError, in one line, where
-  the file cannot be read or is not an object of sections.
+  Read through tfpar.storage (gs:// too; a local path without TensorFlow). Raises
+  ConfigError, in one line, where the file cannot be read or is not an object of sections.
   """
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
   try:
-    with tf.io.gfile.GFile(os.path.join(model_dir, RUN_CONFIG)) as f:
-      saved = json.load(f)
+    saved = json.loads(storage.read_text(os.path.join(model_dir, RUN_CONFIG)))
     if not isinstance(saved, dict) or not all(
         isinstance(saved.get(field.name, {}), dict) for field in dataclasses.fields(Config)):
       raise ValueError("not an object of sections model, data, train, ...")
-  except (ValueError, tf.errors.OpError) as e:
+  except (ValueError, *storage.read_errors()) as e:
     raise ConfigError(f"--model_dir={model_dir} has a config.json that cannot be read "
                       f"({str(e).splitlines()[0]}): restore it from the run's first flags, or "
                       "use a new --model_dir") from None
@@ -167,13 +166,12 @@ def _check_model_dir(cfg: Config) -> None:
     tfpar.storage.Unreachable: a remote filesystem (gs://) cannot be reached now.
   """
   path = cfg.train.model_dir
-  if "://" not in path:
+  if not storage.is_remote(path):
     _check_local_model_dir(path)
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel  # gfile only: reads gs:// too.
   try:
-    if not tf.io.gfile.exists(os.path.join(path, RUN_CONFIG)):
+    if not storage.exists(os.path.join(path, RUN_CONFIG)):
       return
-  except tf.errors.OpError as e:  # Never for a local path: a remote store that does not answer.
+  except storage.read_errors() as e:  # Never for a local path: a remote store that does not answer.
     raise storage.describe_unreachable(f"--model_dir={path}", e) from None
   saved = read_saved(path)
   saved_model, saved_train = saved.get("model"), saved.get("train", {})
