@@ -49,15 +49,27 @@ def all_reduce(op, tensors: List[tf.Tensor], devices: Optional[List[str]] = None
     return list(tensors)
   if devices is None:
     return ctx.all_reduce(op, list(tensors))
-  groups = by_device(devices)
-  packed = []
-  for device, indices in groups.items():
-    with tf.device(device):
-      packed.append(tf.concat([tf.reshape(tensors[i], [-1]) for i in indices], axis=0))
-  reduced = ctx.all_reduce(op, packed)
+  packs, vectors = pack(tensors, devices)
+  return unpack(packs, ctx.all_reduce(op, vectors), tensors)
+
+
+def pack(tensors: Sequence[tf.Tensor], devices: Sequence[Optional[str]]):
+  """([(device, indices)], [vector]): the tensors of one device and dtype concatenated into
+  one vector there (a pack), in first-seen order, to be reduced as one."""
+  packs = [(device, indices) for (device, _), indices in
+           by_device([(d, t.dtype) for d, t in zip(devices, tensors)]).items()]
+  vectors = []
+  for device, indices in packs:
+    with on_device(device):
+      vectors.append(tf.concat([tf.reshape(tensors[i], [-1]) for i in indices], axis=0))
+  return packs, vectors
+
+
+def unpack(packs, vectors: Sequence[tf.Tensor], tensors: Sequence[tf.Tensor]) -> List[tf.Tensor]:
+  """Each pack's (reduced) vector split back into its tensors' shapes, on the pack's device."""
   out = [None] * len(tensors)
-  for (device, indices), flat in zip(groups.items(), reduced):
-    with tf.device(device):
+  for (device, indices), flat in zip(packs, vectors):
+    with on_device(device):
       parts = tf.split(flat, [int(np.prod(tensors[i].shape)) for i in indices])
       for i, part in zip(indices, parts):
         out[i] = tf.reshape(part, tensors[i].shape)

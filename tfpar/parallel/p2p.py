@@ -38,7 +38,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import tensorflow as tf
 
-from tfpar.parallel.collectives import on_device
+from tfpar.parallel import collectives
 
 GROUP_BASE = 1 << 20  # Above MultiWorkerMirroredStrategy's own group keys (1, 2, ...).
 
@@ -174,18 +174,12 @@ class Among:
     return self.next_key - 1
 
   def _packed(self, tensors: List[tf.Tensor], reduce) -> List[tf.Tensor]:
-    packs: Dict[Tuple[str, tf.DType], List[int]] = {}
-    for j, t in enumerate(tensors):
-      packs.setdefault((t.device, t.dtype), []).append(j)
-    out: List[tf.Tensor] = [None] * len(tensors)
-    for (device, _), js in packs.items():
-      with on_device(device):
-        flat = tf.concat([tf.reshape(tensors[j], [-1]) for j in js], 0)
-        parts = tf.split(reduce(flat, self._key()),
-                         [tensors[j].shape.num_elements() for j in js])
-        for j, part in zip(js, parts):
-          out[j] = tf.reshape(part, tensors[j].shape)
-    return out
+    packs, vectors = collectives.pack(tensors, [t.device for t in tensors])
+    reduced = []
+    for (device, _), vector in zip(packs, vectors):
+      with collectives.on_device(device):
+        reduced.append(reduce(vector, self._key()))
+    return collectives.unpack(packs, reduced, tensors)
 
   def sum(self, per_copy, indices) -> List[tf.Tensor]:
     """The SUM over `members` of each of this worker's tensors (`per_copy`: [its list])."""
@@ -200,7 +194,7 @@ class Among:
                         lambda x, key: self.groups.max(x, self.members, key))
 
   def at(self, i: int):
-    return on_device(self.home[i] if self.home else None)
+    return collectives.on_device(self.home[i] if self.home else None)
 
   def all_gather(self, tensors: List[tf.Tensor], shard: int) -> List[tf.Tensor]:
     """[D * S_j] per tensor: this member's [S_j] (its `shard` of D) and every other
@@ -208,7 +202,7 @@ class Among:
     if len(self.members) == 1:
       return list(tensors)
     sizes = [int(t.shape.num_elements()) for t in tensors]
-    with on_device(tensors[0].device):
+    with collectives.on_device(tensors[0].device):
       row = tf.concat([tf.constant([float(shard)])] +
                       [tf.cast(t, tf.float32) for t in tensors], 0)[None]
       rows = self.groups.gather(row, self.members, self._key())
