@@ -72,7 +72,8 @@ from tfpar.parallel.stage_program import StageProgram
 from tfpar.parallel.zero import clip_factor
 from tfpar.training import initialise
 from tfpar.parallel.traffic import matrix_shape
-from tfpar.training.checkpoint import CanonicalCheckpointer, Slice, layout_slices, model_layout
+from tfpar.training.checkpoint import (CanonicalCheckpointer, Slice, layout_slices, model_layout,
+                                      relative_path)
 from tfpar.training.optimizer import inner_optimizer
 from tfpar.training.step import apply_or_skip
 
@@ -469,10 +470,8 @@ class StageWorkerEngine(Engine):
 
 
 def _paths(model) -> List[str]:
-  """Each trainable weight's path inside `model` (without the model's name)."""
-  prefix = model.name + "/"
-  return [v.path[len(prefix):] if v.path.startswith(prefix) else v.path
-          for v in model.trainable_variables]
+  """Each trainable weight's path inside `model`."""
+  return [relative_path(model, v) for v in model.trainable_variables]
 
 
 def _offsets(shapes, compressed: List[int], rank: int):

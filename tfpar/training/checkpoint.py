@@ -172,6 +172,13 @@ def _add(layout: Layout, name: str, axis, shard: int, var):
   entry[1][shard] = var
 
 
+def relative_path(model, variable) -> str:
+  """`variable`'s path inside `model`. Keras prefixes the model's name when weights are built
+  inside its call and not when built directly: the canonical name is relative to the model."""
+  prefix = model.name + "/"
+  return variable.path[len(prefix):] if variable.path.startswith(prefix) else variable.path
+
+
 def model_layout(model, optimizer=None, slots=None) -> Layout:
   """The canonical layout of one model copy and (optionally) its optimizer's slots.
 
@@ -185,12 +192,9 @@ def model_layout(model, optimizer=None, slots=None) -> Layout:
     def slots(var):
       index = opt._get_variable_index(var)  # pylint: disable=protected-access
       return opt._momentums[index], opt._velocities[index]  # pylint: disable=protected-access
-  prefix = model.name + "/"
   seed_states = 0
   for var in model.variables:
-    # Keras prefixes the model's name when weights are built inside its call
-    # and not when built directly: the canonical name is relative to the model.
-    path = var.path[len(prefix):] if var.path.startswith(prefix) else var.path
+    path = relative_path(model, var)
     if _SEED_STATE.search(path):  # Dropout RNG state: saved so that a resumed run continues it.
       path, seed_states = f"dropout_rng/{seed_states}", seed_states + 1
     name, axis, shard = canonical_name(path, model.rules, len(var.shape))
