@@ -23,6 +23,8 @@ from typing import Iterator, List, Optional, Sequence
 
 import numpy as np
 
+from tfpar import storage
+
 DOC_SEPARATOR = b"\x00"
 TFRECORD_SUFFIXES = (".tfrecord", ".tfrecords", ".tfrec")
 PIECE_BYTES = 1 << 20
@@ -85,7 +87,7 @@ def _records(path: str, tfrecord_key: str) -> Iterator[bytes]:
 
 
 def _unreadable(path: str, e) -> DataError:
-  return DataError(f"{path} cannot be read ({e.message.splitlines()[0]}): check the file or "
+  return DataError(f"{path} cannot be read ({storage.error_line(e)}): check the file or "
                    "its permissions, or pass another --data")
 
 
@@ -141,18 +143,17 @@ def _text_pieces(f, first: bytes) -> Iterator[bytes]:
 def iter_documents(path: str, tfrecord_key: str = "text") -> Iterator[Iterator[bytes]]:
   """The non-empty documents of one file, each as its `pieces`, holding one piece (a text
   file) or one record (TFRecords) at a time. Consume each document before the next."""
-  import tensorflow as tf
   if path.endswith(TFRECORD_SUFFIXES):
     for doc in _records(path, tfrecord_key):
       if doc:
         yield pieces(doc)
     return
   try:
-    with tf.io.gfile.GFile(path, "rb") as f:
+    with storage.open_file(path, "rb") as f:  # A local file: no TensorFlow (prepare's workers).
       first = f.read(PIECE_BYTES)
       if first:
         yield _text_pieces(f, first)
-  except tf.errors.OpError as e:
+  except storage.read_errors() as e:
     raise _unreadable(path, e) from None
 
 

@@ -24,7 +24,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from tfpar import console
+from tfpar import console, storage
 from tfpar.data import corpus, prepared
 
 _TOKENIZER = {}  # spec -> the tokenizer a worker process loaded.
@@ -39,7 +39,6 @@ def _tokenizer(spec: str):
 
 def _write_part(task) -> tuple:
   """Tokenizes one file into `part`: (document lengths with their separators, text bytes)."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
   path, spec, fingerprint, key, part = task
   tok = _tokenizer(spec)
   if tok.fingerprint != fingerprint:
@@ -48,7 +47,7 @@ def _write_part(task) -> tuple:
   dtype = "<" + np.dtype(prepared.dtype_for(tok.vocab_size)).str[1:]
   separator = np.array([tok.separator_id], dtype).tobytes()
   lengths = []
-  with tf.io.gfile.GFile(part, "wb") as f:
+  with storage.open_file(part, "wb") as f:
     for doc in corpus.iter_documents(path, key):
       n = 0
       for piece in doc:
@@ -57,7 +56,7 @@ def _write_part(task) -> tuple:
         n += len(ids)
       f.write(separator)
       lengths.append(n + 1)
-  return np.asarray(lengths, np.uint64), tf.io.gfile.stat(path).length
+  return np.asarray(lengths, np.uint64), storage.size(path)
 
 
 class Progress:
