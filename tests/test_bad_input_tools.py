@@ -384,10 +384,10 @@ print(json.dumps(found))
 
 
 def test_a_refused_local_path_answers_before_tensorflow_is_imported(tmp_path):
-  """The tools check a local --model_dir, --out and --image through tfpar.storage (os and open),
-  so refusing one costs ~0.3 s of CPU, not the ~5.5 s of importing TensorFlow. One process runs
-  each tool's main in turn, as `python -m` does, and asks sys.modules after each (train once:
-  it defines absl's global flags)."""
+  """The tools check a local --model_dir, --out, --image and --data through tfpar.storage (os
+  and open), so refusing one costs ~0.3 s of CPU, not the ~5.5 s of importing TensorFlow. One
+  process runs each tool's main in turn, as `python -m` does, and asks sys.modules after each
+  (train once: it defines absl's global flags)."""
   from conftest import REPO  # pylint: disable=import-outside-toplevel
   fake = fake_run(tmp_path)
   (tmp_path / "a_file").write_text("keep me")
@@ -397,7 +397,12 @@ def test_a_refused_local_path_answers_before_tensorflow_is_imported(tmp_path):
       ("tfpar.cli.export", [f"--model_dir={fake}", f"--out={tmp_path / 'a_file'}"], "is a file"),
       ("tfpar.cli.predict", [f"--model_dir={fake}", "--image=x.png"], "holds a language model"),
       ("tfpar.cli.train", TINY + [f"--model_dir={fake}", "--seed=7"], "--seed=7, but the run"),
+      ("tfpar.cli.data", ["prepare", "--data=/nonexistent/*.txt", f"--out={tmp_path / 'set'}"],
+       "--data=/nonexistent/*.txt matches no file"),
+      ("tfpar.cli.tokenizer", ["train", f"--data={tmp_path / 'empty'}", "--vocab_size=300",
+                               f"--out={tmp_path / 'tok.model'}"], "matches no file"),
   ]
+  (tmp_path / "empty").mkdir()
   proc = subprocess.run(
       [sys.executable, "-c", REFUSE_WITHOUT_TENSORFLOW,
        json.dumps([[module, argv] for module, argv, _ in cases])],

@@ -188,6 +188,11 @@ def listdir(path: str) -> List[str]:
   return _gfile().listdir(path) if is_remote(path) else os.listdir(path)
 
 
+def walk(path: str):
+  """(directory, subdirectories, file names) under `path`, as os.walk."""
+  return _gfile().walk(path) if is_remote(path) else os.walk(path)
+
+
 def glob(pattern: str) -> list:
   if is_remote(pattern):
     return _gfile().glob(pattern)

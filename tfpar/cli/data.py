@@ -99,9 +99,9 @@ def main(argv: Sequence[str]) -> None:
     tok = tokenizer_lib.load(fv.tokenizer)
   except tokenizer_lib.TokenizerError as e:
     fail(str(e))
-  console.import_tensorflow_quietly()
   try:
-    files = corpus.list_files(fv.data)
+    files = corpus.list_files(fv.data)  # A bad local --data refused before TensorFlow starts.
+    console.import_tensorflow_quietly()
     manifest = prepare(files, tok, fv.out, num_shards=fv.num_shards, workers=fv.workers,
                        overwrite=fv.overwrite, tfrecord_key=fv.tfrecord_key)
   except (tokenizer_lib.TokenizerError, corpus.DataError) as e:

@@ -69,9 +69,9 @@ def main(argv: Sequence[str]) -> None:
     check_train_flags(fv)
   except tokenizer.TokenizerError as e:
     fail(str(e))
-  console.import_tensorflow_quietly()
   try:
-    files = corpus.list_files(fv.data)
+    files = corpus.list_files(fv.data)  # A bad local --data refused before TensorFlow starts.
+    console.import_tensorflow_quietly()
     tok = tokenizer.train(files, vocab_size=fv.vocab_size, out=fv.out, tfrecord_key=fv.tfrecord_key)
   except (tokenizer.TokenizerError, corpus.DataError) as e:
     fail(str(e))

@@ -48,13 +48,12 @@ def list_files(data: Optional[str]) -> List[str]:
   """Expands --data (None, a file, a directory, or a glob) into a sorted list of files."""
   if data is None:
     return default_corpus_files()
-  import tensorflow as tf  # gfile reads local paths and gs:// alike.
-  if tf.io.gfile.isdir(data):
-    files = [os.path.join(root, name) for root, _, names in tf.io.gfile.walk(data)
+  if storage.isdir(data):  # A local path asks the OS (no TensorFlow yet), gs:// tf.io.gfile.
+    files = [os.path.join(root, name) for root, _, names in storage.walk(data)
              for name in names if not name.startswith(".")]
   else:
-    files = tf.io.gfile.glob(data)
-  files = sorted(f for f in files if not tf.io.gfile.isdir(f))
+    files = storage.glob(data)
+  files = sorted(f for f in files if not storage.isdir(f))
   if not files:
     raise DataError(f"--data={data} matches no file: pass a text file, a directory, a glob "
                     "or TFRecord shards")
