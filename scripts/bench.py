@@ -312,6 +312,7 @@ class System:
   """One row of a table: a label and how a child process builds it."""
   label: str
   build: Callable[[dict, str, int], object]  # (shape, precision, total_steps) -> a system
+  env: Optional[Dict[str, str]] = None  # Added to the child's environment (and its peer's).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,6 +398,9 @@ SECTIONS = {
             "pipeline": System("pipeline 2 stages x 4 micro-batches", _tfpar(*PIPELINE)),
             "pipeline_across": System("pipeline 2 x 4, one stage per worker process",
                                       _across(*ACROSS)),
+            "pipeline_across_split": System(
+                "pipeline 2 x 4 across 2 worker processes, 1 intra-op thread each",
+                _across(*ACROSS), env={"TF_NUM_INTRAOP_THREADS": "1"}),
             "tensor": System("tensor parallel 2", _tfpar(*TENSOR)),
             "one_device_noxla": System("one_device, --nojit_compile",
                                        _tfpar("--strategy=one_device", "--jit_compile=false")),
@@ -535,7 +539,7 @@ def run_section(name: str) -> dict:
   for i in range(FLAGS.rounds):
     for precision in precisions:
       for system in names:  # Alternated, so load drift hits every system alike.
-        runs.append(run_child(system, precision))
+        runs.append(run_child(system, precision, section.systems[system].env))
         r = runs[-1]
         print(f"  round {i + 1}: {system} {precision}: {r['tokens_per_sec']:,.0f} tokens/s, "
               f"peak {r['peak_gflops']:.0f} GFLOP/s, load {r['load_1min'][0]:.2f}"
