@@ -220,10 +220,11 @@ def test_1f1b_holds_the_plans_activations_and_gpipe_stays_under_its_bound(memory
 def test_each_buckets_sum_among_copies_waits_only_for_its_own_gradients(name, virtual):
   """One program per worker, D copies of a stage (tfpar.engines.stage_worker's plain sum):
   in worker 0's traced step (2 stages, 4 blocks, 2 micro-batches) the copies' sum is one
-  collective per bucket (one per block, then the embedding), issued in the order the backward
-  finishes them; each one's inputs (data and control, transitively) hold its own buckets'
-  final gradients and none of a later bucket's: it can run while the backward of the earlier
-  blocks does (the overlap). A sum after the whole backward waits for all of them."""
+  collective per bucket (one per block, then the embedding; under XLA one per chunk),
+  issued in the order the backward finishes them; each one's inputs (data and control,
+  transitively) hold its own bucket's final gradients and none of a later bucket's: it can
+  run while the backward of the earlier blocks does (the overlap). A sum after the whole
+  backward waits for all of them."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tfpar.config.schema import ModelConfig  # pylint: disable=import-outside-toplevel
   from tfpar.models.gpt.model import GPT  # pylint: disable=import-outside-toplevel
@@ -251,6 +252,9 @@ def test_each_buckets_sum_among_copies_waits_only_for_its_own_gradients(name, vi
   buckets = program.buckets(variables)
   mine = [b for c in range(0, chunks, 2) for b in blocks[c]]
   assert max(buckets) == len(mine)  # One bucket per block of worker 0, the embedding's last.
+  pipe.jit_compile = True  # Each chunk one XLA program: its blocks' gradients come at once.
+  assert max(program.buckets(variables)) == len(range(0, chunks, 2))
+  pipe.jit_compile = False
 
   grads = []  # The traced graph's own gradient tensors.
 

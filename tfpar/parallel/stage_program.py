@@ -31,12 +31,13 @@ Buckets (`buckets`): a block's gradient is final once the worker's last B unit
 of its chunk has run, and within that unit the backward reaches the chunk's
 blocks last to first. So the worker's weights fall into parts in the order
 their gradients become final: for each of its chunks, by where the chunk's
-last B unit comes, its blocks last to first; then everything else (the token
-embedding, final once the first chunk's backward is done and, tied, once its
-two holders have summed it; the head's norm). Consecutive parts join one
-bucket until it holds `cap` bytes (--all_reduce_pack_mb; 0: one bucket per
-part). The sum among a stage's copies (p2p.Among) reduces each bucket as soon
-as its gradients exist, while the backward of the later buckets still runs.
+last B unit comes, its blocks last to first (all in one part where the chunk
+is one XLA program); then everything else (the token embedding, final once
+the first chunk's backward is done and, tied, once its two holders have
+summed it; the head's norm). Consecutive parts join one bucket until it
+holds `cap` bytes (--all_reduce_pack_mb; 0: one bucket per part). The sum
+among a stage's copies (p2p.Among) reduces each bucket as soon as its
+gradients exist, while the backward of the blocks before them still runs.
 """
 
 import math
@@ -101,9 +102,12 @@ class StageProgram:
     position = {id(v): i for i, v in enumerate(variables)}
     parts, seen = [], set()
     for c in sorted(self.mine, key=last_b.get):
-      for b in reversed(self.pipeline.stage_blocks[c]):
-        part = [position[id(v)] for v in self.pipeline.model.blocks[b].trainable_variables
-                if id(v) in position]
+      blocks = [[b] for b in reversed(self.pipeline.stage_blocks[c])]
+      if self.pipeline.one_program(c):  # Its blocks' gradients come out together.
+        blocks = [sum(blocks, [])]
+      for part in blocks:
+        part = [position[id(v)] for b in part
+                for v in self.pipeline.model.blocks[b].trainable_variables if id(v) in position]
         parts.append(part)
         seen.update(part)
     parts.append([i for i in range(len(variables)) if i not in seen])
