@@ -19,7 +19,8 @@ its metrics.jsonl `step_time` over the log windows after the first (which
 holds the trace); reported: each configuration's median over rounds, every
 round's, their ratio, and each run's last loss (the same sums: the two must
 agree). `--jit_compile` (default false) picks XLA's per-chunk programs,
-whose backward finishes a chunk's blocks at once.
+whose backward finishes a chunk's blocks at once; `--extra` adds flags to
+both (e.g. --extra=--optimizer_sharding=zero1: ZeRO-1's sum, bucketed too).
 
     python scripts/overlap_bench.py --network
 
@@ -57,6 +58,8 @@ flags.DEFINE_integer("rounds", 3, "Jobs per configuration, alternated.")
 flags.DEFINE_integer("steps", 30, "Training steps per job.")
 flags.DEFINE_integer("log_every", 5, "Steps per timed window (and per tf.function call).")
 flags.DEFINE_bool("jit_compile", False, "tfpar's --jit_compile.")
+flags.DEFINE_list("extra", [], "More tfpar flags for both configurations, e.g. "
+                  "--extra=--optimizer_sharding=zero1.")
 flags.DEFINE_string("out", None, "Also write the runs and the summary here as JSON.")
 flags.DEFINE_bool("network", False, "Print what the overlap would hide on the planner's "
                   "clusters' links instead of measuring (the module docstring).")
@@ -71,7 +74,7 @@ CONFIGS = {"overlap": ["--all_reduce_pack_mb=0"], "after": ["--all_reduce_pack_m
 def run_one(extra, model_dir: str) -> dict:
   """One 4-worker job to the end: its step times (s) per window after the first, last loss."""
   shutil.rmtree(model_dir, ignore_errors=True)
-  args = SHAPE + JOB + extra + [
+  args = SHAPE + JOB + FLAGS.extra + extra + [
       f"--train_steps={FLAGS.steps}", f"--log_every={FLAGS.log_every}",
       f"--steps_per_call={FLAGS.log_every}", "--eval_steps=0",
       f"--checkpoint_every={10 * FLAGS.steps}", "--seed=0",

@@ -160,8 +160,10 @@ class Among:
   finishes them: StageProgram.buckets), `sum` packs and reduces each bucket on its own,
   bucket 0 first: a bucket's collectives read only its own gradients, so the executor
   starts them while the backward of the buckets after it still runs (the overlap of
-  each bucket's reduction with the backward). Every element is the same sum over the
-  same members; only the vector it travels in changes.
+  each bucket's reduction with the backward). Each bucket's sum waits for the previous
+  bucket's (a control dependency), so every member starts them in one order, as NCCL
+  needs; they share one link anyway. Every element is the same sum over the same
+  members; only the vector it travels in changes.
 
   Args:
     groups: the job's Groups.
@@ -192,15 +194,21 @@ class Among:
   def sum(self, per_copy, indices) -> List[tf.Tensor]:
     """The SUM over `members` of each of this worker's tensors (`per_copy`: [its list], tensor
     j variable indices[j]'s), bucket by bucket."""
-    tensors, out = list(per_copy[0]), [None] * len(per_copy[0])
-    add = lambda x, key: self.groups.sum(x, self.members, key)
+    tensors, out, done = list(per_copy[0]), [None] * len(per_copy[0]), []
+
+    def add(x, key):
+      with tf.control_dependencies(done):  # After the previous bucket's: one order everywhere.
+        return self.groups.sum(x, self.members, key)
+
     if not self.buckets:
       return self._packed(tensors, add)
     of = [self.buckets[i] for i in indices]
     for bucket in sorted(set(of)):
       js = [j for j, b in enumerate(of) if b == bucket]
-      for j, summed in zip(js, self._packed([tensors[j] for j in js], add)):
-        out[j] = summed
+      summed = self._packed([tensors[j] for j in js], add)
+      for j, s in zip(js, summed):
+        out[j] = s
+      done[:] = [s.op for s in summed]
     return out
 
   def peak(self, per_copy, indices) -> List[tf.Tensor]:
