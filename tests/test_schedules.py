@@ -214,3 +214,74 @@ def test_1f1b_holds_the_plans_activations_and_gpipe_stays_under_its_bound(memory
         stage, report)
     assert 0 < one_f_one_b["peak_bytes_per_stage"][stage] < gpipe["peak_bytes_per_stage"][stage]
   assert 0 < one_f_one_b["all_stages_bytes"] < gpipe["all_stages_bytes"]
+
+
+@pytest.mark.parametrize("name,virtual", [("1f1b", 1), ("interleaved", 2)])
+def test_each_buckets_sum_among_copies_waits_only_for_its_own_gradients(name, virtual):
+  """One program per worker, D copies of a stage (tfpar.engines.stage_worker's plain sum):
+  in worker 0's traced step (2 stages, 4 blocks, 2 micro-batches) the copies' sum is one
+  collective per bucket (one per block, then the embedding; under XLA one per chunk),
+  issued in the order the backward finishes them; each one's inputs (data and control,
+  transitively) hold its own bucket's final gradients and none of a later bucket's: it can
+  run while the backward of the earlier blocks does (the overlap). A sum after the whole
+  backward waits for all of them."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tfpar.config.schema import ModelConfig  # pylint: disable=import-outside-toplevel
+  from tfpar.models.gpt.model import GPT  # pylint: disable=import-outside-toplevel
+  from tfpar.parallel import p2p  # pylint: disable=import-outside-toplevel
+  from tfpar.parallel.exchange import AllReduce  # pylint: disable=import-outside-toplevel
+  from tfpar.parallel.pipeline import Pipeline  # pylint: disable=import-outside-toplevel
+  from tfpar.parallel.stage_program import StageProgram  # pylint: disable=import-outside-toplevel
+  from tfpar.tasks.task import cross_entropy  # pylint: disable=import-outside-toplevel
+
+  m = ModelConfig(seq_len=16, num_layers=4, d_model=32, num_heads=4, d_ff=64)
+  batch, chunks = 4, 2 * virtual
+  model = GPT(m)
+  blocks = [list(range(4))[c * 4 // chunks:(c + 1) * 4 // chunks] for c in range(chunks)]
+  workers = [c % 2 for c in range(chunks)]  # Worker 0: chunk 0 (and 2, interleaved).
+  model.build_embed()
+  for c in range(0, chunks, 2):
+    for i in blocks[c]:
+      model.blocks[i].build(model.block_shape)
+  variables = list(model.trainable_variables)
+  pipe = Pipeline(model, stage_blocks=blocks, stage_devices=["/device:CPU:0"] * chunks,
+                  microbatches=2, schedule=schedules.make(name, virtual),
+                  loss_fn=lambda logits, y: cross_entropy(logits, y, batch * m.seq_len))
+  groups = p2p.Groups(4)  # Worker 0's copy of its stage is worker 2.
+  program = StageProgram(pipe, workers, 0, groups, (tuple(model.block_shape[1:]), tf.float32))
+  buckets = program.buckets(variables)
+  mine = [b for c in range(0, chunks, 2) for b in blocks[c]]
+  assert max(buckets) == len(mine)  # One bucket per block of worker 0, the embedding's last.
+  pipe.jit_compile = True  # Each chunk one XLA program: its blocks' gradients come at once.
+  assert max(program.buckets(variables)) == len(range(0, chunks, 2))
+  pipe.jit_compile = False
+
+  grads = []  # The traced graph's own gradient tensors.
+
+  def step(tokens):
+    grads.extend(program.loss_and_grads(tokens, tokens, variables)[1])
+    among = p2p.Among(groups, [0, 2], 1000, [v.value.device for v in variables], buckets)
+    return AllReduce(variables, num_replicas=2).reduce_among(grads, among, False)
+
+  tokens = tf.zeros([batch, m.seq_len], tf.int32)
+  graph = tf.function(step).get_concrete_function(tokens).graph
+  sums = [op for op in graph.get_operations() if op.type == "CollectiveReduceV2"]
+  assert len(sums) == len(mine) + 1
+
+  def upstream(op):
+    seen, todo = set(), [op]
+    while todo:
+      o = todo.pop()
+      for x in [t.op for t in o.inputs] + list(o.control_inputs):
+        if x not in seen:
+          seen.add(x)
+          todo.append(x)
+    return seen
+
+  final = [{grads[i].op for i in range(len(variables)) if buckets[i] == b}
+           for b in range(len(sums))]
+  for b, op in enumerate(sums):
+    inputs = upstream(op)
+    assert final[b] <= inputs, b
+    for later in range(b + 1, len(sums)):
+      assert not final[later] & inputs, (b, later)

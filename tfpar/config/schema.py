@@ -220,7 +220,9 @@ class DistConfig:
   ps_shards: int = setting(1, "Partition large variables over this many parameter servers.")
   all_reduce_pack_mb: float = setting(  # 0: TensorFlow picks the pack size.
       0.0, "multi_worker_mirrored: pack the gradient all-reduce into chunks of this many MiB "
-      "(CommunicationOptions.bytes_per_pack; 0: TensorFlow decides).")
+      "(CommunicationOptions.bytes_per_pack; 0: TensorFlow decides); stages on different "
+      "workers: sum a stage's copies in buckets of blocks of this many MiB, each as soon as "
+      "the backward has finished it (0: one bucket per block).")
 
 
 @dataclasses.dataclass(frozen=True)

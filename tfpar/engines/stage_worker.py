@@ -22,7 +22,9 @@ The step on worker w, in the plan's schedule (GPipe, 1F1B, interleaved):
   3. D > 1: the sum of its gradients with the same stage's workers of the
      other copies, through the run's gradient exchange (plain float32, or a
      codec of tfpar.parallel.compression), whose sums are collectives among
-     those workers (p2p.Among);
+     those workers (p2p.Among), bucket by bucket: each bucket of blocks
+     (StageProgram.buckets, --all_reduce_pack_mb) summed as soon as the
+     backward has finished it, while the backward of earlier blocks runs;
   4. one SUM over every worker of the job of [its copy's last stage's loss
      share, its squared gradient norm] (counted by copy 0 only, the shared
      embedding once): the step's loss and gradient norm, the numbers one
@@ -161,6 +163,7 @@ class StageWorkerEngine(Engine):
     self.program = StageProgram(self.pipeline, chunk_workers, me, self.groups,
                                 (tuple(model.block_shape[1:]), _compute_dtype()))
     self.keys = self.program.keys
+    self.buckets = self.program.buckets(self.variables, cfg.dist.all_reduce_pack_mb * 2**20)
     self._initialise(initializers)
     self._gathered = None
     self.layouts = [self._state_layout()]
@@ -276,10 +279,12 @@ class StageWorkerEngine(Engine):
         parts = tf.split(summed, [self.variables[i].shape.num_elements() for i in self.shared])
         for i, part in zip(self.shared, parts):
           grads[i] = tf.reshape(part, self.variables[i].shape)
-      # Sums among this stage's copies: the exchange's (plain or a codec's) and ZeRO's.
+      # Sums among this stage's copies: the exchange's (plain or a codec's) and ZeRO's, each
+      # bucket's as soon as the backward has finished it (zero2's chunk by chunk instead).
       among = p2p.Among(self.groups, self.copies,
                         self.keys.extra(COMPRESSED_KEYS if compressed else COPY_KEYS),
-                        [v.value.device for v in self.variables])
+                        [v.value.device for v in self.variables],
+                        () if self.zero and self.zero.mode == "zero2" else self.buckets)
       if self.zero:
         return self._zero_step(loss, grads, among, compressed)
       if self.exchange is not None:

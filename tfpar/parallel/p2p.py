@@ -156,18 +156,28 @@ class Among:
   pack concatenated; the calls take consecutive instance keys from `first_key`, which
   matches them up because every member traces the same calls in the same order.
 
+  Buckets. Given `buckets` (each variable's bucket, numbered in the order the backward
+  finishes them: StageProgram.buckets), `sum` packs and reduces each bucket on its own,
+  bucket 0 first: a bucket's collectives read only its own gradients, so the executor
+  starts them while the backward of the buckets after it still runs (the overlap of
+  each bucket's reduction with the backward). Each bucket's sum waits for the previous
+  bucket's (a control dependency), so every member starts them in one order, as NCCL
+  needs; they share one link anyway. Every element is the same sum over the same
+  members; only the vector it travels in changes.
+
   Args:
     groups: the job's Groups.
     members: the workers, this one among them.
     first_key: the first instance key (a step's collectives among `members` take the keys
       from here on; a second trace of other shapes starts elsewhere).
     home: the device of each variable's gradient here (`at`).
+    buckets: the bucket of each variable (by the `indices` that `sum` gets); none: one.
   """
 
   def __init__(self, groups: Groups, members: Sequence[int], first_key: int,
-               home: Sequence[str] = ()):
+               home: Sequence[str] = (), buckets: Sequence[int] = ()):
     self.groups, self.members = groups, sorted(set(members))
-    self.next_key, self.home = first_key, list(home)
+    self.next_key, self.home, self.buckets = first_key, list(home), list(buckets)
 
   def _key(self) -> int:
     self.next_key += 1
@@ -182,10 +192,24 @@ class Among:
     return collectives.unpack(packs, reduced, tensors)
 
   def sum(self, per_copy, indices) -> List[tf.Tensor]:
-    """The SUM over `members` of each of this worker's tensors (`per_copy`: [its list])."""
-    del indices
-    return self._packed(list(per_copy[0]),
-                        lambda x, key: self.groups.sum(x, self.members, key))
+    """The SUM over `members` of each of this worker's tensors (`per_copy`: [its list], tensor
+    j variable indices[j]'s), bucket by bucket."""
+    tensors, out, done = list(per_copy[0]), [None] * len(per_copy[0]), []
+
+    def add(x, key):
+      with tf.control_dependencies(done):  # After the previous bucket's: one order everywhere.
+        return self.groups.sum(x, self.members, key)
+
+    if not self.buckets:
+      return self._packed(tensors, add)
+    of = [self.buckets[i] for i in indices]
+    for bucket in sorted(set(of)):
+      js = [j for j, b in enumerate(of) if b == bucket]
+      summed = self._packed([tensors[j] for j in js], add)
+      for j, s in zip(js, summed):
+        out[j] = s
+      done[:] = [s.op for s in summed]
+    return out
 
   def peak(self, per_copy, indices) -> List[tf.Tensor]:
     """The largest value over `members` of each [1]-shaped tensor."""

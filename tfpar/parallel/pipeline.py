@@ -120,7 +120,7 @@ class Pipeline:
     jit = lambda fn: compile_on(fn, self.stage_devices[k], model.variables)
     if not self.jit_compile:
       fns = [fn for fn, _ in pieces]
-    elif not any(model.blocks[i].tensor_shards > 1 for i in self.stage_blocks[k]):
+    elif self.one_program(k):
       # One program, but the head (which may read a weight of another stage:
       # the tied embedding) apart, so its foreign weights bind only there.
       head = [jit(pieces.pop()[0])] if k == last else []
@@ -129,6 +129,12 @@ class Pipeline:
       fns = [jit(fn) if alone else fn for fn, alone in pieces]
     self._stages[key] = _chain(fns)
     return self._stages[key]
+
+  def one_program(self, k: int) -> bool:
+    """Whether stage k's blocks run as one XLA program (--jit_compile, none split): their
+    gradients then come out of one op together."""
+    return self.jit_compile and not any(self.model.blocks[i].tensor_shards > 1
+                                        for i in self.stage_blocks[k])
 
   def _forward(self, inputs, targets, per_microbatch, training: bool):
     """per_microbatch(outputs, targets) of every micro-batch, on the last stage."""

@@ -26,8 +26,21 @@ Collectives are matched by key, so nothing else can mix them up.
 Each weight's gradient is summed over the micro-batches as its B units come
 (on its device, before the worker's next unit, as in one program's 1F1B).
 The step's loss is the last chunk's sum over micro-batches (zero elsewhere).
+
+Buckets (`buckets`): a block's gradient is final once the worker's last B unit
+of its chunk has run, and within that unit the backward reaches the chunk's
+blocks last to first. So the worker's weights fall into parts in the order
+their gradients become final: for each of its chunks, by where the chunk's
+last B unit comes, its blocks last to first (all in one part where the chunk
+is one XLA program); then everything else (the token embedding, final once
+the first chunk's backward is done and, tied, once its two holders have
+summed it; the head's norm). Consecutive parts join one bucket until it
+holds `cap` bytes (--all_reduce_pack_mb; 0: one bucket per part). The sum
+among a stage's copies (p2p.Among) reduces each bucket as soon as its
+gradients exist, while the backward of the blocks before them still runs.
 """
 
+import math
 from typing import Dict, List, Sequence
 
 import tensorflow as tf
@@ -79,6 +92,33 @@ class StageProgram:
     stages = self.chunks // schedule.virtual
     table = schedules.timetable(stages, self.pipeline.microbatches, schedule.virtual, schedule)
     return [u for tick in zip(*table) for u in tick if u is not None and u[1] in self.mine]
+
+  def buckets(self, variables, cap: float = 0) -> List[int]:
+    """The bucket of each of `variables` (this worker's own), numbered in the order their
+    gradients become final (the module docstring); `cap`: bytes a bucket fills up to."""
+    units = self.units()
+    last_b = {c: max(n for n, u in enumerate(units) if u[0] == "B" and u[1] == c)
+              for c in self.mine}
+    position = {id(v): i for i, v in enumerate(variables)}
+    parts, seen = [], set()
+    for c in sorted(self.mine, key=last_b.get):
+      blocks = [[b] for b in reversed(self.pipeline.stage_blocks[c])]
+      if self.pipeline.one_program(c):  # Its blocks' gradients come out together.
+        blocks = [sum(blocks, [])]
+      for part in blocks:
+        part = [position[id(v)] for b in part
+                for v in self.pipeline.model.blocks[b].trainable_variables if id(v) in position]
+        parts.append(part)
+        seen.update(part)
+    parts.append([i for i in range(len(variables)) if i not in seen])
+    out, bucket, filled = [0] * len(variables), 0, 0
+    for part in (p for p in parts if p):
+      if filled and filled >= cap:
+        bucket, filled = bucket + 1, 0
+      for i in part:
+        out[i] = bucket
+        filled += math.prod(variables[i].shape) * tf.as_dtype(variables[i].dtype).size
+    return out
 
   def loss_and_grads(self, inputs, targets, variables) -> tuple:
     """(this worker's share of the loss: the last chunk's, else 0; dense gradients of

@@ -476,16 +476,18 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
   return out
 
 
-# tfpar.engines.stage_worker sums a stage's copies as one flat vector: it holds that vector
-# and its sum beside the accumulated gradients (modelled from the code, not measured).
+# tfpar.engines.stage_worker sums a stage's copies as one flat vector per bucket: it holds
+# the vectors and their sums beside the accumulated gradients (modelled from the code, not
+# measured).
 PER_WORKER_SUM_GRADIENTS = 1.0
 
 
 def stage_worker_gradients(D, z, system: System):
   """Gradients a stage worker holds at once (x its parameters' gradient bytes) when a stage's
   D copies sum by collectives (tfpar.engines.stage_worker), modelled from the code, not
-  measured: unsharded and under zero1 the exchange sums the whole gradient as one flat
-  vector (p2p.Among.sum: a CollectiveReduceV2 per device), 1 + PER_WORKER_SUM_GRADIENTS;
+  measured: unsharded and under zero1 the exchange sums the whole gradient, a flat vector
+  per bucket (p2p.Among.sum: a CollectiveReduceV2 per bucket and device), at most
+  1 + PER_WORKER_SUM_GRADIENTS;
   zero1 then cuts its shard from the sum. zero2 (`_zero_step`, zero.reduce_scatter with
   p2p.Among) sums D shard-sized chunks in turn, each sliced from the gradient, which stays
   whole through the D rounds: 1 + the sum's shards alive (its own and the one in flight,
