@@ -60,6 +60,7 @@ from conftest import (TINY, assert_same_state, read_metrics, run_modules,
                       train_in_process)
 from test_compression import reduce_steps
 from test_launch import Launched, assert_every_line_prefixed, group_alive
+from test_vit import VIT
 
 STEPS = 4
 BASE = TINY + [f"--train_steps={STEPS}", "--eval_every=0", "--checkpoint_every=2"]
@@ -81,6 +82,10 @@ K4 = ["--strategy=multi_worker_mirrored", "--pipeline_stages=4", "--microbatches
 BF16 = ["--precision=mixed_bfloat16", "--xla_auto_clustering=none", "--grad_compression=powersgd",
         "--powersgd_rank=2", "--powersgd_min_size=0", "--microbatches=2",
         "--pipeline_schedule=1f1b"]
+
+
+# The ViT on the digits (tests/test_vit.py) over 2 workers x 1 stage, against one device.
+VIT_CROSS = ["--strategy=multi_worker_mirrored", "--pipeline_stages=2", "--microbatches=2"]
 
 
 # Steps enough that the chief's save (within a second of the server's SIGTERM, the relay's
@@ -116,14 +121,18 @@ def run_cross_worker(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   shutil.copytree(dirs["one_nojit"], dirs["four"])
   drop_checkpoint(dirs["four"], STEPS)
-  four, k4 = run_modules([
+  dirs["vit"] = str(tmp_path / "vit")
+  four, k4, vit = run_modules([
       ("tfpar.launch", launch_args(4, CROSS + FOUR + [f"--model_dir={dirs['four']}"]),
        {"timeout": 600}),
-      ("tfpar.launch", launch_args(4, K4 + [f"--model_dir={dirs['k4']}"]), {"timeout": 600})])
-  for proc in (four, k4):
+      ("tfpar.launch", launch_args(4, K4 + [f"--model_dir={dirs['k4']}"]), {"timeout": 600}),
+      ("tfpar.launch", ["--num_workers=2", "--"] + VIT + VIT_CROSS +
+       [f"--model_dir={dirs['vit']}"], {"timeout": 600})], at_once=3)
+  for proc in (four, k4, vit):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return dirs, {"four": four.stdout + four.stderr, "bf16": first[2].stdout + first[2].stderr,
-                "two": first[0].stdout + first[0].stderr, "k4": k4.stdout + k4.stderr}
+                "two": first[0].stdout + first[0].stderr, "k4": k4.stdout + k4.stderr,
+                "vit": vit.stdout + vit.stderr}
 
 
 def run_stage_worker_faults(tmp_path):
@@ -195,6 +204,25 @@ def test_four_workers_each_in_its_own_program_match_one_device(cross_worker_runs
                for n in (name, "one_nojit"))
   assert sorted(got) == sorted(want)
   assert_same_state(got, want, f"{name}: 4 workers vs one device at the last step")
+
+
+def test_a_vision_task_across_workers_trains_and_evaluates_as_one_device(cross_worker_runs,
+                                                                        tmp_path):
+  """--task=classify, 2 workers x 1 stage, each its own program: one device's loss per
+  step, gradient norm and held-out loss and accuracy (the last stage's worker computes the
+  per-example outputs, every worker gets them by one sum over the job)."""
+  dirs, outs = cross_worker_runs
+  assert "one program per worker, stages ['worker:0', 'worker:1']" in outs["vit"]
+  reference = str(tmp_path / "vit_one_device")
+  train_in_process(VIT + [f"--model_dir={reference}"])
+  got, want = read_metrics(dirs["vit"]), read_metrics(reference)
+  assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3]
+  for key, rtol in (("loss", 1e-5), ("grad_norm", 1e-4)):
+    np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=rtol,
+                               err_msg=key)
+  (got,), (want,) = (read_metrics(d, "eval") for d in (dirs["vit"], reference))
+  assert got["accuracy"] == want["accuracy"] and sorted(got) == sorted(want)
+  np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
 
 
 def test_plan_says_which_worker_holds_which_stage_under_which_schedule(cross_worker_runs):

@@ -416,11 +416,10 @@ def stages_across_workers(cfg: Config, devices_per_worker: int) -> bool:
 def one_program_per_worker(cfg: Config, num_workers: int, devices_per_worker: int) -> bool:
   """Whether a plan whose replica spans workers runs as one program per worker
   (tfpar.engines.stage_worker) rather than from the chief's program over every worker
-  (tfpar.parallel.remote, whose other workers only serve): every plan of a task whose eval
-  output is its loss (a language model), whatever its --optimizer_sharding (zero1, zero2)
-  and --grad_compression; a task that evaluates more runs from the chief's program."""
-  return (stages_across_workers(cfg, devices_per_worker) and
-          tasks.spec(cfg.model.task).eval_is_loss)
+  (tfpar.parallel.remote, whose other workers only serve): every such plan, of every task,
+  whatever its --optimizer_sharding (zero1, zero2) and --grad_compression."""
+  del num_workers
+  return stages_across_workers(cfg, devices_per_worker)
 
 
 def stage_servers(cfg: Config, num_workers: int, devices_per_worker: int) -> bool:
