@@ -61,7 +61,6 @@ import pytest
 
 from conftest import (TINY, assert_same_state, read_metrics, run_modules,
                       train_in_process)
-from test_compression import reduce_steps
 from test_launch import Launched, assert_every_line_prefixed, group_alive
 from test_vit import VIT
 
@@ -356,78 +355,3 @@ def test_a_stage_worker_s_sigterm_saves_and_its_kill_9_restarts_the_whole_job(
   for key, rtol in (("loss", 1e-5), ("grad_norm", 1e-4)):
     np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=rtol,
                                err_msg=key)
-
-
-@pytest.mark.parametrize("method", ["fp16", "bf16", "powersgd"])
-def test_a_codec_sums_copies_in_one_program_as_replicas_do(method):
-  """reduce_copies (the chief's one program over every copy) against reduce in replica context.
-
-  3 steps of 2 copies' hand-made gradients (PowerSGD's residuals and Q carry
-  over): the same sums, residuals and Q, each copy's state on its own device.
-  Two copies, as in the runs above: a sum of two is the same in any order
-  (of more, Grappler may reorder the program's AddN, and a float16 sum
-  rounds by its order).
-  """
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tfpar.config.schema import CompressionConfig  # pylint: disable=import-outside-toplevel
-  from tfpar.parallel.compression import make_exchange  # pylint: disable=import-outside-toplevel
-  from tfpar.layout.placement import device_key  # pylint: disable=import-outside-toplevel
-  rng = np.random.default_rng(2)
-  shapes = [(40, 24), (24,), (8, 8), (24, 16)]  # Two compressed matrices, a vector, a small one.
-  # Magnitudes as different as a gradient's (fp16 scales each tensor by its own peak).
-  grads = [[[(rng.normal(size=s) * 10.0**-k).astype(np.float32) for k, s in enumerate(shapes)]
-            for _ in range(2)] for _ in range(3)]
-  settings = dict(rank=2, min_size=100) if method == "powersgd" else {}
-  devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
-  want, replicas = reduce_steps(tf.distribute.MirroredStrategy(
-      devices, cross_device_ops=tf.distribute.ReductionToOneDevice()), method, shapes, grads,
-                                **settings)
-  copies = make_exchange(CompressionConfig(method=method, **settings),
-                         [tf.Variable(tf.zeros(s)) for s in shapes], num_replicas=2,
-                         state_devices=[[d] * len(shapes) for d in devices])
-  step = tf.function(lambda per_copy: copies.reduce_copies(per_copy))
-  for step_grads, step_want in zip(grads, want):
-    got = step([[tf.constant(g) for g in copy] for copy in step_grads])
-    for a, b in zip(got[0], got[1]):  # A codec's sums: one list, read by both copies.
-      np.testing.assert_array_equal(a, b)
-    for i, (a, b) in enumerate(zip(got[0], step_want[0])):
-      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max(), err_msg=i)
-  assert copies.traffic[True] == replicas.traffic[True]
-  if method == "powersgd":
-    assert sorted(copies.error[0]) == [0, 3]
-    for mine, theirs, device in zip(copies.error + copies.q, replicas.error + replicas.q,
-                                    devices * 2):
-      for i in mine:
-        assert device_key(mine[i].device) == device_key(device)
-        np.testing.assert_allclose(mine[i].numpy(), theirs[i].numpy(), rtol=1e-5, atol=1e-6)
-
-
-def test_the_plain_sum_of_copies_in_one_program_lands_on_every_copys_devices():
-  """reduce_copies without a codec (collectives.placed_sum): each copy gets the sum on its
-  own devices, equal to numpy's sum of the copies in order, for tensors too small to cut
-  into D chunks as well; the bytes counted are one copy's gradients."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tfpar.config.schema import CompressionConfig  # pylint: disable=import-outside-toplevel
-  from tfpar.parallel.compression import make_exchange  # pylint: disable=import-outside-toplevel
-  from tfpar.layout.placement import device_key  # pylint: disable=import-outside-toplevel
-  rng = np.random.default_rng(3)
-  shapes = [(7, 5), (2,), (3, 4, 2)]  # 35 elements in 3 unequal chunks, 2 in 3 (one empty).
-  devices = [d.name for d in tf.config.list_logical_devices("CPU")[:3]]
-  # Copy c's gradient of variable i on its own device; variable 1's on another one of c's.
-  places = [[devices[c], devices[(c + 1) % 3], devices[c]] for c in range(3)]
-  grads = [[rng.normal(size=s).astype(np.float32) for s in shapes] for _ in range(3)]
-  copies = make_exchange(CompressionConfig(method="none"),
-                         [tf.Variable(tf.zeros(s)) for s in shapes], num_replicas=3,
-                         state_devices=places)
-  step = tf.function(lambda per_copy: copies.reduce_copies(per_copy))
-  inputs = [[tf.constant(g) for g in copy] for copy in grads]
-  got = step(inputs)
-  placed = step.get_concrete_function(inputs).structured_outputs  # The graph's own tensors.
-  for c in range(3):
-    for i, want in enumerate(grads[0][i] + grads[1][i] + grads[2][i] for i in range(3)):
-      np.testing.assert_allclose(got[c][i].numpy(), want, rtol=1e-6, err_msg=(c, i))
-      op = placed[c][i].op
-      while op.type == "Identity" and not op.device:  # The function's output marker.
-        op = op.inputs[0].op
-      assert device_key(op.device) == device_key(places[c][i]), (c, i, op.type)
-  assert copies.traffic[True].bytes == 4 * sum(np.prod(s) for s in shapes)

@@ -1,8 +1,8 @@
 """One program per worker: the engine of a pipeline whose stages are worker processes.
 
 When a plan's replica spans workers (tfpar.config.rules.worker_layout: W = K x T / G
-workers per replica, D = N / W copies) and tfpar.config.rules.one_program_per_worker
-says so, every worker of the job runs this engine in its own process, under
+workers per replica, D = N / W copies: tfpar.config.rules.stages_across_workers),
+whatever the task, every worker of the job runs this engine in its own process, under
 the job's MultiWorkerMirroredStrategy (which sets up the collective executor
 and serves the loop's agreement on when to stop and save; it runs no step).
 Worker w holds only the chunks the plan puts on its devices (its copy d's row
