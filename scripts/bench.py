@@ -152,7 +152,7 @@ class TfparSystem:
   """tfpar's own engine for these flags (as tfpar.runner builds it), fed by its own pipeline.
 
   Under TF_CONFIG, with stages on other workers (tfpar.config.rules.stages_across_workers),
-  this process is the chief and places them there (tfpar.parallel.remote), as the runner does.
+  this process runs its own stages (tfpar.engines.stage_worker), as the runner does.
   """
 
   def __init__(self, shape: dict, precision: str, total_steps: int, extra_flags: List[str],
@@ -171,17 +171,11 @@ class TfparSystem:
     from tfpar.data import pipeline  # pylint: disable=import-outside-toplevel
     from tfpar import engines  # pylint: disable=import-outside-toplevel
     from tfpar.layers import attention  # pylint: disable=import-outside-toplevel
-    from tfpar.parallel import remote  # pylint: disable=import-outside-toplevel
-
-    from tfpar.config import rules  # pylint: disable=import-outside-toplevel
     from tfpar.config.cluster import from_env  # pylint: disable=import-outside-toplevel
 
     keras.mixed_precision.set_global_policy(precision)
     cluster = from_env() if os.environ.get("TF_CONFIG") else Cluster()
-    if rules.stage_servers(cfg, max(1, cluster.num_workers), strategies.devices_per_worker(cfg)):
-      strategy = remote.connect(self.model_dir)
-    else:  # One program per worker (tfpar.engines.stage_worker) under TF_CONFIG's strategy.
-      strategy = strategies.make_strategy(cfg.dist, cluster)
+    strategy = strategies.make_strategy(cfg.dist, cluster)
     corpus = pipeline.load_corpus(cfg.data.data, seq_len=cfg.model.seq_len,
                                   eval_fraction=cfg.data.eval_fraction)
     self.engine = engines.make(cfg, strategy, corpus)
@@ -207,27 +201,19 @@ class TfparSystem:
 
 class AcrossWorkersSystem(TfparSystem):
   """TfparSystem as worker 0 of a 2-worker job on free loopback ports. Worker 1 is started
-  here: where each worker runs its own program (tfpar.config.rules.one_program_per_worker) it is
-  this child again (`--peer`), running the same steps as worker 1; else `python -m
-  tfpar.train` with the same flags, serving its stage until `close`. (`--peer` itself: the
-  plain TfparSystem of worker 1.)"""
+  here: this child again (`--peer`), running the same steps as worker 1, each worker its own
+  program (tfpar.engines.stage_worker). (`--peer` itself: the plain TfparSystem of worker 1.)"""
 
   def __init__(self, shape: dict, precision: str, total_steps: int, extra_flags: List[str]):
     if FLAGS.peer:
       super().__init__(shape, precision, total_steps, extra_flags)
       return
     from tfpar.cli import launch  # pylint: disable=import-outside-toplevel
-    from tfpar.config import cluster, config, rules  # pylint: disable=import-outside-toplevel
-    from tfpar.config import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
+    from tfpar.config import cluster  # pylint: disable=import-outside-toplevel
     spec = {"worker": [f"127.0.0.1:{port}" for port in launch.free_ports(2)]}
     model_dir = tempfile.mkdtemp(prefix="tfpar_bench_")
-    args = tfpar_args(shape, precision, total_steps, extra_flags, model_dir)
-    cfg = config.from_flags(tfpar_flags.parse(args))
-    peer = ([os.path.abspath(__file__), *sys.argv[1:], "--peer"]
-            if rules.one_program_per_worker(cfg, 2, cfg.dist.num_cpu_devices)
-            else ["-m", "tfpar.train", *args])
     self.server = subprocess.Popen(
-        [sys.executable, *peer],
+        [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--peer"],
         env=dict(os.environ, TF_CONFIG=cluster.tf_config(spec, "worker", 1), PYTHONPATH=REPO),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     os.environ["TF_CONFIG"] = cluster.tf_config(spec, "worker", 0)
@@ -339,7 +325,7 @@ def _kerashub(shape, precision, steps):
 
 
 PIPELINE = ["--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=4"]
-# The same pipeline with each stage in its own worker process (tfpar.parallel.remote).
+# The same pipeline with each stage in its own worker process (tfpar.engines.stage_worker).
 ACROSS = ["--strategy=multi_worker_mirrored", "--pipeline_stages=2", "--microbatches=4"]
 TENSOR = ["--num_cpu_devices=2", "--tensor_parallel=2"]
 

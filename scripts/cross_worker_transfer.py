@@ -7,13 +7,13 @@ loopback ports) per mechanism and prints, per activation shape, the median
 milliseconds per transfer over 3 timed loops of --n transfers each (one loop
 untimed first), minus the same loop without the transfer:
 
-  placement    tfpar's design (tfpar.parallel.remote): one client, the
-               producer's op on /job:worker/task:0, the consumer's on task 1;
-               TensorFlow's graph send/recv over gRPC.
-  collective   the alternative: each process runs its own program and the
-               activation goes by a TF collective broadcast between the two
-               (CollectiveBcastSendV2/RecvV2, group_size=2, explicit group and
-               instance keys), the ring implementation on CPUs.
+  placement    one client, the producer's op on /job:worker/task:0, the
+               consumer's on task 1; TensorFlow's graph send/recv over gRPC
+               (the chief's one program tfpar ran until commit 1b6121c).
+  collective   tfpar's design (tfpar.parallel.p2p): each process runs its own
+               program and the activation goes by a TF collective broadcast
+               between the two (CollectiveBcastSendV2/RecvV2, group_size=2,
+               explicit group and instance keys), the ring implementation on CPUs.
 
 Each transfer is a data dependence the consumer waits for (the loop sums one
 element of what arrived). Numbers depend on the machine's load: say so beside them.

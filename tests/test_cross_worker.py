@@ -29,10 +29,13 @@ worker (`bf16_in_worker`: 4 logical CPUs, the codec in replica context) at
 the same tolerances, its whole final state too (each copy's PowerSGD
 residual and Q included): it also holds the plain float32 sum among the
 copies of a stage (PowerSGD's vectors go through it) and the unsharded
-AdamW update of D=2 copies. The chief's one program over every copy (what
-a plan whose task evaluates more than its loss still runs across workers:
-tfpar.parallel.remote) is held to replica context on fixed gradients
-(test_a_codec_sums_copies_in_one_program_..., test_the_plain_sum_...).
+AdamW update of D=2 copies.
+
+  vit     the ViT classifier on the digits (tests/test_vit.py's flags), 2
+          workers x 1 stage each, GPipe over M=2, one program per worker:
+          held to one device's loss per step (1e-5), gradient norm (1e-4) and
+          held-out loss and accuracy (its eval outputs, per-example tensors,
+          summed over the job from the last stage's worker).
 
   faults  2 workers x 1 stage, GPipe, XLA off, under `tfpar.launch
           --max_restarts=1`, each worker its own program: SIGTERM to worker 1
@@ -58,8 +61,8 @@ import pytest
 
 from conftest import (TINY, assert_same_state, read_metrics, run_modules,
                       train_in_process)
-from test_compression import reduce_steps
 from test_launch import Launched, assert_every_line_prefixed, group_alive
+from test_vit import VIT
 
 STEPS = 4
 BASE = TINY + [f"--train_steps={STEPS}", "--eval_every=0", "--checkpoint_every=2"]
@@ -81,6 +84,10 @@ K4 = ["--strategy=multi_worker_mirrored", "--pipeline_stages=4", "--microbatches
 BF16 = ["--precision=mixed_bfloat16", "--xla_auto_clustering=none", "--grad_compression=powersgd",
         "--powersgd_rank=2", "--powersgd_min_size=0", "--microbatches=2",
         "--pipeline_schedule=1f1b"]
+
+
+# The ViT on the digits (tests/test_vit.py) over 2 workers x 1 stage, against one device.
+VIT_CROSS = ["--strategy=multi_worker_mirrored", "--pipeline_stages=2", "--microbatches=2"]
 
 
 # Steps enough that the chief's save (within a second of the server's SIGTERM, the relay's
@@ -116,14 +123,18 @@ def run_cross_worker(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   shutil.copytree(dirs["one_nojit"], dirs["four"])
   drop_checkpoint(dirs["four"], STEPS)
-  four, k4 = run_modules([
+  dirs["vit"] = str(tmp_path / "vit")
+  four, k4, vit = run_modules([
       ("tfpar.launch", launch_args(4, CROSS + FOUR + [f"--model_dir={dirs['four']}"]),
        {"timeout": 600}),
-      ("tfpar.launch", launch_args(4, K4 + [f"--model_dir={dirs['k4']}"]), {"timeout": 600})])
-  for proc in (four, k4):
+      ("tfpar.launch", launch_args(4, K4 + [f"--model_dir={dirs['k4']}"]), {"timeout": 600}),
+      ("tfpar.launch", ["--num_workers=2", "--"] + VIT + VIT_CROSS +
+       [f"--model_dir={dirs['vit']}"], {"timeout": 600})], at_once=3)
+  for proc in (four, k4, vit):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return dirs, {"four": four.stdout + four.stderr, "bf16": first[2].stdout + first[2].stderr,
-                "two": first[0].stdout + first[0].stderr, "k4": k4.stdout + k4.stderr}
+                "two": first[0].stdout + first[0].stderr, "k4": k4.stdout + k4.stderr,
+                "vit": vit.stdout + vit.stderr}
 
 
 def run_stage_worker_faults(tmp_path):
@@ -195,6 +206,25 @@ def test_four_workers_each_in_its_own_program_match_one_device(cross_worker_runs
                for n in (name, "one_nojit"))
   assert sorted(got) == sorted(want)
   assert_same_state(got, want, f"{name}: 4 workers vs one device at the last step")
+
+
+def test_a_vision_task_across_workers_trains_and_evaluates_as_one_device(cross_worker_runs,
+                                                                        tmp_path):
+  """--task=classify, 2 workers x 1 stage, each its own program: one device's loss per
+  step, gradient norm and held-out loss and accuracy (the last stage's worker computes the
+  per-example outputs, every worker gets them by one sum over the job)."""
+  dirs, outs = cross_worker_runs
+  assert "one program per worker, stages ['worker:0', 'worker:1']" in outs["vit"]
+  reference = str(tmp_path / "vit_one_device")
+  train_in_process(VIT + [f"--model_dir={reference}"])
+  got, want = read_metrics(dirs["vit"]), read_metrics(reference)
+  assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3]
+  for key, rtol in (("loss", 1e-5), ("grad_norm", 1e-4)):
+    np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=rtol,
+                               err_msg=key)
+  (got,), (want,) = (read_metrics(d, "eval") for d in (dirs["vit"], reference))
+  assert got["accuracy"] == want["accuracy"] and sorted(got) == sorted(want)
+  np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
 
 
 def test_plan_says_which_worker_holds_which_stage_under_which_schedule(cross_worker_runs):
@@ -325,116 +355,3 @@ def test_a_stage_worker_s_sigterm_saves_and_its_kill_9_restarts_the_whole_job(
   for key, rtol in (("loss", 1e-5), ("grad_norm", 1e-4)):
     np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=rtol,
                                err_msg=key)
-
-
-@pytest.mark.parametrize("method", ["fp16", "bf16", "powersgd"])
-def test_a_codec_sums_copies_in_one_program_as_replicas_do(method):
-  """reduce_copies (the chief's one program over every copy) against reduce in replica context.
-
-  3 steps of 2 copies' hand-made gradients (PowerSGD's residuals and Q carry
-  over): the same sums, residuals and Q, each copy's state on its own device.
-  Two copies, as in the runs above: a sum of two is the same in any order
-  (of more, Grappler may reorder the program's AddN, and a float16 sum
-  rounds by its order).
-  """
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tfpar.config.schema import CompressionConfig  # pylint: disable=import-outside-toplevel
-  from tfpar.parallel.compression import make_exchange  # pylint: disable=import-outside-toplevel
-  from tfpar.layout.placement import device_key  # pylint: disable=import-outside-toplevel
-  rng = np.random.default_rng(2)
-  shapes = [(40, 24), (24,), (8, 8), (24, 16)]  # Two compressed matrices, a vector, a small one.
-  # Magnitudes as different as a gradient's (fp16 scales each tensor by its own peak).
-  grads = [[[(rng.normal(size=s) * 10.0**-k).astype(np.float32) for k, s in enumerate(shapes)]
-            for _ in range(2)] for _ in range(3)]
-  settings = dict(rank=2, min_size=100) if method == "powersgd" else {}
-  devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
-  want, replicas = reduce_steps(tf.distribute.MirroredStrategy(
-      devices, cross_device_ops=tf.distribute.ReductionToOneDevice()), method, shapes, grads,
-                                **settings)
-  copies = make_exchange(CompressionConfig(method=method, **settings),
-                         [tf.Variable(tf.zeros(s)) for s in shapes], num_replicas=2,
-                         state_devices=[[d] * len(shapes) for d in devices])
-  step = tf.function(lambda per_copy: copies.reduce_copies(per_copy))
-  for step_grads, step_want in zip(grads, want):
-    got = step([[tf.constant(g) for g in copy] for copy in step_grads])
-    for a, b in zip(got[0], got[1]):  # A codec's sums: one list, read by both copies.
-      np.testing.assert_array_equal(a, b)
-    for i, (a, b) in enumerate(zip(got[0], step_want[0])):
-      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max(), err_msg=i)
-  assert copies.traffic[True] == replicas.traffic[True]
-  if method == "powersgd":
-    assert sorted(copies.error[0]) == [0, 3]
-    for mine, theirs, device in zip(copies.error + copies.q, replicas.error + replicas.q,
-                                    devices * 2):
-      for i in mine:
-        assert device_key(mine[i].device) == device_key(device)
-        np.testing.assert_allclose(mine[i].numpy(), theirs[i].numpy(), rtol=1e-5, atol=1e-6)
-
-
-def test_the_plain_sum_of_copies_in_one_program_lands_on_every_copys_devices():
-  """reduce_copies without a codec (collectives.placed_sum): each copy gets the sum on its
-  own devices, equal to numpy's sum of the copies in order, for tensors too small to cut
-  into D chunks as well; the bytes counted are one copy's gradients."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tfpar.config.schema import CompressionConfig  # pylint: disable=import-outside-toplevel
-  from tfpar.parallel.compression import make_exchange  # pylint: disable=import-outside-toplevel
-  from tfpar.layout.placement import device_key  # pylint: disable=import-outside-toplevel
-  rng = np.random.default_rng(3)
-  shapes = [(7, 5), (2,), (3, 4, 2)]  # 35 elements in 3 unequal chunks, 2 in 3 (one empty).
-  devices = [d.name for d in tf.config.list_logical_devices("CPU")[:3]]
-  # Copy c's gradient of variable i on its own device; variable 1's on another one of c's.
-  places = [[devices[c], devices[(c + 1) % 3], devices[c]] for c in range(3)]
-  grads = [[rng.normal(size=s).astype(np.float32) for s in shapes] for _ in range(3)]
-  copies = make_exchange(CompressionConfig(method="none"),
-                         [tf.Variable(tf.zeros(s)) for s in shapes], num_replicas=3,
-                         state_devices=places)
-  step = tf.function(lambda per_copy: copies.reduce_copies(per_copy))
-  inputs = [[tf.constant(g) for g in copy] for copy in grads]
-  got = step(inputs)
-  placed = step.get_concrete_function(inputs).structured_outputs  # The graph's own tensors.
-  for c in range(3):
-    for i, want in enumerate(grads[0][i] + grads[1][i] + grads[2][i] for i in range(3)):
-      np.testing.assert_allclose(got[c][i].numpy(), want, rtol=1e-6, err_msg=(c, i))
-      op = placed[c][i].op
-      while op.type == "Identity" and not op.device:  # The function's output marker.
-        op = op.inputs[0].op
-      assert device_key(op.device) == device_key(places[c][i]), (c, i, op.type)
-  assert copies.traffic[True].bytes == 4 * sum(np.prod(s) for s in shapes)
-
-
-class Exited(Exception):
-  """What `os._exit(code)` does in watch_chief, caught here instead of ending pytest."""
-
-
-def test_a_stage_server_exits_0_only_after_the_chief_it_saw_finished(monkeypatch):
-  """`.chief-finished` ends a server (0) only once it has seen the chief: a previous run's
-  file, read before this run's chief came up (and removed it), must not end it."""
-  import socket  # pylint: disable=import-outside-toplevel
-  import threading  # pylint: disable=import-outside-toplevel
-  import types  # pylint: disable=import-outside-toplevel
-  from tfpar.parallel import servers as server  # pylint: disable=import-outside-toplevel
-
-  def exit_(code):
-    raise Exited(code)
-
-  monkeypatch.setattr(server, "os", types.SimpleNamespace(_exit=exit_))
-  monkeypatch.setattr(server, "CHIEF_POLL_SECONDS", 0.05)
-  monkeypatch.setattr(server, "CHIEF_WAIT_SECONDS", 1.0)
-  never = socket.socket()
-  never.bind(("127.0.0.1", 0))  # Bound, never listening: a chief that never comes up.
-  chief = socket.socket()
-  chief.bind(("127.0.0.1", 0))
-  chief.listen()
-  address = "127.0.0.1:%d" % chief.getsockname()[1]
-  # The chief is up for a few polls, then finishes and leaves.
-  threading.Timer(0.5, chief.close).start()
-  try:
-    with pytest.raises(Exited) as finished:
-      server.watch_chief("worker 1", address, finished=lambda: True)
-    with pytest.raises(Exited) as alone:
-      server.watch_chief("worker 1", "127.0.0.1:%d" % never.getsockname()[1],
-                         finished=lambda: True)
-  finally:
-    never.close()
-    chief.close()
-  assert finished.value.args == (0,) and alone.value.args == (1,)

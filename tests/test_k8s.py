@@ -55,7 +55,7 @@ VARIANTS = {  # name -> (render flags, train flags)
     "one_worker_pvc": (["--workers=1", "--pvc=runs-claim"],
                        ["--model_dir=/mnt/tfpar/runs/gpt", "--data=/mnt/tfpar/data/*.txt"]),
     # Pipeline stages across workers: a replica of 2 stages spans 2 CPU workers (D=2)...
-    # (a vision task keeps it on the chief's program: tfpar.config.rules.stage_servers)
+    # (every worker its own program, a vision task's too: tfpar.engines.stage_worker)
     "stages_across": (["--workers=4"], MWMS + ["--pipeline_stages=2", "--microbatches=2",
                                                "--task=classify"]),
     # ...or 2x4 devices span 2 workers of 4 GPUs; and 2 stages fit in one such worker.
@@ -64,8 +64,6 @@ VARIANTS = {  # name -> (render flags, train flags)
     "stages_within_gpus": (["--workers=2", "--gpus_per_worker=4"],
                            MWMS + ["--pipeline_stages=2", "--microbatches=2"]),
 }
-# Workers 1.. serve worker 0's stages (D=2); D=1 runs one program per worker, every pod trains.
-STAGE_SERVERS = {"stages_across"}
 
 
 def render(kind, flags, train_flags, name="gpt"):
@@ -268,9 +266,8 @@ def test_manifests_render_and_validate(kind, variant, crd_schemas):
                      or re.search(p, message.format(24, 0)) or re.search(p, message.format(130, 0))
                      for r in spec["failurePolicy"]["rules"] for p in r["onJobFailureMessagePatterns"])
     assert spec["successPolicy"]["targetReplicatedJobs"] == (["chief"] if ps else ["worker"])
-    # Stage servers never finish before worker 0: their Job follows index 0.
-    assert jobs["worker"].get("successPolicy") == (
-        {"rules": [{"succeededIndexes": "0"}]} if variant in STAGE_SERVERS else None)
+    # Every worker trains (stages across workers too): the worker Job waits for all of them.
+    assert jobs["worker"].get("successPolicy") is None
   else:
     service = objs[1]
     assert service["spec"]["clusterIP"] == "None"
@@ -280,9 +277,8 @@ def test_manifests_render_and_validate(kind, variant, crd_schemas):
     assert job["completionMode"] == "Indexed" and job["completions"] == workers + ps + bool(ps)
     assert job["backoffLimit"] == 0
     assert job["template"]["spec"]["subdomain"] == "gpt"
-    # Servers (parameter or stage) never finish first: the chief (index 0) finishing ends the Job.
-    assert job.get("successPolicy") == ({"rules": [{"succeededIndexes": "0"}]}
-                                        if ps or variant in STAGE_SERVERS else None)
+    # Parameter servers never finish first: the chief (index 0) finishing ends the Job.
+    assert job.get("successPolicy") == ({"rules": [{"succeededIndexes": "0"}]} if ps else None)
 
 
 def test_tpu_workers_request_chips_on_nodes_of_the_topology(crd_schemas):
@@ -603,15 +599,15 @@ def test_every_documented_command_renders_valid_manifests(crd_schemas):
 
 
 def test_a_pod_that_sees_other_gpus_than_rendered_stops_with_one_line():
-  """The render chose the job's policies on --gpus_per_worker; a pod deciding on another
-  count would serve (or not) where its peers do not: it refuses instead (exit 2)."""
+  """The render checked the job's plan on --gpus_per_worker; a pod deciding on another
+  count would plan other stages than its peers: it refuses instead (exit 2)."""
   from tfpar import strategies  # pylint: disable=import-outside-toplevel
   from tfpar.config.schema import ConfigError  # pylint: disable=import-outside-toplevel
   job = k8s_cli.parse(["render", "--kind=jobset", "--name=gpt", "--workers=4", "--image=i",
                        "--", *VARIANTS["stages_across"][1]])
   cfg = k8s_cli._check_train_flags(job.train_args)  # pylint: disable=protected-access
   env = {cluster_lib.GPUS_ENV: "0"}  # As rendered for CPU pods: this machine has no GPU.
-  assert strategies.stages_across_workers(cfg, env) is job.stage_servers is True
+  assert strategies.stages_across_workers(cfg, env) is job.model_parallel is True
   with pytest.raises(ConfigError, match=r"this pod sees 0 GPU\(s\) but was rendered with "
                      r"TFPAR_GPUS_PER_WORKER=4 .*--gpus_per_worker=0"):
     strategies.stages_across_workers(cfg, {cluster_lib.GPUS_ENV: "4"})

@@ -248,14 +248,13 @@ def test_zero1_takes_a_codecs_sum_as_the_unsharded_update_does(serial_run):
                     mirrored_run(optim, "none", codec, replicas=2))
 
 
-def plan_run(optim, mode, jit_compile, in_program):
+def plan_run(optim, mode, jit_compile):
   """[[(loss, norm, weights, [m, v])] after each step] of each copy of the toy under PlanZero.
 
   D=2 copies, each a 2-device row (copy d's layer k on /cpu:2d+k, its step counter on
-  /cpu:2d), a device position per layer. `in_program`: both copies in one program without
-  replica context (as with pipeline stages on different workers); else one replica
-  function per copy under MirroredStrategy over the anchors (/cpu:0, /cpu:2), as the
-  hybrid engine on one host. Each copy's own weights and the gathered slots per step.
+  /cpu:2d), a device position per layer; one replica function per copy under
+  MirroredStrategy over the anchors (/cpu:0, /cpu:2), as the hybrid engine on one host.
+  Each copy's own weights and the gathered slots per step.
   """
   reference = _model()
   rows, optimizers = [], []
@@ -285,16 +284,11 @@ def plan_run(optim, mode, jit_compile, in_program):
       loss = _loss(forward, x, y)
     return loss, tape.gradient(loss, copies[d])
 
-  strategy = None if in_program else tf.distribute.MirroredStrategy(
+  strategy = tf.distribute.MirroredStrategy(
       ["/cpu:0", "/cpu:2"], cross_device_ops=tf.distribute.ReductionToOneDevice())
 
   @tf.function
   def step(x, y):
-    if in_program:
-      out = [grads_of(d, x[4 * d:4 * d + 4], y[4 * d:4 * d + 4]) for d in range(2)]
-      norm = plan.apply([g for _, g in out], range(2), exchange=exchange, skip_nonfinite=True)
-      return tf.add_n([loss for loss, _ in out]), norm
-
     def fn(x, y):
       device = tf.nest.flatten(tf.distribute.get_replica_context().devices)[0]
       d = [tf.DeviceSpec.from_string(a).to_string() for a in strategy.extended.worker_devices
@@ -306,10 +300,9 @@ def plan_run(optim, mode, jit_compile, in_program):
 
   out = [[], []]
   for x, y in _batches():
-    if not in_program:
-      x, y = strategy.experimental_distribute_values_from_function(
-          lambda ctx: (x[4 * ctx.replica_id_in_sync_group:][:4],
-                       y[4 * ctx.replica_id_in_sync_group:][:4]))
+    x, y = strategy.experimental_distribute_values_from_function(
+        lambda ctx: (x[4 * ctx.replica_id_in_sync_group:][:4],
+                     y[4 * ctx.replica_id_in_sync_group:][:4]))
     loss, norm = step(x, y)
     for d, variables in enumerate(copies):
       slots = [[plan.checkpoint_slots(v)[i].value.numpy() for v in variables] for i in (0, 1)]
@@ -324,18 +317,15 @@ def plan_run(optim, mode, jit_compile, in_program):
   return out
 
 
-@pytest.mark.parametrize("mode, jit_compile, in_program", [
-    ("zero1", False, True), ("zero2", True, True), ("zero1", True, False)])
+@pytest.mark.parametrize("mode, jit_compile", [("zero1", True), ("zero2", False)])
 def test_plan_zero_over_two_copies_of_a_2_device_row_is_the_serial_twin(
-    serial_run, mode, jit_compile, in_program):
-  """PlanZero (zero.PlanZero) on D=2 copies x 2 device positions: every copy's loss, norm,
-  weights and the gathered m and v after each step equal one device's AdamW (clipping on some
-  steps, one non-finite step skipped), with both copies in one program (no replica context:
-  pipeline stages on different workers; zero1 through the exchange's reduce_copies, zero2's
-  sums on each shard's own devices) and with a replica function per copy; the shard updates
+    serial_run, mode, jit_compile):
+  """PlanZero (zero.PlanZero) on D=2 copies x 2 device positions, a replica function per
+  copy: every copy's loss, norm, weights and the gathered m and v after each step equal one
+  device's AdamW (clipping on some steps, one non-finite step skipped); the shard updates
   compiled as one XLA program per position and copy, or op by op."""
   optim, serial = serial_run
-  for copy in plan_run(optim, mode, jit_compile, in_program):
+  for copy in plan_run(optim, mode, jit_compile):
     assert_same_steps(copy, serial)
 
 

@@ -182,7 +182,7 @@ def test_plan_json_measures_half_the_optimizer_bytes_per_device_under_zero1(runs
 
 
 def test_stages_on_different_workers_take_it(tmp_path):
-  """A replica over whole workers (every copy in the chief's one program) shards too
+  """A replica over whole workers (each worker its own stage's program) shards too
   (trained in tests/test_cross_worker.py's four-worker run)."""
   cfg = make_config(TINY + ["--strategy=multi_worker_mirrored", "--pipeline_stages=2",
                             "--optimizer_sharding=zero2", f"--model_dir={tmp_path}"])

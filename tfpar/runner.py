@@ -19,7 +19,7 @@ from tfpar import tokenizer
 from tfpar.config.cluster import Cluster, ClusterError, PeerError, tasks_in_order
 from tfpar.config.schema import Config, ConfigError
 from tfpar.data import corpus as corpus_lib
-from tfpar.parallel import address_space, agreement, remote
+from tfpar.parallel import address_space, agreement
 from tfpar.training import loop, preemption
 from tfpar.training.checkpoint import (CheckpointMismatchError, CheckpointUnreadableError,
                                        NonFiniteStateError)
@@ -117,26 +117,19 @@ class Built(NamedTuple):
   num_workers: int  # Workers reading input (the parameter server's: its engine's).
 
 
-def build(cfg: Config, cluster: Cluster, *, across: bool = False,
-          chief_runs_all: bool = False) -> Built:
+def build(cfg: Config, cluster: Cluster, *, across: bool = False) -> Built:
   """The strategy, task, data and engine of this process, which drives the replicas (a
   single process, a chief, or a multi_worker_mirrored worker); devices already set up.
 
   Args:
-    across: pipeline stages on other workers: each worker reads its replica's
-      input (one program per worker, tfpar.engines.stage_worker), or
-    chief_runs_all: the chief's one program places every worker's stages
-      (tfpar.parallel.remote; their stage servers are up) and reads every
-      replica's input.
+    across: pipeline stages on other workers: each worker runs its own stages
+      (tfpar.engines.stage_worker) and reads its copy's slice of the input.
   """
   keras.mixed_precision.set_global_policy(cfg.train.precision)
-  if chief_runs_all:
-    strategy = remote.connect(cfg.train.model_dir)
-  else:
-    strategy = strategies.make_strategy(cfg.dist, cluster)
-    if cfg.dist.strategy == "multi_worker_mirrored":  # Before any variable: the chief's config.
-      agreement.check(cfg, [t for t in tasks_in_order(cluster.spec) if t[0] != "ps"],
-                      (cluster.task_type, cluster.task_index), cfg.dist.collective_timeout)
+  strategy = strategies.make_strategy(cfg.dist, cluster)
+  if cfg.dist.strategy == "multi_worker_mirrored":  # Before any variable: the chief's config.
+    agreement.check(cfg, [t for t in tasks_in_order(cluster.spec) if t[0] != "ps"],
+                    (cluster.task_type, cluster.task_index), cfg.dist.collective_timeout)
   preemption.watch()  # Again: multi-worker strategies install TF's own SIGTERM handler.
   num_workers = cluster.num_workers if cfg.dist.strategy == "multi_worker_mirrored" else 1
   worker_index = cluster.worker_index if num_workers > 1 else 0
@@ -160,12 +153,7 @@ def _run(cfg: Config, cluster: Cluster) -> dict:
   # Every task of a model-parallel job checks its layout here, before any server starts.
   devices = strategies.devices_per_worker(cfg)
   across = rules.check_worker_job(cfg, cluster.num_workers, devices)
-  # One program per worker (tfpar.engines.stage_worker), or the chief's over every worker.
-  chief_runs_all = across and not rules.one_program_per_worker(cfg, cluster.num_workers, devices)
-  if chief_runs_all and not cluster.is_chief:  # The chief places this worker's stages.
-    remote.serve(cluster, cfg.train.model_dir)
-    return {}
-  built = build(cfg, cluster, across=across, chief_runs_all=chief_runs_all)
+  built = build(cfg, cluster, across=across)  # Across: one program per worker.
   task, data, sharding, engine = built.task, built.data, built.sharding, built.engine
   is_chief, worker_index, num_workers = cluster.is_chief, built.worker_index, built.num_workers
   if is_chief:
@@ -186,8 +174,6 @@ def _run(cfg: Config, cluster: Cluster) -> dict:
     if len(cluster.spec.get("worker", [])) + len(cluster.spec.get("chief", [])) < 2:
       raise
     raise PeerError(_peer_message(e, cluster, cfg.dist.collective_timeout)) from None
-  if chief_runs_all:  # The stage servers may go: the job is done (tfpar.parallel.remote).
-    remote.finish(cfg.train.model_dir)
   return result
 
 

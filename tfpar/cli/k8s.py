@@ -98,8 +98,7 @@ def parse(argv: Sequence[str]) -> manifests.Job:
                                              cfg.compression.method)
       rules.check_batch(cfg.train.global_batch_size, replicas, cfg.parallel.microbatches,
                              flag=f"--data_parallel={replicas}")
-      job = dataclasses.replace(job, model_parallel=True,
-                                stage_servers=rules.stage_servers(cfg, job.workers, devices))
+      job = dataclasses.replace(job, model_parallel=True)
   except ConfigError as e:
     raise RenderError(f"training flags with --workers={job.workers}"
                       f"{f' --ps={job.ps}' if job.ps else ''}"

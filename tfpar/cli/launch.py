@@ -36,9 +36,9 @@ input, 75 preempted, else a failure):
   preempted): the servers keep serving and it reconnects to them, as
   TensorFlow's ClusterCoordinator documents. A ps task that dies fails the job
   (TensorFlow needs the coordinator and ps restarted): every task restarts.
-- Pipeline stages across workers (tfpar.parallel.remote): the workers other
-  than the chief serve its stages; the job ends when the chief does (the
-  servers are then stopped), and any task's failure restarts the whole job.
+- Pipeline stages across workers: every worker runs its own stages
+  (tfpar.engines.stage_worker) and the job ends as any multi_worker_mirrored
+  job does: when every task exited 0; any task's failure restarts the whole job.
 - SIGTERM or Ctrl-C to the launcher: every task gets SIGTERM and up to
   `--grace_period` seconds to save (then SIGKILL); the launcher exits 75 if
   every task saved (exited 75 or 0), else 128 + the signal. If the launcher
@@ -107,9 +107,6 @@ class LaunchConfig:
   restart_backoff: float = 1.0  # before restart k: restart_backoff * 2**(k-1), <= MAX_BACKOFF
   train_args: Tuple[str, ...] = ()
   module: str = "tfpar.train"
-  # The other workers only serve the chief's pipeline stages (tfpar.parallel.remote):
-  # the job ends when the chief does. Set from the training flags.
-  stage_servers: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,27 +159,21 @@ def parse_args(argv: Sequence[str]) -> LaunchConfig:
                       f"in 1024..65535 (or 0 to pick free ports)")
   if not train_args:
     raise LaunchError(f"no training flags after '--': {USAGE}")
-  cfg = dataclasses.replace(cfg, stage_servers=_check_train_flags(cfg))
+  _check_train_flags(cfg)
   if cfg.port_base:
     check_ports_free(range(cfg.port_base, cfg.port_base + num_tasks))
   return cfg
 
 
-def _check_train_flags(cfg: LaunchConfig) -> bool:
-  """Validates the training flags once, here, instead of N times in N processes.
-
-  Returns whether the workers other than the chief serve its pipeline stages
-  (judged on --num_cpu_devices devices per worker: the launcher's are CPUs).
-  """
+def _check_train_flags(cfg: LaunchConfig) -> None:
+  """Validates the training flags once, here, instead of N times in N processes."""
   from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
   from tfpar.config import config as config_lib  # pylint: disable=import-outside-toplevel
   from tfpar.config import flags as tfpar_flags  # pylint: disable=import-outside-toplevel
-  from tfpar.config import rules  # pylint: disable=import-outside-toplevel
   from tfpar.config.schema import ConfigError  # pylint: disable=import-outside-toplevel
   try:
     parsed = tfpar_flags.parse(cfg.train_args)
-    train = config_lib.from_flags(parsed)
-    strategy = train.dist.strategy
+    strategy = config_lib.from_flags(parsed).dist.strategy
   except absl_flags.Error as e:
     raise LaunchError(f"training flags: {str(e).splitlines()[0]}") from None
   except ConfigError as e:
@@ -191,7 +182,6 @@ def _check_train_flags(cfg: LaunchConfig) -> bool:
     cluster_lib.check_job_shape(strategy, cfg.num_workers, cfg.num_ps)
   except cluster_lib.ClusterError as e:
     raise LaunchError(str(e)) from None
-  return rules.stage_servers(train, cfg.num_workers, train.dist.num_cpu_devices)
 
 
 def cluster_tasks(cfg: LaunchConfig) -> List[Task]:
@@ -493,7 +483,7 @@ class Job:
     while True:
       codes = {task: proc.poll() for task, proc in self.procs.items() if task not in self.gone}
       chief_code = codes[self.chief]
-      if (self.ps_job or self.cfg.stage_servers) and chief_code is not None:  # the chief: the job
+      if self.ps_job and chief_code is not None:  # the chief: the job
         return chief_code, (self.chief if chief_code else None)
       for task, code in codes.items():
         if code is None:

@@ -405,29 +405,12 @@ def _validate_parallel(cfg: Config) -> None:
 def stages_across_workers(cfg: Config, devices_per_worker: int) -> bool:
   """Whether a replica spans workers: multi-worker, K x T more than a worker's G devices.
 
-  Then each worker runs its own stages (`one_program_per_worker`), or the chief runs
-  every stage and the other workers serve theirs (tfpar.parallel.remote).
+  Then every worker runs its own stages as its own program (tfpar.engines.stage_worker),
+  whatever the task, its --optimizer_sharding (zero1, zero2) and --grad_compression.
   """
   p = cfg.parallel
   return (cfg.dist.strategy == "multi_worker_mirrored" and p.model_parallel and
           p.pipeline_stages * p.tensor_parallel > devices_per_worker)
-
-
-def one_program_per_worker(cfg: Config, num_workers: int, devices_per_worker: int) -> bool:
-  """Whether a plan whose replica spans workers runs as one program per worker
-  (tfpar.engines.stage_worker) rather than from the chief's program over every worker
-  (tfpar.parallel.remote, whose other workers only serve): every plan of a task whose eval
-  output is its loss (a language model), whatever its --optimizer_sharding (zero1, zero2)
-  and --grad_compression; a task that evaluates more runs from the chief's program."""
-  return (stages_across_workers(cfg, devices_per_worker) and
-          tasks.spec(cfg.model.task).eval_is_loss)
-
-
-def stage_servers(cfg: Config, num_workers: int, devices_per_worker: int) -> bool:
-  """Whether the workers other than the chief only serve the chief's program (the job then
-  follows the chief: tfpar.launch, tfpar.k8s)."""
-  return (stages_across_workers(cfg, devices_per_worker) and
-          not one_program_per_worker(cfg, num_workers, devices_per_worker))
 
 
 def check_worker_job(cfg: Config, num_workers: int, devices_per_worker: int) -> bool:

@@ -26,10 +26,8 @@ holding its K x T devices), nothing at all for D=1. Each replica function
      all-reduces per round (device (d, k, t) with its peers (d', k, t)), not
      one per weight. PowerSGD works per weight matrix before that packing
      (its P and Q are what gets packed), with its state beside each weight.
-     It RETURNS the reduced gradients. (Stages across workers for a task whose
-     eval outputs are more than its loss, tfpar.parallel.remote: no replica
-     context; the exchange's `reduce_copies` sums all D copies in one program.
-     Every other plan across workers runs tfpar.engines.stage_worker.)
+     It RETURNS the reduced gradients. (A plan whose stages are on different
+     workers runs tfpar.engines.stage_worker instead, one program per worker.)
 
 Then, in cross-replica context and outside any strategy scope, each copy's
 optimizer applies its reduced gradients to its own variables
@@ -43,17 +41,13 @@ instead (tfpar.parallel.zero.PlanZero): per device position (k, t), copy d
 keeps AdamW's m and v for shard d of the weights there, sums (zero1) or
 reduce-scatters (zero2) the gradient, updates its shards and all-gathers
 every copy's; each replica function writes only its own copy's variables.
-With stages across workers (no replica context) the one program does the
-same for all D copies at once (`_run_here`): zero1 sums through
-`reduce_copies` and cuts each copy's shard where the sum lies, zero2 sums
-shard d of every copy's gradient on copy d's devices, and each copy's devices
-concatenate the D new shards. Under --jit_compile each (position, copy)
-shard update is one XLA program on its device.
+Under --jit_compile each (position, copy) shard update is one XLA program on
+its device.
 
 The input, the step loop and the optimizer build are the engine core's
 (tfpar.engines.base), so tfpar.training.loop drives it unchanged. `layouts` holds one
 canonical layout per model copy in this process (D on one host, one per worker
-across workers), so a checkpoint restores into every copy.
+across hosts), so a checkpoint restores into every copy.
 
 XLA: a compiled cluster lives on one device and the step spans K x T, so
 under --jit_compile each stage's (or tensor shard's) forward and backward is
@@ -72,9 +66,9 @@ from tfpar import strategies
 from tfpar.config.schema import Config
 from tfpar.engines.base import Engine
 from tfpar.layout import placement as plan_lib
-from tfpar.parallel import collectives, remote, schedules, tensor, zero
+from tfpar.parallel import collectives, schedules, tensor, zero
 from tfpar.parallel.compression import make_exchange
-from tfpar.parallel.pipeline import Pipeline, split_batch
+from tfpar.parallel.pipeline import Pipeline
 from tfpar.training import initialise
 from tfpar.training.checkpoint import layout_slices, model_layout
 from tfpar.training.step import apply_gradients, reduce_gradients
@@ -157,7 +151,6 @@ class ModelParallelEngine(Engine):
   def __init__(self, cfg: Config, strategy, data, *, sharding: str = "data", task=None):
     super().__init__(cfg, data, sharding=sharding, task=task)
     local = strategies.compute_devices(cfg.dist.num_cpu_devices)
-    self.across = isinstance(strategy, remote.Workers)
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
       resolver = strategy.cluster_resolver
       self.plan = plan_lib.make_plan(cfg, [], worker_devices=_worker_devices(resolver, local),
@@ -165,11 +158,6 @@ class ModelParallelEngine(Engine):
       self.worker_index = _worker_index(resolver)
       self.strategy = strategy
       rows = [self.worker_index]
-    elif self.across:  # Stages across workers: every row runs in this program.
-      self.plan = plan_lib.make_plan(cfg, [], worker_devices=_worker_devices(
-          strategy.cluster_resolver, local), family=self.task.family)
-      self.worker_index, self.strategy = 0, None
-      rows = list(range(self.plan.data_parallel))
     else:
       self.plan = plan_lib.make_plan(cfg, local, family=self.task.family)
       self.worker_index = 0
@@ -247,33 +235,9 @@ class ModelParallelEngine(Engine):
                 for r in range(len(self.copies))]
     return per_copy, total
 
-  def _run_here(self, inputs, targets, compressed):
-    """_run of a training step whose D copies all run in this program (stages across workers).
-
-    Copy r takes the r-th of D equal slices of the global batch (each loss is
-    already a share of the global mean, so any split sums to the same); the
-    gradient exchange sums the copies' gradients onto every copy's own devices,
-    each device sending and receiving 2(D-1)/D of its gradients as in a ring
-    (collectives.placed_sum), or with a codec (each copy's codec work beside
-    its own gradients) onto copy 0's device of each variable, where every
-    copy reads them. Under ZeRO, PlanZero updates every copy
-    instead (the sums scattered over the copies' devices) and gives the norm.
-    """
-    xs, ys = split_batch(inputs, len(self.copies)), split_batch(targets, len(self.copies))
-    outs = [copy.pipeline.loss_and_grads(x, y) for copy, x, y in zip(self.copies, xs, ys)]
-    with tf.device(self.copies[0].devices[-1][0]):
-      loss = tf.add_n([loss for loss, _ in outs])
-    grads = [list(grads) for _, grads in outs]
-    if self.zero:
-      return [(loss, self._zero_update(grads, range(len(grads)), compressed))] * len(grads), loss
-    return [(loss, summed) for summed in self.exchange.reduce_copies(grads, compressed)], loss
-
   def _replica_step(self, inputs, targets, compressed):
-    if self.strategy is None and len(self.copies) > 1:  # Every replica in this program.
-      per_copy, loss = self._run_here(inputs, targets, compressed)
-    else:
-      per_copy, loss = self._run(lambda x, y: self._replica_train(x, y, compressed), inputs,
-                                 targets)
+    per_copy, loss = self._run(lambda x, y: self._replica_train(x, y, compressed), inputs,
+                               targets)
     if self.zero:  # Each replica updated its copy (tfpar.parallel.zero.PlanZero).
       return loss, per_copy[0][1]
     # Cross-replica context, default strategy: each optimizer updates its own copy.
@@ -305,8 +269,7 @@ class ModelParallelEngine(Engine):
     per_device = {dev: f"params {plan_lib.kib(b['parameters'])} + "
                        f"optimizer {plan_lib.kib(b['optimizer'])}"
                   for dev, b in self.measured_bytes().items()}
-    how = ("one program over the workers' devices" if self.across else
-           type(self.strategy).__name__ if self.strategy else "none (D=1)")
+    how = type(self.strategy).__name__ if self.strategy else "none (D=1)"
     return {"strategy": how,
             "replicas": self.num_replicas,
             "plan": f"D={p.data_parallel} x K={p.pipeline_stages} x T={p.tensor_parallel}, "

@@ -1,8 +1,8 @@
 """One program per worker: the engine of a pipeline whose stages are worker processes.
 
 When a plan's replica spans workers (tfpar.config.rules.worker_layout: W = K x T / G
-workers per replica, D = N / W copies) and tfpar.config.rules.one_program_per_worker
-says so, every worker of the job runs this engine in its own process, under
+workers per replica, D = N / W copies: tfpar.config.rules.stages_across_workers),
+whatever the task, every worker of the job runs this engine in its own process, under
 the job's MultiWorkerMirroredStrategy (which sets up the collective executor
 and serves the loop's agreement on when to stop and save; it runs no step).
 Worker w holds only the chunks the plan puts on its devices (its copy d's row
@@ -15,10 +15,11 @@ The step on worker w, in the plan's schedule (GPipe, 1F1B, interleaved):
 
   1. its units F(c, m) and B(c, m) in the timetable's order, each backward
      starting from the output gradient it received;
-  2. the tied token embedding: the last stage's head reads it, so the last
-     stage's worker holds a copy of the embedding too (as Megatron-LM does),
-     and the two copies' gradients are summed between the first and the last
-     stage's workers: both then apply the same update and stay equal;
+  2. a tied token embedding (a model whose head reads it: `head_reads_embed`,
+     the GPT): the last stage's worker holds a copy of the embedding too (as
+     Megatron-LM does), and the two copies' gradients are summed between the
+     first and the last stage's workers: both then apply the same update and
+     stay equal. An untied model's last stage holds no embedding;
   3. D > 1: the sum of its gradients with the same stage's workers of the
      other copies, through the run's gradient exchange (plain float32, or a
      codec of tfpar.parallel.compression), whose sums are collectives among
@@ -42,6 +43,17 @@ global batch (the data position follows from the step); the first stage's
 worker feeds the inputs, the last the targets; a middle stage's worker reads
 no data. The chief logs, writes plan.json and checkpoints.
 
+Eval: copy d's last stage's worker computes the task's eval outputs of its
+slice (tfpar.tasks.task.Task.eval_outputs: scalars are shares, summed; a
+tensor of rank >= 1 holds one row per example). Every worker knows their
+shapes and dtypes (the task's outputs of the head, traced on the model's
+template, which holds no weights); each output is one SUM over the job: a
+scalar of copy d's share (zero on the other workers), a per-example tensor
+as row d of a [D, rows, ...] buffer (zeros elsewhere; exact, as x + 0 = x),
+read back as [D x rows, ...]: the copies' examples in copy order, the global
+batch's outputs as one device computes them, on every worker (each runs the
+task's eval_metrics; the chief logs them).
+
 Checkpoints stay canonical (tfpar.training.checkpoint) and are written in
 slices: each worker writes the slices of the weights and AdamW slots it holds
 (copy 0's; the embedding by the first stage) into its own bundle and restores
@@ -61,7 +73,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar import strategies
-from tfpar.config.schema import Config, ConfigError
+from tfpar.config.schema import Config
 from tfpar.data import pipeline
 from tfpar.engines.base import Engine, build_model
 from tfpar.engines.model_parallel import (_worker_devices, _worker_index, measured_bytes,
@@ -81,8 +93,9 @@ from tfpar.training.step import apply_or_skip
 
 
 # Instance keys (p2p.Keys.extra) of the collectives among a stage's copies: a step's, a
-# compressed step's (its own trace, other shapes), and ZeRO's slot gathers at a save.
-COPY_KEYS, COMPRESSED_KEYS, SLOT_KEYS = 1 << 16, 1 << 17, 3 << 16
+# compressed step's (its own trace, other shapes), and ZeRO's slot gathers at a save; and of
+# an eval batch's sums over the job.
+COPY_KEYS, COMPRESSED_KEYS, SLOT_KEYS, EVAL_KEYS = 1 << 16, 1 << 17, 3 << 16, 1 << 18
 
 
 class StageWorkerEngine(Engine):
@@ -122,7 +135,7 @@ class StageWorkerEngine(Engine):
       chunks = self.plan.chunks
       embed_device = row[chunks[mine[0]][0]][0] if mine[0] == 0 else row[chunks[mine[-1]][0]][0]
       before = {id(v) for v in model.variables}
-      if 0 in mine or len(chunks) - 1 in mine:
+      if 0 in mine or (len(chunks) - 1 in mine and model.head_reads_embed):
         with tf.device(embed_device):
           model.build_embed()
       embed_ids = {id(v) for v in model.variables} - before
@@ -139,9 +152,9 @@ class StageWorkerEngine(Engine):
           model.build_head()
       model.built = True
     self.variables = list(model.trainable_variables)
-    # The embedding's gradient is summed between its two holders; the norm counts it once.
+    # A tied embedding's gradient is summed between its two holders; the norm counts it once.
     self.shared = [i for i, v in enumerate(self.variables) if id(v) in embed_ids] \
-        if self.first != self.last else []
+        if self.first != self.last and model.head_reads_embed else []
     # Counted once: by copy 0, the embedding by its first stage.
     self.counted = [i for i in range(len(self.variables))
                     if self.copy == 0 and (i not in self.shared or me == self.first)]
@@ -197,6 +210,7 @@ class StageWorkerEngine(Engine):
     reference = zero3.build_template(lambda: build_model(self.cfg, task=self.task,
                                                          initialised=False))
     self.parameters = int(sum(np.prod(v.shape) for v in reference.trainable_variables))
+    self._template = reference  # Its head's outputs' shapes: the eval outputs' (`_eval_specs`).
     entries = {name: (tuple(int(n) for n in shards[0].shape), tf.as_dtype(shards[0].dtype))
                for name, (_, shards) in model_layout(reference).items()}
     for name in model_layout(reference, slots=lambda v: (v, v)):  # AdamW's m and v of each weight
@@ -355,14 +369,34 @@ class StageWorkerEngine(Engine):
     return loss, norm
 
   def _eval_batch(self, iterator):
+    """The global batch's eval outputs on every worker: one SUM over the job per output of
+    what copy d's last stage computed (its loss share; a per-example tensor as row d of a
+    [D, rows, ...] buffer, zeros elsewhere, then [D x rows, ...]: the copies in order)."""
     inputs, targets = next(iterator)
     outputs, last = self.program.eval_outputs(inputs, targets)
-    if last and set(outputs) != {"loss"}:
-      raise ConfigError("stages on different workers evaluate tasks whose eval outputs are the "
-                        "loss alone")
-    with tf.device(self.device):
-      loss = tf.cast(outputs["loss"], tf.float32)
-      return {"loss": self.groups.sum(loss[None], self.members, self.keys.extra(2))[0]}
+    specs = self._eval_specs(targets)
+    out = {}
+    # Elsewhere than on the last stage `outputs` is a zero that waits for the sends: kept.
+    with tf.device(self.device), tf.control_dependencies(tf.nest.flatten(outputs)):
+      for i, (name, spec) in enumerate(sorted(specs.items())):
+        value = outputs[name] if last else tf.zeros(spec.shape, spec.dtype)
+        if spec.shape.rank:  # Row `copy` of [D, rows, ...].
+          value = tf.pad(value[None], [[self.copy, self.num_replicas - 1 - self.copy]] +
+                         [[0, 0]] * spec.shape.rank)
+        value = self.groups.sum(value, self.members, self.keys.extra(EVAL_KEYS + i))
+        out[name] = tf.reshape(value, [-1, *spec.shape[1:]]) if spec.shape.rank else value
+    return out
+
+  def _eval_specs(self, targets) -> Dict[str, tf.TensorSpec]:
+    """The last stage's eval outputs' shapes and dtypes of one copy's batch, on any worker:
+    the task's `eval_outputs` of the head traced on the model's template (no weights)."""
+    rows = int(tf.nest.flatten(targets)[0].shape[0])
+    h = tf.TensorSpec([rows, *self.model.block_shape[1:]], _compute_dtype())
+    y = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), targets)
+    head = self._template.head
+    traced = tf.function(lambda h, y: self.task.eval_outputs(head(h), y)).get_concrete_function(
+        h, y).structured_outputs
+    return {name: tf.TensorSpec(t.shape, t.dtype) for name, t in traced.items()}
 
   def train(self, iterator, num_steps: int):
     self._gathered = None  # The weights move: a save gathers them again.

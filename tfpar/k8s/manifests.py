@@ -20,19 +20,13 @@ on every interface. What differs is who writes TF_CONFIG and who restarts:
   completion index); a failure fails the Job (no group restarts). With
   parameter servers the Job succeeds when the chief (index 0) does.
 
-Pipeline stages across workers (`stage_servers`: multi_worker_mirrored with a
-replica's K x T devices more than a worker's G, tfpar.config.rules.worker_layout, and
-D > 1 replicas: tfpar.config.rules.stage_servers; a D=1 plan runs one program per
-worker and its pods are plain workers): worker 0 is the only client and the
-other workers serve its stages. The job
-follows worker 0, as parameter-server jobs follow their chief: the workers'
-Indexed Job succeeds when index 0 does (a Job success policy; in a JobSet, the
-`worker` Job's), a TFJob by the operator's default rule (worker 0 completed);
-a failed server fails its Job, which restarts the JobSet (or fails the Indexed
-Job or TFJob). Servers also exit 0 by themselves within seconds of worker 0's
-success (tfpar.parallel.remote). Pods of model-parallel multi-worker jobs get
-the GPU count they were rendered with (tfpar.config.cluster.GPUS_ENV), which each
-decides on (and checks) exactly as the render did.
+Pipeline stages across workers (multi_worker_mirrored with a replica's K x T
+devices more than a worker's G, tfpar.config.rules.worker_layout): every worker
+runs its own stages (tfpar.engines.stage_worker), so the pods are plain
+workers and the job ends as any multi_worker_mirrored job does. Pods of
+model-parallel multi-worker jobs get the GPU count they were rendered with
+(tfpar.config.cluster.GPUS_ENV), which each decides on (and checks) exactly as
+the render did.
 """
 
 import dataclasses
@@ -72,8 +66,6 @@ class Job:
   peer_timeout: int = 300
   # Multi-worker model parallelism: pods pin their GPU count (GPUS_ENV).
   model_parallel: bool = False
-  # A replica spans workers: workers 1.. serve worker 0's stages; the job follows worker 0.
-  stage_servers: bool = False
 
   @property
   def roles(self) -> List[Tuple[str, int]]:
@@ -189,7 +181,7 @@ def tfjob(job: Job) -> dict:
       } for role, count in job.roles}
   # No successPolicy: the operator's default ends the job when the chief (or,
   # without one, worker 0) completes, deleting the pods still running: what
-  # parameter servers and stage servers need.
+  # parameter servers need.
   return {
       "apiVersion": "kubeflow.org/v1",
       "kind": "TFJob",
@@ -240,13 +232,11 @@ def jobset(job: Job) -> dict:
                    "(" + "|".join(str(c) for c in status.NOT_RESTARTABLE) + ")"),
                   ("Preempted", "RestartJobSetAndIgnoreMaxRestarts", str(status.PREEMPTED)))],
       },
-      # Parameter servers and workers serve until the chief is done; stage
-      # servers until worker 0 is (their Job succeeds with index 0).
+      # Parameter servers and workers serve until the chief is done.
       "successPolicy": ({"operator": "Any", "targetReplicatedJobs": ["chief"]} if job.ps
                         else {"operator": "All", "targetReplicatedJobs": ["worker"]}),
       "replicatedJobs": [{"name": role, "replicas": 1,
-                          "template": {"spec": _indexed_job_spec(
-                              job, role, count, index_0_ends=job.stage_servers)}}
+                          "template": {"spec": _indexed_job_spec(job, role, count)}}
                          for role, count in job.roles],
   }
   return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
@@ -259,7 +249,7 @@ def indexed_job(job: Job) -> dict:
   # With parameter servers, one pod template serves every task type: they all
   # get the worker's resources.
   spec = _indexed_job_spec(job, None if job.ps else "worker", total,
-                           index_0_ends=bool(job.ps) or job.stage_servers)
+                           index_0_ends=bool(job.ps))
   return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _metadata(job), "spec": spec}
 
 

@@ -42,6 +42,7 @@ class ParallelModel(Protocol):
   rules: partitioning.Rules
   blocks: Sequence[ParallelBlock]
   block_shape: Tuple
+  head_reads_embed: bool  # The head reads the embedding's weights (a tied token table).
 
   def build_embed(self) -> None: ...
 
@@ -60,6 +61,7 @@ class Transformer(keras.Model):
   rules: partitioning.Rules
   blocks: list
   block_shape: Tuple
+  head_reads_embed = False
 
   def build_all(self):
     """Creates every weight now (under whatever device scope the caller holds)."""

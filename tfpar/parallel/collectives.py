@@ -76,43 +76,6 @@ def unpack(packs, vectors: Sequence[tf.Tensor], tensors: Sequence[tf.Tensor]) ->
   return out
 
 
-def placed_sum(per_copy: Sequence[Sequence[tf.Tensor]],
-               devices: Sequence[Sequence[str]]) -> List[List[tf.Tensor]]:
-  """sum_c per_copy[c][i] onto every copy's own device of it, in one program (no replicas).
-
-  Where the D copies run in one program (stages on different workers: the
-  chief's), a sum is placement, not a collective. Moved as a ring's
-  reduce-scatter and all-gather would move it: each tensor is cut into D
-  chunks on its own device, chunk d of every copy is summed on copy d's
-  device, and each copy's device joins the D summed chunks. A device sends
-  and receives 2(D-1)/D of a tensor, where a sum onto one device and reads
-  from it put 2(D-1) tensors through that device's link. Each element is the
-  same AddN over the copies in the same order.
-
-  Args:
-    per_copy: per_copy[c][i], copy c's tensor i (static shapes).
-    devices: devices[c][i], where copy c's tensor i lives.
-  """
-  d = len(per_copy)
-  out = [[] for _ in range(d)]
-  for i, first in enumerate(per_copy[0]):
-    n = first.shape.num_elements()
-    bounds = [n * k // d for k in range(d + 1)]
-    pieces = []  # pieces[c][k]: copy c's chunk k, cut where copy c's tensor lies.
-    for copy, places in zip(per_copy, devices):
-      with tf.device(places[i]):
-        flat = tf.reshape(copy[i], [-1])
-        pieces.append([flat[bounds[k]:bounds[k + 1]] for k in range(d)])
-    chunks = []
-    for k in range(d):
-      with tf.device(devices[k][i]):
-        chunks.append(tf.add_n([pieces[c][k] for c in range(d)]))
-    for c in range(d):
-      with tf.device(devices[c][i]):
-        out[c].append(tf.reshape(tf.concat(chunks, axis=0), first.shape))
-  return out
-
-
 def all_max(scalars: List[tf.Tensor], devices: Optional[List[str]] = None) -> List[tf.Tensor]:
   """The largest value over the replicas of each [1]-shaped tensor.
 

@@ -50,13 +50,10 @@ powersgd (Vogels, Karimireddy and Jaggi, NeurIPS 2019)
   strategy scope; `checkpoint_entries` puts it in the canonical checkpoint
   (tfpar.parallel.exchange_state).
 
-Each codec is written once, over per-copy lists of gradients and two
-reductions (tfpar.parallel.exchange): in replica context the list holds this
-replica's gradients and a sum is a collective (`InReplica`); when every copy
-runs in one program (stages across workers: `GradientExchange.
-reduce_copies`) it holds all D copies' and a sum is an AddN onto copy 0's
-device (`InProgram`), each copy's cast or M_r, P_r and Q_r computed beside
-its own gradients first.
+Each codec is written once, over per-copy lists of gradients (this
+replica's) and two reductions (tfpar.parallel.exchange): a sum and a peak,
+collectives over the replicas in sync (`InReplica`) or among a stage's
+workers (tfpar.parallel.p2p.Among).
 
 Bytes handed to the collectives per codec: tfpar.parallel.traffic.
 

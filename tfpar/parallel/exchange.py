@@ -14,12 +14,10 @@ twin. A `GradientExchange` is that step as an interface, in replica context:
     reduce(grads, replica, compressed) -> sum_r grads   (or an estimate of it)
 
 `AllReduce` is the plain float32 SUM; the codecs of tfpar.parallel.compression
-(fp16, bf16, PowerSGD) hand the collectives fewer bytes. Where the D replicas
-are D copies in one program (no replica context: a model-parallel plan whose
-stages sit on different workers), `reduce_copies(per_copy)` does the same
-sum by placement, onto every copy's own devices (`collectives.placed_sum`:
-chunk d summed on copy d's device, the chunks joined on each), or with a
-codec the codec's sums onto copy 0's device of each gradient. A ZeRO-style
+(fp16, bf16, PowerSGD) hand the collectives fewer bytes. Where the replicas
+are worker processes each running its own stages (tfpar.engines.stage_worker),
+`reduce_among(grads, ops)` does the same with the sums of `ops`
+(tfpar.parallel.p2p.Among: collectives among a stage's workers). A ZeRO-style
 distributed optimizer adds reduce-scatter (each replica keeps the sum of its
 1/R of the gradient) and all-gather (the updated shards back to every replica)
 beside `reduce`, over tfpar.parallel.collectives.
@@ -113,32 +111,6 @@ class GradientExchange:
     Among: collectives among the workers that hold the same stage of every copy)."""
     return self._exchange([grads], [0], ops, compressed)
 
-  def reduce_copies(self, per_copy: List[List[tf.Tensor]],
-                    compressed: bool = True) -> List[List[tf.Tensor]]:
-    """[sum_r per_copy[r] (or its compressed estimate)] for each copy, when every replica runs
-    in this program.
-
-    Outside any replica context (a model-parallel plan whose stages sit on
-    different workers: the chief's one program holds all D copies). The plain
-    sum lands on every copy's own devices, moved as a ring would move it
-    (`collectives.placed_sum`). A codec's per-copy work runs beside copy r's
-    gradients (`state_devices[r]`), so only what a collective would carry
-    crosses devices; its sums land on copy 0's device of each variable, where
-    every copy reads them (the same list for every copy).
-    """
-    if len(per_copy) == 1:
-      self.traffic[compressed] = NONE
-      return [list(per_copy[0])]
-    replicas = range(len(per_copy))
-    if compressed and self.method != "none":
-      return [self._exchange(per_copy, replicas, InProgram(self.state_devices[0]),
-                             compressed)] * len(per_copy)
-    per_copy = self._dense(per_copy, replicas)
-    with tf.name_scope("grad_exchange"):  # What a profile (scripts/dp_profile.py) counts.
-      out = collectives.placed_sum(per_copy, self.state_devices)
-    self.traffic[compressed] = Traffic(nbytes(per_copy[0]), nbytes(per_copy[0]))
-    return out
-
   def _dense(self, per_copy, replicas):
     """Each copy's gradients dense, with static shapes (a traced gradient's may be unknown):
     the bytes are counted from them."""
@@ -168,8 +140,7 @@ class GradientExchange:
     """(sum_r grads or its estimate, [the lists of tensors one replica handed to the collectives]).
 
     per_copy[c][i] is replica replicas[c]'s gradient of variable i: one
-    replica (this one) in replica context, every replica in `reduce_copies`.
-    `ops` sums over the replicas (InReplica, InProgram).
+    replica (this one). `ops` sums over the replicas (InReplica, p2p.Among).
     """
     raise NotImplementedError
 
@@ -211,23 +182,3 @@ class InReplica:
 
   def at(self, i: int):
     return collectives.on_device(self.home[i] if self.home else None)
-
-
-class InProgram(InReplica):
-  """The same reductions over every copy's tensors in this program: onto `home` (copy 0's)."""
-
-  def __init__(self, home: List[str]):
-    super().__init__(home, pack=False)
-
-  def _fold(self, fn, per_copy, indices):
-    out = []
-    for j, i in enumerate(indices):
-      with self.at(i):
-        out.append(fn([copy[j] for copy in per_copy]))
-    return out
-
-  def sum(self, per_copy, indices) -> List[tf.Tensor]:
-    return self._fold(tf.add_n, per_copy, indices)
-
-  def peak(self, per_copy, indices) -> List[tf.Tensor]:
-    return self._fold(lambda xs: tf.reduce_max(tf.concat(xs, axis=0)), per_copy, indices)

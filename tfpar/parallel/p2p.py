@@ -11,7 +11,8 @@ rest:
                 tied embedding's gradient between the first and the last stage,
                 a stage's gradients over its D copies (`Among`: plain, through
                 a codec, or chunk by chunk for ZeRO-2), the loss and the
-                squared gradient norm over every stage;
+                squared gradient norm over every stage, an eval batch's
+                outputs over the job;
   gather        CollectiveGatherV2 among a stage's copies: ZeRO's updated
                 weight shards, and its m and v shards at a save.
 
@@ -104,13 +105,16 @@ class Groups:
   def _reduce(self, tensor, members, instance, merge_op):
     """A bfloat16 or float16 tensor is reduced in float32 and rounded back (of two members,
     the narrow sum itself): the op takes no bfloat16, and a float16 sum among a stage's
-    copies on CPUs did not complete."""
+    copies on CPUs did not complete. An integer or boolean type the op does not take
+    (uint8, bool, ...) is reduced as int64 and cast back."""
     members = sorted(set(members))
     if len(members) == 1:
       return tf.identity(tensor)
     dtype = tensor.dtype
     if dtype in (tf.bfloat16, tf.float16):
       tensor = tf.cast(tensor, tf.float32)
+    elif dtype not in (tf.float32, tf.float64, tf.int32, tf.int64):
+      tensor = tf.cast(tensor, tf.int64)
     out = tf.raw_ops.CollectiveReduceV2(
         input=tensor, group_size=len(members), group_key=self.key(members),
         instance_key=instance, ordering_token=[], merge_op=merge_op, final_op="Id",

@@ -1,10 +1,9 @@
 """A task's gRPC server, kept up for the process's life, and its watch on the chief.
 
 TensorFlow's servers cannot be stopped and never return from `join()`; a task
-that only serves (a parameter-server job's workers and ps tasks, a stage of a
-plan across workers) starts one with `start_server` and then ends on its own
-terms with `watch_chief`: when the chief finished, was preempted, or stayed
-away too long to be coming back.
+that only serves (a parameter-server job's workers and ps tasks) starts one
+with `start_server` and then ends on its own terms with `watch_chief`: when
+the chief stayed away too long to be coming back.
 """
 
 import os
@@ -34,12 +33,12 @@ def reachable(address: str) -> bool:
     return False
 
 
-def start_server(cluster: Cluster, threads: int, on_sigterm=None) -> str:
+def start_server(cluster: Cluster, threads: int) -> str:
   """Starts this task's gRPC server for the process's life. Returns its name.
 
   `threads`: the fewest inter-op threads that cannot hang the cluster (TF's
-  default pool has one per core; see tfpar.engines.parameter_server). SIGTERM calls
-  `on_sigterm()`, by default exits 75 at once.
+  default pool has one per core; see tfpar.engines.parameter_server). SIGTERM exits 75 at
+  once.
   """
   me = f"{cluster.task_type} {cluster.task_index}"
 
@@ -47,7 +46,7 @@ def start_server(cluster: Cluster, threads: int, on_sigterm=None) -> str:
     print(f"tfpar: {me}: SIGTERM, exiting (a server has nothing to save)", flush=True)
     os._exit(status.PREEMPTED)  # pylint: disable=protected-access  # Servers cannot be stopped.
 
-  signal.signal(signal.SIGTERM, lambda signum, frame: (on_sigterm or exit_now)())
+  signal.signal(signal.SIGTERM, lambda signum, frame: exit_now())
   config = tf.compat.v1.ConfigProto()
   if (os.cpu_count() or 1) < threads:
     config.inter_op_parallelism_threads = threads
@@ -58,29 +57,17 @@ def start_server(cluster: Cluster, threads: int, on_sigterm=None) -> str:
   return me
 
 
-def watch_chief(me: str, chief: str, preempted=None, finished=None) -> None:
-  """Serves on while the chief comes and goes; exits 1 once it stayed away CHIEF_WAIT_SECONDS.
-
-  `preempted`: a threading.Event; once set, the first poll that finds the
-  chief gone (it saved and exited) exits 75.
-  `finished`: a callable; once the chief has been seen, the first poll that
-  finds it gone and `finished()` true exits 0 (the job is done).
-  """
+def watch_chief(me: str, chief: str) -> None:
+  """Serves on while the chief comes and goes; exits 1 once it stayed away CHIEF_WAIT_SECONDS."""
   print(f"tfpar: {me} serving; waits for chief {chief}", flush=True)
-  seen, ever_seen, last_seen = False, False, time.monotonic()
+  seen, last_seen = False, time.monotonic()
   while True:
     time.sleep(CHIEF_POLL_SECONDS)
     if reachable(chief):
       if not seen:
         print(f"tfpar: {me}: chief {chief} connected", flush=True)
-      seen, ever_seen, last_seen = True, True, time.monotonic()
+      seen, last_seen = True, time.monotonic()
       continue
-    if ever_seen and finished is not None and finished():
-      print(f"tfpar: {me}: chief {chief} finished the run, exiting", flush=True)
-      os._exit(status.OK)  # pylint: disable=protected-access
-    if preempted is not None and preempted.is_set():
-      print(f"tfpar: {me}: chief {chief} gone after the preemption notice, exiting", flush=True)
-      os._exit(status.PREEMPTED)  # pylint: disable=protected-access
     if seen:
       print(f"tfpar: {me}: chief {chief} unreachable; serving on, for its restart", flush=True)
       seen = False

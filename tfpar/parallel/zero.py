@@ -44,10 +44,9 @@ writes each shard's part, so any sharding restores any other's checkpoint.
 Model-parallel plans (`PlanZero`): each device position (k, t) of a plan row
 is a ZeroUpdate of its own over the weights it holds, sharded over the D peers
 (d, k, t); the global norm stays that of the whole gradient. With pipeline
-stages on different workers in the chief's one program (tfpar.parallel.remote)
-every copy runs there without replica context, and the same code sums, scatters and gathers by placement instead of
-collectives (`PlanZero.apply`, `reduce_scatter`); all D shards are then local,
-so a save concatenates them.
+stages on different workers each stage's worker runs its own PlanZero over the
+weights it holds (tfpar.engines.stage_worker), its sums and gathers collectives
+among the stage's copies.
 
 Wired into tfpar.engines.data_parallel and tfpar.engines.model_parallel by
 --optimizer_sharding (docs/design.md, "Optimizer sharding"); tests/test_zero.py,
@@ -419,22 +418,16 @@ class PlanZero:
   one copy of its stage's weights, sums through `reduce_scatter(ops=...)` and the
   exchange among the stage's copies, and gathers with `gather`.)
 
-  Two ways to run it, one code path: in copy d's replica function (the D copies are the
-  replicas in sync: MirroredStrategy over the anchors, or one copy per worker), the sums
-  are collectives (packed per device) and an all_gather brings the shards back; with
-  every copy in one program and no replica context (pipeline stages on different
-  workers: the chief's program holds all D copies), zero1 sums through the exchange's
-  `reduce_copies` onto each copy's devices (a codec's: onto copy 0's) and each copy's
-  shard is cut from its sum, zero2 sums
-  chunk d of every copy's gradient on copy d's device only, and each copy's devices
-  concatenate the D new shards ("all-gather" by placement).
+  It runs in copy d's replica function (the D copies are the replicas in sync:
+  MirroredStrategy over the anchors, or one copy per worker): the sums are collectives
+  (packed per device) and an all_gather brings the shards back.
 
   Args:
     optimizers: each local copy's Keras AdamW (built without slots; its step counter,
       schedule, decay set and clipping are used).
     copies: each local copy's trainable variables (the same order and shapes in every copy).
     mode, num_replicas, strategy, jit_compile, gather: as for ZeroUpdate (strategy: the
-      data-parallel one, None with every copy in one program).
+      data-parallel one).
     shard_ids: the global replica id of each local copy.
     groups: the variable indices of each position, each its own FlatLayout (default: the
       variables of each device; a stage worker keeps the tied embedding apart).
@@ -466,11 +459,8 @@ class PlanZero:
 
   def apply(self, grads: List[List[tf.Tensor]], copies: Sequence[int], *, exchange,
             compressed: bool = True, skip_nonfinite: bool = False) -> tf.Tensor:
-    """The step of local copies `copies` after their backward passes; returns the norm.
-
-    `grads[j]` are copy `copies[j]`'s gradients: one copy in its replica function, or
-    every local copy (range(D)) in one program without replica context.
-    """
+    """The step of local copy `copies[0]` (one, in its replica function) after its backward
+    pass, `grads[0]` its gradients; returns the norm."""
     grads = [[tf.convert_to_tensor(g) for g in copy] for copy in grads]
     steps = [tf.convert_to_tensor(self.optimizers[c].iterations) for c in copies]  # Where kept.
     devices = [[variable_device(self.copies[c][group[0]]) for group in self.groups]
@@ -478,14 +468,10 @@ class PlanZero:
     layouts = [u.layout for u in self.updates]
     shards = [self.updates[0].shards[c].shard for c in copies]
     if self.mode == "zero1":
-      summed = ([exchange.reduce(grads[0], replica=copies[0], compressed=compressed)]
-                if len(copies) == 1 else exchange.reduce_copies(grads, compressed))
+      summed = [exchange.reduce(grads[0], replica=copies[0], compressed=compressed)]
       norm = tf.linalg.global_norm(summed[0])  # As tfpar.training.step.apply_gradients.
-      # Each copy's shard is cut where its sum lies: its own devices, or (a codec's sums in
-      # one program, the same list for every copy) copy 0's.
-      homes = devices if summed[-1] is not summed[0] else [devices[0]] * len(summed)
       mine = []
-      for shard, sums, places in zip(shards, summed, homes):
+      for shard, sums, places in zip(shards, summed, devices):
         mine.append([])
         for layout, group, device in zip(layouts, self.groups, places):
           with tf.device(device):
@@ -501,7 +487,7 @@ class PlanZero:
       for update, device, summed_shard in zip(self.updates, devs, summed_shards):
         with tf.device(device):
           new[-1].append(update.update_shard(c, summed_shard, norm, step, skip_nonfinite))
-    for c, devs, flats in zip(copies, devices, self._gather(new, devices, shards)):
+    for c, devs, flats in zip(copies, devices, self._gather(new)):
       for update, group, device, flat in zip(self.updates, self.groups, devs, flats):
         with tf.device(device):
           for i, value in zip(group, update.layout.unflatten(flat)):
@@ -509,26 +495,13 @@ class PlanZero:
       self.optimizers[c].iterations.assign_add(1)
     return norm
 
-  def _gather(self, new, devices, shards):
-    """Every shard of each position, in shard order, for each copy: [[flat per position]].
-
-    `new[j]` holds copy j's new shard per position. One copy: an all_gather over the
-    replicas (a list, one [1, S] tensor per position). Every copy here: each copy's
-    device of a position concatenates the D shards.
-    """
-    if len(new) == 1:
-      if self.num_replicas == 1:
-        return new
-      gathered = tf.distribute.get_replica_context().all_gather([x[None] for x in new[0]], axis=0)
-      return [[tf.reshape(x, [-1]) for x in gathered]]
-    order = np.argsort(shards)
-    out = []
-    for devs in devices:
-      out.append([])
-      for g, device in enumerate(devs):
-        with tf.device(device):
-          out[-1].append(tf.concat([new[j][g] for j in order], axis=0))
-    return out
+  def _gather(self, new):
+    """Every shard of each position, in shard order: [[flat per position]] (`new[0]`: the
+    copy's new shard per position, all-gathered over the replicas, one [1, S] per position)."""
+    if self.num_replicas == 1:
+      return new
+    gathered = tf.distribute.get_replica_context().all_gather([x[None] for x in new[0]], axis=0)
+    return [[tf.reshape(x, [-1]) for x in gathered]]
 
   def checkpoint_slots(self, variable):
     """(m, v) of any local copy's `variable`, at full shape (tfpar.training.checkpoint)."""
@@ -549,20 +522,17 @@ def reduce_scatter(layouts: Sequence[FlatLayout], copies, mine: Sequence[int], d
   `copies[c][g]` are copy c's gradients in `layouts[g]`'s order, on `devices[c][g]`: one
   group for the data-parallel engine; one per device for a model-parallel plan. One copy
   (replica context): the copies are the replicas in sync and each chunk's sum is a
-  collective, one per device; `mine` is [its shard]. Every copy in one program (no replica
-  context): chunk k of every copy is summed on copy k's devices; `mine` is every shard.
+  collective, one per device; `mine` is [its shard].
   The D shard-sized chunks are summed in shard order, chunk k of every group in one round,
   each round waiting for the previous round's sums of squares: a replica keeps the chunks
   of its own shard and drops each other one once its squares are counted, so at most two
-  shards of the summed gradient are alive instead of all of it (in one program, no device
-  holds more than its own shard of the sum). `ops` sums one copy's chunks another way
-  (tfpar.parallel.p2p.Among: collectives among a stage's workers).
+  shards of the summed gradient are alive instead of all of it. `ops` sums the chunks
+  another way (tfpar.parallel.p2p.Among: collectives among a stage's workers).
   """
-  in_program = len(copies) > 1
   places = devices or [[None] * len(layouts)]
   squares, kept, after = [], {}, []
   for k in range(layouts[0].num_shards):
-    home = places[k] if in_program else places[0]
+    home = places[0]
     chunks = []
     with tf.control_dependencies(after):
       for groups, devs in zip(copies, places):
@@ -570,8 +540,7 @@ def reduce_scatter(layouts: Sequence[FlatLayout], copies, mine: Sequence[int], d
         for layout, grads, device in zip(layouts, groups, devs):
           with collectives.on_device(device):
             chunks[-1].append(layout.slice(grads, k))
-    summing = ops or (exchange_lib.InProgram(home) if in_program else exchange_lib.InReplica(
-        home, pack=devices is not None))
+    summing = ops or exchange_lib.InReplica(home, pack=devices is not None)
     summed = summing.sum(chunks, range(len(layouts)))
     after = []
     for chunk, device in zip(summed, home):

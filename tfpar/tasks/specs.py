@@ -30,7 +30,6 @@ class TaskSpec:
   model = ""  # What the start-up line calls the model ("ViT classifier").
   tool = "tfpar.predict"  # What runs a trained model of this task (tfpar.generate, tfpar.predict).
   splits_sequence = False  # Runs under --sequence_parallel (its blocks' sequence is --seq_len).
-  eval_is_loss = False  # Its held-out outputs are its loss alone (one program per worker runs it).
   labels = ()  # The label fields a prepared image set of this task keeps beside each image.
 
   def check_model(self, m) -> None:
@@ -51,7 +50,7 @@ class TaskSpec:
 
 class LanguageModelingSpec(TaskSpec):
   name, tool = "lm", "tfpar.generate"
-  splits_sequence = eval_is_loss = True
+  splits_sequence = True
 
   def model_name(self, m):
     family = families.get(m.architecture)

@@ -19,8 +19,8 @@ bundle format stores such slices itself (SaveV2/RestoreV2 `shape_and_slices`
 '4 6 0,2:-'), so:
 
   save      each process copies its slices on the host of the process that
-            holds them (`host_of`: a stage server's slices stay in that
-            server) and writes them there with SaveV2 into its own bundle,
+            holds them (`host_of`: a parameter server's slices stay on its
+            task) and writes them there with SaveV2 into its own bundle,
             `ckpt-N.tmp/w<worker>-<host>`, then a `w<worker>.done` marker;
             the chief waits for every writer's marker, joins the bundles
             with MergeV2Checkpoints (it reads only their indexes) and
@@ -314,7 +314,7 @@ def _chunks(slices: Sequence[Slice], limit: int):
 
 
 def _absolute(path: str) -> str:
-  """A local path made absolute: other processes (the stage servers) write under it too."""
+  """A local path made absolute: other processes (the job's other tasks) write under it too."""
   return path if "://" in path else os.path.abspath(path)
 
 

@@ -31,6 +31,7 @@ class GPT(Transformer):
   """
 
   rules = rules_lib.RULES
+  head_reads_embed = True  # The output projection is the token table.
 
   def __init__(self, config: ModelConfig, *, tensor_shards: int = 1, seed: int = 0, **kwargs):
     kwargs.setdefault("name", "gpt")
