@@ -91,8 +91,8 @@ FOUR = ["--microbatches=2", "--pipeline_schedule=interleaved", "--virtual_stages
 EIGHT = ["--strategy=multi_worker_mirrored", "--pipeline_stages=4", "--microbatches=2",
          "--pipeline_schedule=gpipe"] + FOUR_MODEL
 # zero3 on 4 mirrored replicas in one process; `four` resumes its step-2 checkpoint. Its
-# per-replica steps compiled (XLA): 71 s of CPU for the run against 165 s without (one run
-# each, under load).
+# per-replica steps compiled (XLA): 71 s of CPU for the run against 165 s without
+# (`/usr/bin/time python -m tfpar.train` with these flags, one run each, 5 Dec 2026, loaded).
 ZERO3 = FOUR_MODEL + ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero3",
                       "--jit_compile=true"]
 # bf16 precision (XLA off: its default) and PowerSGD (rank 2, every matrix, error feedback
