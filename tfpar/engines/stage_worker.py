@@ -285,10 +285,8 @@ class StageWorkerEngine(Engine):
       if self.exchange is not None:
         grads = self.exchange.reduce_among(grads, among, compressed)
       loss, norm = self._loss_and_norm(loss, [grads[i] for i in self.counted])
-      if self.clip_norm:
-        factor = clip_factor(norm, self.clip_norm)
-        grads = [g * factor for g in grads]
-    apply_or_skip(self.optimizer, grads, self.variables, norm,
+      factor = clip_factor(norm, self.clip_norm) if self.clip_norm else None
+    apply_or_skip(self.optimizer, grads, self.variables, norm, in_order=True, scale=factor,
                   skip_nonfinite=self.cfg.train.on_nonfinite == "skip")
     return loss, norm
 
