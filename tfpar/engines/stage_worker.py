@@ -28,7 +28,8 @@ The step on worker w, in the plan's schedule (GPipe, 1F1B, interleaved):
      embedding once): the step's loss and gradient norm, the numbers one
      device computes, so every worker clips by the same factor and skips
      (--on_nonfinite=skip) alike;
-  5. its AdamW update of its own weights; under --optimizer_sharding=zero1/2
+  5. its AdamW update of its own weights, weight by weight with the clip factor inside
+     (tfpar.training.optimizer.AdamW.in_order: no clipped copy); under --optimizer_sharding=zero1/2
      (tfpar.parallel.zero.PlanZero over its own weights, sharded over the
      stage's D copies) steps 3 and 5 are instead: zero1 sums the gradient
      through the exchange, zero2 chunk by chunk keeping its own shard
