@@ -12,7 +12,8 @@ gradients are compared through it); zero1 and the unsharded update there also
 compiled as one XLA program per replica (--jit_compile's), zero2 op by op.
 And PlanZero (a hybrid plan's ZeRO) alone on D=2 copies of a 2-device row against the
 same one-device run, with both copies in one program (stages on different workers) and
-in replica context, compiled per (position, copy) or not.
+in replica context, compiled per (position, copy) or not. And the stage worker's update
+(AdamW.in_order: weight by weight, the clip factor inside) against that run too.
 """
 
 import json
@@ -33,7 +34,7 @@ from tfpar.parallel.compression import make_exchange
 from tfpar.planner import clusters, cost
 from tfpar.training.checkpoint import assign_canonical, read_canonical, read_checkpoint
 from tfpar.training.optimizer import inner_optimizer, learning_rate_schedule, make_optimizer
-from tfpar.training.step import apply_gradients
+from tfpar.training.step import apply_gradients, apply_or_skip
 
 SHAPES = {"embeddings": (7, 5), "kernel": (5, 3), "bias": (3,), "gamma": (5,)}
 STEPS = 6
@@ -540,3 +541,47 @@ def test_a_nonfinite_step_is_skipped_under_zero3(engine_runs):
   for key, want in values.items():
     if key != "optimizer/iterations" and not key.startswith("dropout_rng/"):
       np.testing.assert_array_equal(after[key], want, err_msg=key)
+
+
+def test_an_in_order_update_with_the_clip_factor_inside_is_the_serial_twin(serial_run):
+  """The stage worker's update (apply_or_skip in_order, the clip factor inside each weight's
+  update, AdamW's own clip off) after each step, skipped step included, at 1e-5; and in its
+  trace each weight's update waits for the previous weight's assignments."""
+  optim, serial = serial_run
+  model = _model()
+  opt = make_optimizer(optim, train_steps=STEPS)
+  opt.build(model.trainable_variables)
+  inner_optimizer(opt).global_clipnorm = None
+  variables = model.trainable_variables
+
+  @tf.function
+  def step(x, y):
+    with tf.GradientTape() as tape:
+      loss = _loss(model, x, y)
+    grads = tape.gradient(loss, variables)
+    norm = tf.linalg.global_norm(grads)
+    apply_or_skip(opt, grads, variables, norm, skip_nonfinite=True, in_order=True,
+                  scale=zero.clip_factor(norm, optim.clip_norm))
+    return loss, norm
+
+  out = []
+  for x, y in _batches():
+    loss, norm = step(x, y)
+    out.append((float(loss), float(norm), [v.numpy() for v in variables],
+                [[opt._momentums[opt._get_variable_index(v)].numpy() for v in variables],
+                 [opt._velocities[opt._get_variable_index(v)].numpy() for v in variables]]))
+  assert_same_steps(out, serial)
+
+  @tf.function
+  def update(grads, scale):
+    apply_or_skip(opt, grads, variables, 0.0, skip_nonfinite=False, in_order=True, scale=scale)
+
+  graph = update.get_concrete_function([tf.TensorSpec(v.shape) for v in variables],
+                                       tf.TensorSpec([])).graph
+  assigns = {"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"}
+  scaled = [op for op in graph.get_operations()
+            if op.type == "Mul" and [t.op.type for t in op.inputs] == ["Placeholder"] * 2]
+  # Each weight's scaled gradient after the first waits for the previous weight's update.
+  assert len(scaled) == len(variables)
+  assert sum(any(c.type in assigns for c in op.control_inputs) for op in scaled) \
+      == len(variables) - 1

@@ -31,7 +31,8 @@ The step on worker w, in the plan's schedule (GPipe, 1F1B, interleaved):
      embedding once): the step's loss and gradient norm, the numbers one
      device computes, so every worker clips by the same factor and skips
      (--on_nonfinite=skip) alike;
-  5. its AdamW update of its own weights; under --optimizer_sharding=zero1/2
+  5. its AdamW update of its own weights, weight by weight with the clip factor inside
+     (tfpar.training.optimizer.AdamW.in_order: no clipped copy); under --optimizer_sharding=zero1/2
      (tfpar.parallel.zero.PlanZero over its own weights, sharded over the
      stage's D copies) steps 3 and 5 are instead: zero1 sums the gradient
      through the exchange, zero2 chunk by chunk keeping its own shard
@@ -304,10 +305,8 @@ class StageWorkerEngine(Engine):
       if self.exchange is not None:
         grads = self.exchange.reduce_among(grads, among, compressed)
       loss, norm = self._loss_and_norm(loss, [grads[i] for i in self.counted])
-      if self.clip_norm:
-        factor = clip_factor(norm, self.clip_norm)
-        grads = [g * factor for g in grads]
-    apply_or_skip(self.optimizer, grads, self.variables, norm,
+      factor = clip_factor(norm, self.clip_norm) if self.clip_norm else None
+    apply_or_skip(self.optimizer, grads, self.variables, norm, in_order=True, scale=factor,
                   skip_nonfinite=self.cfg.train.on_nonfinite == "skip")
     return loss, norm
 

@@ -24,7 +24,12 @@ waiting for it there could deadlock two workers each sending to the other.
 Collectives are matched by key, so nothing else can mix them up.
 
 Each weight's gradient is summed over the micro-batches as its B units come
-(on its device, before the worker's next unit, as in one program's 1F1B).
+(on its device, before the worker's next unit, as in one program's 1F1B), in
+place: one accumulator variable per weight (made at the first trace) takes
+micro-batch m's gradient by assign (the first) or assign_add, so a step holds
+the sum and only the gradients of the unit being added, never a second list
+of sums; the additions are those of `a + b` in micro-batch order, the sums one
+device computes. The gradients returned are reads of the accumulators.
 The step's loss is the last chunk's sum over micro-batches (zero elsewhere).
 
 Buckets (`buckets`): a block's gradient is final once the worker's last B unit
@@ -72,6 +77,7 @@ class StageProgram:
     self.chunks = len(self.chunk_workers)
     self.mine = [c for c, w in enumerate(self.chunk_workers) if w == me]
     self.keys = p2p.Keys(self.chunks, pipeline.microbatches)
+    self._sums = {}  # id(variable) -> its gradient's accumulator (module docstring)
 
   def _device(self, c: int) -> str:
     return self.pipeline.stage_devices[c]
@@ -129,7 +135,8 @@ class StageProgram:
     x: Dict = {}
     out: Dict = {}
     dx: Dict = {}
-    grads, losses, previous, sent = [None] * len(variables), [], {}, []
+    sums = self._accumulators(variables)
+    added, losses, previous, sent = [False] * len(variables), [], {}, []
     for kind, c, m in self.units():
       device = self._device(c)
       with tf.device(device), tf.name_scope(f"{kind}{c}_{m}"), \
@@ -167,13 +174,27 @@ class StageProgram:
             if g is not None:
               with tf.device(variables[i].value.device):
                 g = tf.convert_to_tensor(g)
-                grads[i] = g if grads[i] is None else grads[i] + g
-              done.append(grads[i])
-      previous[device] = [t.op for t in done]
+                add = sums[i].assign_add if added[i] else sums[i].assign
+                done.append(add(g, read_value=False))
+              added[i] = True
+      previous[device] = [getattr(t, "op", t) for t in done]
     # The step ends once its sends are received (a send nothing reads would be pruned).
     with tf.device(self._device(self.mine[-1])), tf.control_dependencies(sent):
       loss = tf.identity(tf.add_n(losses) if losses else tf.zeros([], tf.float32))
+    grads = []
+    for i, v in enumerate(variables):
+      with tf.device(v.value.device):
+        grads.append(sums[i].read_value() if added[i] else None)
     return loss, schedules.dense_on_devices(grads, variables)
+
+  def _accumulators(self, variables) -> list:
+    """Each weight's gradient accumulator, on its device (made once, outside the trace)."""
+    for v in variables:
+      if id(v) not in self._sums:
+        with tf.init_scope(), tf.device(v.value.device):
+          self._sums[id(v)] = tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                                          name="gradient_sum")
+    return [self._sums[id(v)] for v in variables]
 
   def eval_outputs(self, inputs, targets):
     """(the last chunk's eval outputs of the replica's batch, micro-batches combined, True), or

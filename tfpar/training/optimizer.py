@@ -15,8 +15,16 @@ it one XLA program per replica instead (`_backend_apply_gradients`): after
 the same merge_call, each replica's device runs one compiled function that
 clips, decays and applies Keras' own `update_step` to that device's copies
 of all the variables and slots.
+
+`in_order(scale)`: within it, `apply` (one replica in sync) updates the weights
+one at a time, each weight's update (its decay, then Keras' `update_step`, the
+ops and their order one weight sees either way) waiting for the previous
+weight's assignments, its gradient multiplied by `scale` (a clip factor) inside
+it. The update's temporaries (and the scaled gradient) are then one weight's at
+a time, not every weight's at once as the executor would otherwise run them.
 """
 
+import contextlib
 import functools
 
 import keras
@@ -41,15 +49,58 @@ class AdamW(keras.optimizers.AdamW):
     """Apply each replica's update as one XLA program (see the module docstring)."""
     self._programs = _ReplicaPrograms(self) if enabled else None
 
+  @contextlib.contextmanager
+  def in_order(self, scale=None):
+    """Within: `apply` updates one weight at a time, each gradient times `scale` (module
+    docstring)."""
+    self._order = (scale,)
+    try:
+      yield
+    finally:
+      self._order = None
+
   def _backend_apply_gradients(self, grads, trainable_variables):
     programs = getattr(self, "_programs", None)
     ctx = tf.distribute.get_replica_context()
+    if getattr(self, "_order", None) is not None:
+      if (self.gradient_accumulation_steps or self.use_ema or
+          (ctx is not None and ctx.num_replicas_in_sync > 1)):
+        raise ValueError("AdamW.in_order: one replica in sync, no gradient accumulation or EMA")
+      self._apply_in_order(grads, trainable_variables, *self._order)
+      return
     if (programs is None or ctx is None or ctx.num_replicas_in_sync == 1 or
         self.gradient_accumulation_steps or self.use_ema or
         tf.__internal__.distribute.strategy_supports_no_merge_call()):
       super()._backend_apply_gradients(grads, trainable_variables)
       return
     ctx.merge_call(functools.partial(programs.apply, variables=trainable_variables), args=(grads,))
+
+  def _apply_in_order(self, grads, variables, scale):
+    if scale is not None and (self.clipnorm or self.global_clipnorm or self.clipvalue):
+      grads, scale = [g * tf.cast(scale, g.dtype) for g in grads], None  # Keras clips them all.
+    grads = self._clip_gradients(grads)  # pylint: disable=protected-access
+    learning_rate = self.learning_rate
+    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    previous = []
+    for grad, variable in zip(grads, variables):
+      first = len(graph.get_operations()) if graph is not None else 0
+      with tf.control_dependencies(previous):
+        if scale is not None:
+          grad = grad * tf.cast(scale, grad.dtype)
+        decay(self, variable, learning_rate)
+        self.update_step(grad, variable, learning_rate)
+      if graph is not None:
+        previous = [op for op in graph.get_operations()[first:] if op.type in _ASSIGNS]
+
+
+_ASSIGNS = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+
+
+def decay(opt, variable, learning_rate) -> None:
+  """Keras' decoupled weight decay of one weight (TFOptimizer._apply_weight_decay's ops)."""
+  if opt.weight_decay is not None and opt._use_weight_decay(variable):  # pylint: disable=protected-access
+    wd = tf.cast(opt.weight_decay, variable.dtype)
+    opt.assign_sub(variable, variable * wd * tf.cast(learning_rate, variable.dtype))
 
 
 def learning_rate_schedule(optim: OptimConfig, train_steps: int):
@@ -107,10 +158,7 @@ class _ReplicaPrograms:
     opt = self.optimizer
     grads = opt._clip_gradients(grads)  # pylint: disable=protected-access
     learning_rate = opt.learning_rate
-    if opt.weight_decay is not None:  # As TFOptimizer._apply_weight_decay, per device.
-      for variable in variables:
-        if opt._use_weight_decay(variable):  # pylint: disable=protected-access
-          decay = tf.cast(opt.weight_decay, variable.dtype)
-          opt.assign_sub(variable, variable * decay * tf.cast(learning_rate, variable.dtype))
+    for variable in variables:  # As TFOptimizer._apply_weight_decay, per device.
+      decay(opt, variable, learning_rate)
     for grad, variable in zip(grads, variables):
       opt.update_step(grad, variable, learning_rate)

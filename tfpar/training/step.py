@@ -60,8 +60,14 @@ def apply_gradients(optimizer, grads, variables, *, skip_nonfinite: bool = False
   return grad_norm
 
 
-def apply_or_skip(optimizer, grads, variables, grad_norm, *, skip_nonfinite: bool):
+def apply_or_skip(optimizer, grads, variables, grad_norm, *, skip_nonfinite: bool,
+                  in_order: bool = False, scale=None):
   """Applies the reduced gradients; with `skip_nonfinite`, only if their norm is finite.
+
+  `in_order`: the update runs one weight at a time, each gradient multiplied by
+  `scale` (a clip factor, or None) inside its own weight's update
+  (tfpar.training.optimizer.AdamW.in_order): a step then holds one weight's
+  scaled gradient and AdamW temporaries at a time, not a copy of them all.
 
   A skipped step changes no weight and no AdamW slot, but counts: the step
   counter still advances, so the learning rate schedule and the data position
@@ -74,6 +80,12 @@ def apply_or_skip(optimizer, grads, variables, grad_norm, *, skip_nonfinite: boo
   in replica context; as Keras' LossScaleOptimizer does, the cond then runs in
   cross-replica context and calls the update for each replica.
   """
+  if in_order:
+    with inner_optimizer(optimizer).in_order(scale):
+      apply_or_skip(optimizer, grads, variables, grad_norm, skip_nonfinite=skip_nonfinite)
+    return
+  if scale is not None:
+    raise ValueError("apply_or_skip: `scale` is applied inside an in_order update only")
   if not skip_nonfinite or hasattr(optimizer, "inner_optimizer"):
     optimizer.apply(grads, variables)
     return
