@@ -162,6 +162,7 @@ class StageWorkerEngine(Engine):
     self.program = StageProgram(self.pipeline, chunk_workers, me, self.groups,
                                 (tuple(model.block_shape[1:]), _compute_dtype()))
     self.keys = self.program.keys
+    self.program.accumulators(self.variables)
     self._initialise(initializers)
     self._gathered = None
     self.layouts = [self._state_layout()]
