@@ -161,8 +161,8 @@ class StageWorkerEngine(Engine):
                              schedule=schedules.make(self.plan.schedule, self.plan.virtual_stages))
     self.program = StageProgram(self.pipeline, chunk_workers, me, self.groups,
                                 (tuple(model.block_shape[1:]), _compute_dtype()))
+    self.program.accumulators(self.variables)  # Made before the step is traced.
     self.keys = self.program.keys
-    self.program.accumulators(self.variables)
     self._initialise(initializers)
     self._gathered = None
     self.layouts = [self._state_layout()]
