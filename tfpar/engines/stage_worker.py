@@ -176,6 +176,7 @@ class StageWorkerEngine(Engine):
                              schedule=schedules.make(self.plan.schedule, self.plan.virtual_stages))
     self.program = StageProgram(self.pipeline, chunk_workers, me, self.groups,
                                 (tuple(model.block_shape[1:]), _compute_dtype()))
+    self.program.accumulators(self.variables)  # Made before the step is traced.
     self.keys = self.program.keys
     self.buckets = self.program.buckets(self.variables, cfg.dist.all_reduce_pack_mb * 2**20)
     self._initialise(initializers)

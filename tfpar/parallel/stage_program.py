@@ -25,7 +25,8 @@ Collectives are matched by key, so nothing else can mix them up.
 
 Each weight's gradient is summed over the micro-batches as its B units come
 (on its device, before the worker's next unit, as in one program's 1F1B), in
-place: one accumulator variable per weight (made at the first trace) takes
+place: one accumulator variable per weight (`accumulators`, made before the
+step is traced: a tf.function that makes variables is traced twice) takes
 micro-batch m's gradient by assign (the first) or assign_add, so a step holds
 the sum and only the gradients of the unit being added, never a second list
 of sums; the additions are those of `a + b` in micro-batch order, the sums one
@@ -135,7 +136,7 @@ class StageProgram:
     x: Dict = {}
     out: Dict = {}
     dx: Dict = {}
-    sums = self._accumulators(variables)
+    sums = self.accumulators(variables)
     added, losses, previous, sent = [False] * len(variables), [], {}, []
     for kind, c, m in self.units():
       device = self._device(c)
@@ -187,8 +188,8 @@ class StageProgram:
         grads.append(sums[i].read_value() if added[i] else None)
     return loss, schedules.dense_on_devices(grads, variables)
 
-  def _accumulators(self, variables) -> list:
-    """Each weight's gradient accumulator, on its device (made once, outside the trace)."""
+  def accumulators(self, variables) -> list:
+    """Each weight's gradient accumulator, on its device (made once; call it before tracing)."""
     for v in variables:
       if id(v) not in self._sums:
         with tf.init_scope(), tf.device(v.value.device):
