@@ -256,6 +256,7 @@ def test_each_buckets_sum_among_copies_waits_only_for_its_own_gradients(name, vi
   assert max(program.buckets(variables)) == len(range(0, chunks, 2))
   pipe.jit_compile = False
 
+  program.accumulators(variables)  # Made before the trace, as StageWorkerEngine makes them.
   grads = []  # The traced graph's own gradient tensors.
 
   def step(tokens):
