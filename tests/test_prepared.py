@@ -162,17 +162,23 @@ def test_streamed_windows_are_the_in_memory_windows(tiny_set):
   # Windows that cross the end of a shard (3 shards of ~200,000 tokens) read both pieces.
   window = (first - 5) // 32
   assert np.array_equal(streamed.train.read(window * 32, 33), text.train[window * 32:][:33])
-  for split, kwargs in (("train", {}), ("train", {"start_step": 7}), ("eval", {"shuffle": False})):
-    for shard in (Shard(8), Shard(8, 4, 2, 2)):
-      want = pipeline.window_dataset(getattr(text, split), 32, shard, seed=1, **kwargs)
-      got = pipeline.window_dataset(getattr(streamed, split), 32, shard, seed=1, **kwargs)
-      for (x, y), (u, v) in zip(want.take(20), got.take(20)):
-        np.testing.assert_array_equal(x.numpy(), u.numpy())
-        np.testing.assert_array_equal(y.numpy(), v.numpy())
-  # The in-order windows include the ones that straddle: every window of the split is read.
-  everything = np.concatenate([x.numpy()[:, 0] for x, _ in pipeline.window_dataset(
-      streamed.train, 32, Shard(64), seed=0, shuffle=False).take(len(text.train) // 32 // 64)])
-  np.testing.assert_array_equal(everything, text.train[:len(everything) * 32:32])
+  # Both ways of reading a window: os.pread in this process (a local set) and tf.data's
+  # ranged reads (a remote set, or a parameter server's workers: host_reads=False).
+  for host_reads in (True, False):
+    for split, kwargs in (("train", {}), ("train", {"start_step": 7}),
+                          ("eval", {"shuffle": False})):
+      for shard in (Shard(8), Shard(8, 4, 2, 2)):
+        want = pipeline.window_dataset(getattr(text, split), 32, shard, seed=1, **kwargs)
+        got = pipeline.window_dataset(getattr(streamed, split), 32, shard, seed=1,
+                                      host_reads=host_reads, **kwargs)
+        for (x, y), (u, v) in zip(want.take(20), got.take(20)):
+          np.testing.assert_array_equal(x.numpy(), u.numpy())
+          np.testing.assert_array_equal(y.numpy(), v.numpy())
+    # The in-order windows include the ones that straddle: every window of the split is read.
+    everything = np.concatenate([x.numpy() for x, _ in pipeline.window_dataset(
+        streamed.train, 32, Shard(64), seed=0, shuffle=False, host_reads=host_reads).take(
+            len(text.train) // 32 // 64)])
+    np.testing.assert_array_equal(everything, text.train[:len(everything) * 32].reshape(-1, 32))
 
 
 def test_each_input_pipeline_reads_only_its_own_replicas_windows(tmp_path):

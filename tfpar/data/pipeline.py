@@ -16,10 +16,13 @@ exactly the global batch one device would see (step-for-step identical loss),
 and within an epoch no replica sees a window twice or another replica's window.
 
 Streaming: a prepared set (tfpar.data.prepared) is not read into memory. Its
-stream is a TokenStream, and window i is read where it lies, one ranged read
-per shard it touches (tf.data.FixedLengthRecordDataset with the window's
-offset as header and the rest of the shard as footer), in parallel and in
-order. The windows are those of the same tokens in memory, chosen by the same
+stream is a TokenStream, and window i is read where it lies: from local files
+one `os.pread` per shard it touches, a batch's windows in one call
+(TokenStream.windows, in tf.data's parallel map); from a remote store (gs://),
+or in a dataset that runs from its graph elsewhere (a parameter server's
+workers), one ranged read per shard it touches (tf.data.FixedLengthRecordDataset
+with the window's offset as header and the rest of the shard as footer), in
+parallel and in order. The windows are those of the same tokens in memory, chosen by the same
 positions, so a streamed run and an in-memory run see the same batches, and
 each pipeline reads only its own replicas' windows.
 """
@@ -152,11 +155,14 @@ def _read_windows(stream: prepared.TokenStream, seq_len: int):
   return read
 
 
-def window_dataset(tokens, seq_len: int, shard: Shard, *, seed: int,
-                   start_step: int = 0, shuffle: bool = True) -> tf.data.Dataset:
+def window_dataset(tokens, seq_len: int, shard: Shard, *, seed: int, start_step: int = 0,
+                   shuffle: bool = True, host_reads: bool = True) -> tf.data.Dataset:
   """Per-replica batches (inputs, targets), int32 [B, seq_len] each, endless.
 
-  `tokens`: an array in memory, or a prepared set's TokenStream (streamed).
+  `tokens`: an array in memory, or a prepared set's TokenStream (streamed: a local set's
+  windows read by `TokenStream.windows` in this process, one call per batch, unless
+  `host_reads` is False (a dataset a parameter server's workers run from its graph); a
+  remote set's, and those, by one tf.data ranged read per window and shard).
   """
   n = num_windows(tokens, seq_len)
   if n < 1:
@@ -167,7 +173,16 @@ def window_dataset(tokens, seq_len: int, shard: Shard, *, seed: int,
     return windows[:, :-1], windows[:, 1:]
 
   ds = sample_indices(n, shard, seed=seed, start_step=start_step, shuffle=shuffle)
-  if isinstance(tokens, prepared.TokenStream):
+  if isinstance(tokens, prepared.TokenStream) and tokens.local and host_reads:
+    dtype, rows = tf.as_dtype(tokens.dtype), shard.per_replica_batch
+
+    def read(idx):  # [B] -> [B, L+1]: one call per batch (TokenStream.windows).
+      windows = tf.numpy_function(lambda i: tokens.windows(i, seq_len), [idx], dtype,
+                                  stateful=False)
+      return split(tf.ensure_shape(windows, [rows, seq_len + 1]))
+
+    ds = ds.map(read, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  elif isinstance(tokens, prepared.TokenStream):
     dtype = tf.as_dtype(tokens.dtype)
     ds = ds.unbatch().interleave(_read_windows(tokens, seq_len), cycle_length=8,
                                  num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)

@@ -20,7 +20,8 @@ A prepared set is one directory (tfpar.data.prepare writes it):
 Token t of the stream is at byte (t - first token of its shard) * itemsize of
 one shard, so a window at any position is one ranged read (two where it
 crosses a shard's end), without reading what comes before it
-(tfpar.data.pipeline reads them with tf.data.FixedLengthRecordDataset).
+(tfpar.data.pipeline reads a local set's with `TokenStream.windows`, a remote one's with
+tf.data.FixedLengthRecordDataset).
 
 `open_set` is what training calls: it reads the manifest and refuses, with
 one line naming the fix, a set that is incomplete (no manifest), written by
@@ -36,6 +37,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import threading
 from typing import Optional, Tuple
 
 import numpy as np
@@ -112,6 +114,45 @@ class TokenStream:
                                    str(self.itemsize)))
       first += size
     return np.concatenate(out).astype(np.int32) if out else np.zeros([0], np.int32)
+
+
+  @property
+  def local(self) -> bool:
+    """Whether every shard is a local file (read by `windows`, no TensorFlow op)."""
+    return not any(storage.is_remote(p) for p in self.paths)
+
+  def windows(self, indices: np.ndarray, seq_len: int) -> np.ndarray:
+    """Windows `indices` of this view ([B, seq_len + 1] ids of `dtype`): window i is tokens
+    [i * seq_len, i * seq_len + seq_len + 1), each one `os.pread` of a local shard (two where
+    it crosses a shard's end) into the batch; the page cache holds the file, not this
+    process, so its resident memory does not grow with what it has read."""
+    n, width = seq_len + 1, self.itemsize
+    out = np.empty((len(indices), n), np.dtype(self.dtype).newbyteorder("<"))
+    ends = np.cumsum(self.sizes)
+    for row, i in enumerate(np.asarray(indices, np.int64)):
+      at, filled = self.start + int(i) * seq_len, 0
+      k = int(np.searchsorted(ends, at, side="right"))
+      while filled < n:
+        first = int(ends[k]) - self.sizes[k]
+        take = min(n - filled, int(ends[k]) - at)
+        data = os.pread(_descriptor(self.paths[k]), take * width, (at - first) * width)
+        if len(data) != take * width:
+          raise corpus.DataError(f"{self.paths[k]} is shorter than its manifest says: "
+                                 "prepare the set again")
+        out[row, filled:filled + take] = np.frombuffer(data, out.dtype)
+        filled, at, k = filled + take, at + take, k + 1
+    return out
+
+
+_DESCRIPTORS: dict = {}  # path -> an open file descriptor (os.pread takes no seek).
+_LOCK = threading.Lock()
+
+
+def _descriptor(path: str) -> int:
+  with _LOCK:
+    if path not in _DESCRIPTORS:
+      _DESCRIPTORS[path] = os.open(path, os.O_RDONLY)
+    return _DESCRIPTORS[path]
 
 
 def locate(data: Optional[str]) -> Optional[str]:

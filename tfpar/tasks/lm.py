@@ -70,7 +70,8 @@ class LanguageModeling(Task):
 
   def dataset(self, split, shard, *, start_step: int = 0, shuffle: bool = True):
     return pipeline.window_dataset(split, self.cfg.model.seq_len, shard, seed=self.cfg.train.seed,
-                                   start_step=start_step, shuffle=shuffle)
+                                   start_step=start_step, shuffle=shuffle,
+                                   host_reads=self.cfg.dist.strategy != "parameter_server")
 
   def loss(self, outputs, targets):
     return cross_entropy(outputs, targets, self.global_count)
