@@ -363,15 +363,17 @@ def test_cli_prepares_in_parallel_byte_identically_and_refuses_bad_input(tiny_se
   assert (earlier_run / "checkpoints" / "checkpoint").read_text() == "a run's earlier state"
 
 
-def image_batches(data, steps=6):
-  """The first `steps` batches of 2 replicas' pipelines (replica 1's), augmented (shift, flip)."""
+def image_batches(data, steps=6, images=True):
+  """The first `steps` batches of 2 replicas' pipelines (replica 1's), augmented (shift, flip);
+  without `images`, as a pipeline's last stage reads them (no image read or decoded)."""
   from tfpar.data import augment, image_pipeline  # pylint: disable=import-outside-toplevel
 
   def transform(example, seed):
     example = augment.augment(example, seed, max_shift=2, flip=True)
     return example["image"], {k: v for k, v in example.items() if k != "image"}
 
-  ds = image_pipeline.image_dataset(data, Shard(8, 2, 1, 1), transform, seed=5, start_step=3)
+  ds = image_pipeline.image_dataset(data, Shard(8, 2, 1, 1), transform, seed=5, start_step=3,
+                                    images=images)
   return [(x.numpy(), {k: v.numpy() for k, v in y.items()}) for x, y in ds.take(steps)]
 
 
@@ -410,11 +412,18 @@ def test_a_prepared_image_set_streams_the_batches_of_the_set_in_memory(tmp_path)
       size = int(np.frombuffer(f.read(4), "<u4")[0])
       assert f.read(size) == tf.io.encode_png(data.images[last]).numpy(), task
     for want_set, got_set in zip(images.split(data, 0.25, 0), images.split(stream, 0.25, 0)):
-      for (x, y), (u, v) in zip(image_batches(want_set), image_batches(got_set)):
-        np.testing.assert_array_equal(x, u)
-        assert sorted(y) == sorted(v), task
-        for k in y:
-          np.testing.assert_array_equal(y[k], v[k], err_msg=f"{task} {k}")
+      want = image_batches(want_set)
+      # A last stage's batches (targets only, in memory and streamed): the same targets, the
+      # images zeros (not read): what differs from the inputs' batches is the image alone.
+      for read, got in ((True, image_batches(got_set)),
+                        (False, image_batches(want_set, images=False)),
+                        (False, image_batches(got_set, images=False))):
+        for (x, y), (u, v) in zip(want, got):
+          assert x.any(), task  # The images are not blank: a read image would show.
+          np.testing.assert_array_equal(x if read else np.zeros_like(x), u)
+          assert sorted(y) == sorted(v), task
+          for k in y:
+            np.testing.assert_array_equal(y[k], v[k], err_msg=f"{task} {k}")
   out = str(tmp_path / "classify")
   with pytest.raises(corpus.DataError, match="is a prepared classify set, not a detect set"):
     open_set(out, "detect", image_size=8, channels=1, num_classes=10)

@@ -31,9 +31,13 @@ def _tensors(data: ImageSet) -> Dict[str, tf.Tensor]:
 
 
 def image_dataset(data: Union[ImageSet, ImageStream], shard: pipeline.Shard, transform: Callable,
-                  *, seed: int, start_step: int = 0, shuffle: bool = True) -> tf.data.Dataset:
+                  *, seed: int, start_step: int = 0, shuffle: bool = True,
+                  images: bool = True) -> tf.data.Dataset:
   """Endless per-replica batches `(images [B, S, S, C], targets [B, ...])` of `data`: an
-  ImageSet in memory, or a prepared set's ImageStream (each example one ranged read)."""
+  ImageSet in memory, or a prepared set's ImageStream (each example one ranged read).
+  Without `images` (a pipeline's last stage on a worker of its own: it needs the targets
+  alone) no image is gathered or decoded: the transform gets zeros of the image's shape,
+  and the targets, augmentation included, are those of the images."""
   n = len(data)
   b = shard.per_replica_batch
 
@@ -43,11 +47,13 @@ def image_dataset(data: Union[ImageSet, ImageStream], shard: pipeline.Shard, tra
   ds = (pipeline.sample_positions(shard, start_step=start_step).unbatch()
         .map(indexed, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True))
   if isinstance(data, ImageStream):
-    ds = ds.interleave(lambda p, i: data.read(i).map(lambda e: (p, i, e)), cycle_length=8,
+    ds = ds.interleave(lambda p, i: data.read(i, images).map(lambda e: (p, i, e)), cycle_length=8,
                        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   else:
     tensors = _tensors(data)
-    ds = ds.map(lambda p, i: (p, i, {k: tf.gather(v, i) for k, v in tensors.items()}),
+    blank = {} if images else {"image": tf.zeros(data.images.shape[1:], data.images.dtype)}
+    ds = ds.map(lambda p, i: (p, i, {**{k: tf.gather(v, i) for k, v in tensors.items()
+                                        if images or k != "image"}, **blank}),
                 num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
   def example(position, index, e):

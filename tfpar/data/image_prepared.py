@@ -267,8 +267,9 @@ class ImageStream:
   def image_shape(self) -> Tuple[int, ...]:
     return self.fields[0].shape
 
-  def read(self, i):
-    """A dataset of one element: example i's fields (a dict of tensors), by one ranged read."""
+  def read(self, i, images: bool = True):
+    """A dataset of one element: example i's fields (a dict of tensors), by one ranged read;
+    without `images`, its image is not decoded (zeros of its shape)."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     record = i if self.index is None else tf.gather(tf.constant(self.index, tf.int64), i)
     shard = record % len(self.paths)
@@ -278,9 +279,9 @@ class ImageStream:
     raw = tf.data.FixedLengthRecordDataset(tf.gather(tf.constant(self.paths), shard), length,
                                            header_bytes=offset, footer_bytes=footer,
                                            buffer_size=0)
-    return raw.map(self._decode)
+    return raw.map(lambda r: self._decode(r, images))
 
-  def _decode(self, raw):
+  def _decode(self, raw, images: bool = True):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     out, at = {}, tf.constant(0, tf.int32)
     for f in self.fields:
@@ -288,6 +289,9 @@ class ImageStream:
       part = tf.strings.substr(raw, at + 4, size)
       at += 4 + size
       dtype = tf.as_dtype(np.dtype(f.dtype).name)
+      if f.name == "image" and not images:
+        out[f.name] = tf.zeros(f.shape, dtype)
+        continue
       if f.encoding == "png":
         value = tf.io.decode_png(part, channels=f.shape[2] if len(f.shape) == 3 else 1,
                                  dtype=tf.uint8 if f.dtype == "|u1" else tf.uint16)

@@ -192,12 +192,14 @@ class StageWorkerEngine(Engine):
 
   def _dataset(self, split, start_step: int, shuffle: bool):
     """Copy d's slice d of D of every global batch, read by its first and last stages' workers
-    (the inputs' and the targets' windows); a middle stage's worker, whose units take
-    activations, reads nothing: zeros of the batch's shape."""
+    (the first the inputs, the last the targets: a vision task's images are not read or
+    decoded there); a middle stage's worker, whose units take activations, reads nothing:
+    zeros of the batch's shape."""
     d = self.num_replicas
     ctx = tf.distribute.InputContext(d, self.copy, d)
     shard = pipeline.shard_for_pipeline(ctx, self.cfg.train.global_batch_size)
-    ds = self.task.dataset(split, shard, start_step=start_step, shuffle=shuffle)
+    ds = self.task.dataset(split, shard, start_step=start_step, shuffle=shuffle,
+                           inputs=self.worker_index == self.first)
     if self.worker_index in (self.first, self.last):
       return ds
     return tf.data.Dataset.from_tensors(tf.nest.map_structure(

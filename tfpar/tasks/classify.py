@@ -101,7 +101,8 @@ class Classification(Task):
   def class_names(self, data):
     return data.train.class_names  # The class folders' names (none for the digits).
 
-  def dataset(self, split, shard, *, start_step: int = 0, shuffle: bool = True):
+  def dataset(self, split, shard, *, start_step: int = 0, shuffle: bool = True,
+              inputs: bool = True):
     d = self.cfg.data
     augmented = shuffle and (d.max_shift > 0 or d.random_flip)
 
@@ -113,7 +114,7 @@ class Classification(Task):
       return image, {"label": example["label"], "index": example["index"]}
 
     return image_pipeline.image_dataset(split, shard, transform, seed=self.cfg.train.seed,
-                                        start_step=start_step, shuffle=shuffle)
+                                        start_step=start_step, shuffle=shuffle, images=inputs)
 
   # --- loss and metrics ------------------------------------------------------------
   def loss(self, outputs, targets):

@@ -96,7 +96,8 @@ class DenseVisionTask(Task):
   def class_names(self, data):
     return data.train.class_names  # A COCO file's category names (none for the canvases).
 
-  def dataset(self, split, shard, *, start_step: int = 0, shuffle: bool = True):
+  def dataset(self, split, shard, *, start_step: int = 0, shuffle: bool = True,
+              inputs: bool = True):
     d = self.cfg.data
 
     def transform(example, seed):
@@ -105,7 +106,7 @@ class DenseVisionTask(Task):
       return example["image"], self.targets(example)
 
     return image_pipeline.image_dataset(split, shard, transform, seed=self.cfg.train.seed,
-                                        start_step=start_step, shuffle=shuffle)
+                                        start_step=start_step, shuffle=shuffle, images=inputs)
 
   def targets(self, example) -> Dict:
     """One example's targets (a dict of tensors) from its labels."""

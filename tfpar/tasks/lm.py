@@ -68,7 +68,9 @@ class LanguageModeling(Task):
             f"{len(data.eval):,} held-out tokens ({self.cfg.model.tokenizer}, "
             f"{self.eval_bytes_per_token:.2f} bytes per token)")
 
-  def dataset(self, split, shard, *, start_step: int = 0, shuffle: bool = True):
+  def dataset(self, split, shard, *, start_step: int = 0, shuffle: bool = True,
+              inputs: bool = True):
+    del inputs  # A window holds both: the inputs and, shifted by one, the targets.
     return pipeline.window_dataset(split, self.cfg.model.seq_len, shard, seed=self.cfg.train.seed,
                                    start_step=start_step, shuffle=shuffle,
                                    host_reads=self.cfg.dist.strategy != "parameter_server")

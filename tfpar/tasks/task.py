@@ -114,8 +114,12 @@ class Task:
     del data
     return ()
 
-  def dataset(self, split, shard, *, start_step: int = 0, shuffle: bool = True) -> tf.data.Dataset:
+  def dataset(self, split, shard, *, start_step: int = 0, shuffle: bool = True,
+              inputs: bool = True) -> tf.data.Dataset:
     """Endless per-replica batches (inputs, targets) of `split` (data.train or data.eval).
+
+    Without `inputs` the batches' inputs may be zeros of their shape, not read (what a
+    pipeline's last stage on a worker of its own needs: the targets).
 
     `shard` (tfpar.data.pipeline.Shard) says which slice of each global batch
     this pipeline produces; the order is a pure function of (seed, step), so
