@@ -100,21 +100,32 @@ class TokenStream:
   def itemsize(self) -> int:
     return np.dtype(self.dtype).itemsize
 
+  @property
+  def wire_dtype(self) -> np.dtype:
+    """The ids' dtype as the shards store them (little-endian)."""
+    return np.dtype(self.dtype).newbyteorder("<")
+
+  def _spans(self, at: int, n: int):
+    """(shard path, byte offset in it, token count) of each piece of stream tokens
+    [at, at + n), in order: one, or two where they cross a shard's end."""
+    ends = np.cumsum(self.sizes)
+    k = int(np.searchsorted(ends, at, side="right"))
+    while n > 0 and k < len(self.sizes):
+      first = int(ends[k]) - self.sizes[k]
+      take = min(n, int(ends[k]) - at)
+      yield self.paths[k], (at - first) * self.itemsize, take
+      at, n, k = at + take, n - take, k + 1
+
   def read(self, begin: int = 0, n: Optional[int] = None) -> np.ndarray:
     """Tokens [begin, begin + n) of this view as int32, by ranged reads."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     n = len(self) - begin if n is None else min(n, len(self) - begin)
-    lo, out, first = self.start + begin, [], 0
-    for path, size in zip(self.paths, self.sizes):
-      a, b = max(lo, first), min(lo + n, first + size)
-      if a < b:
-        with tf.io.gfile.GFile(path, "rb") as f:
-          f.seek((a - first) * self.itemsize)
-          out.append(np.frombuffer(f.read((b - a) * self.itemsize), "<" + self.dtype[0] +
-                                   str(self.itemsize)))
-      first += size
+    out = []
+    for path, offset, count in self._spans(self.start + begin, n):
+      with tf.io.gfile.GFile(path, "rb") as f:
+        f.seek(offset)
+        out.append(np.frombuffer(f.read(count * self.itemsize), self.wire_dtype))
     return np.concatenate(out).astype(np.int32) if out else np.zeros([0], np.int32)
-
 
   @property
   def local(self) -> bool:
@@ -126,21 +137,16 @@ class TokenStream:
     [i * seq_len, i * seq_len + seq_len + 1), each one `os.pread` of a local shard (two where
     it crosses a shard's end) into the batch; the page cache holds the file, not this
     process, so its resident memory does not grow with what it has read."""
-    n, width = seq_len + 1, self.itemsize
-    out = np.empty((len(indices), n), np.dtype(self.dtype).newbyteorder("<"))
-    ends = np.cumsum(self.sizes)
+    out = np.empty((len(indices), seq_len + 1), self.wire_dtype)
     for row, i in enumerate(np.asarray(indices, np.int64)):
-      at, filled = self.start + int(i) * seq_len, 0
-      k = int(np.searchsorted(ends, at, side="right"))
-      while filled < n:
-        first = int(ends[k]) - self.sizes[k]
-        take = min(n - filled, int(ends[k]) - at)
-        data = os.pread(_descriptor(self.paths[k]), take * width, (at - first) * width)
-        if len(data) != take * width:
-          raise corpus.DataError(f"{self.paths[k]} is shorter than its manifest says: "
+      filled = 0
+      for path, offset, count in self._spans(self.start + int(i) * seq_len, seq_len + 1):
+        data = os.pread(_descriptor(path), count * self.itemsize, offset)
+        if len(data) != count * self.itemsize:
+          raise corpus.DataError(f"{path} is shorter than its manifest says: "
                                  "prepare the set again")
-        out[row, filled:filled + take] = np.frombuffer(data, out.dtype)
-        filled, at, k = filled + take, at + take, k + 1
+        out[row, filled:filled + count] = np.frombuffer(data, out.dtype)
+        filled += count
     return out
 
 
