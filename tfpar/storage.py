@@ -254,10 +254,7 @@ def read_text(path: str) -> str:
 
 
 def read_bytes(path: str) -> bytes:
-  if is_remote(path):
-    with _gfile().GFile(path, "rb") as f:
-      return f.read()
-  with open(path, "rb") as f:
+  with open_file(path, "rb") as f:
     return f.read()
 
 
