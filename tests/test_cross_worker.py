@@ -22,12 +22,11 @@ test (conftest.EARLY) and shared by every test here:
           by collectives, each worker holding its own matrices' residuals and Q.
 
 D=2 copies run under GPipe in `eight` (K=4: a first, two middle and a last
-stage, the tied embedding's sum between the first and the last), under
-interleaved 1F1B in `four` and under 1F1B in `bf16` (D=2 x K=2 both); GPipe
-at D=2 x K=2 has no run of its own: its timetable is `eight`'s with no
-middle stages. (`bf16` under GPipe was not held by its in-worker twin at
-1e-4: its step-3 gradient norm 2.4e-4 apart, the loss within 1e-5; not
-looked into, so `bf16` stays under 1F1B.)
+stage, the tied embedding's sum between the first and the last) and in `vit`
+(K=2, an untied model), under interleaved 1F1B in `four` and under 1F1B in
+`bf16` (D=2 x K=2 all three). (`bf16` under GPipe was not held by its
+in-worker twin at 1e-4: its step-3 gradient norm 2.4e-4 apart, the loss
+within 1e-5; not looked into, so `bf16` stays under 1F1B.)
 Each of `two`, `eight` and `four` is held to one device's loss per step at
 relative 1e-5 and its gradient norm at 1e-4; their final weights and AdamW
 slots (zero2's gathered from its shards, each written by the workers that
@@ -44,8 +43,8 @@ residual and Q included): it also holds the plain float32 sum among the
 copies of a stage (PowerSGD's vectors go through it) and the unsharded
 AdamW update of D=2 copies.
 
-  vit     the ViT classifier on the digits (tests/test_vit.py's flags), 2
-          workers x 1 stage each, GPipe over M=2, one program per worker:
+  vit     the ViT classifier on the digits (tests/test_vit.py's flags), 4
+          workers as D=2 x K=2, GPipe over M=2, one program per worker:
           held to one device's loss per step (1e-5), gradient norm (1e-4) and
           held-out loss and accuracy (its eval outputs, per-example tensors,
           summed over the job from the last stage's worker).
@@ -106,7 +105,7 @@ BF16 = ["--precision=mixed_bfloat16", "--xla_auto_clustering=none", "--grad_comp
         "--pipeline_schedule=1f1b"]
 
 
-# The ViT on the digits (tests/test_vit.py) over 2 workers x 1 stage, against one device.
+# The ViT on the digits (tests/test_vit.py) over 4 workers as D=2 x K=2, against one device.
 VIT_CROSS = ["--strategy=multi_worker_mirrored", "--pipeline_stages=2", "--microbatches=2"]
 
 
@@ -151,7 +150,7 @@ def run_cross_worker(tmp_path):
        {"timeout": 600}),
       ("tfpar.launch", launch_args(8, EIGHT + [f"--model_dir={dirs['eight']}"]),
        {"timeout": 600}),
-      ("tfpar.launch", ["--num_workers=2", "--"] + VIT + VIT_CROSS +
+      ("tfpar.launch", ["--num_workers=4", "--"] + VIT + VIT_CROSS +
        [f"--model_dir={dirs['vit']}"], {"timeout": 600})], at_once=3)
   for proc in (four, eight, vit):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -238,10 +237,12 @@ def test_eight_and_four_workers_each_in_its_own_program_match_one_device(
 
 def test_a_vision_task_across_workers_trains_and_evaluates_as_one_device(cross_worker_runs,
                                                                         tmp_path):
-  """--task=classify, 2 workers x 1 stage, each its own program: one device's loss per
-  step, gradient norm and held-out loss and accuracy (the last stage's worker computes the
-  per-example outputs, every worker gets them by one sum over the job)."""
+  """--task=classify, D=2 x K=2 on 4 workers under GPipe, each its own program: one
+  device's loss per step, gradient norm and held-out loss and accuracy (each copy's last
+  stage's worker computes its per-example outputs, every worker gets them by one sum over
+  the job)."""
   dirs, outs = cross_worker_runs
+  assert "D=2 x K=2 x T=1, M=2, gpipe" in outs["vit"]
   assert "one program per worker, stages ['worker:0', 'worker:1']" in outs["vit"]
   reference = str(tmp_path / "vit_one_device")
   train_in_process(VIT + [f"--model_dir={reference}"])

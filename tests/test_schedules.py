@@ -216,20 +216,15 @@ def test_1f1b_holds_the_plans_activations_and_gpipe_stays_under_its_bound(memory
   assert 0 < one_f_one_b["all_stages_bytes"] < gpipe["all_stages_bytes"]
 
 
-@pytest.mark.parametrize("name,virtual", [("1f1b", 1), ("interleaved", 2)])
-def test_each_buckets_sum_among_copies_waits_only_for_its_own_gradients(name, virtual):
-  """One program per worker, D copies of a stage (tfpar.engines.stage_worker's plain sum):
-  in worker 0's traced step (2 stages, 4 blocks, 2 micro-batches) the copies' sum is one
-  collective per bucket (one per block, then the embedding; under XLA one per chunk),
-  issued in the order the backward finishes them; each one's inputs (data and control,
-  transitively) hold its own bucket's final gradients and none of a later bucket's: it can
-  run while the backward of the earlier blocks does (the overlap). A sum after the whole
-  backward waits for all of them."""
+def _worker0_program(name, virtual, gpu=False):
+  """Worker 0's StageProgram of a GPT of 4 blocks over 2 stages (v chunks each: worker 0 runs
+  chunk 0, and 2 interleaved), 2 micro-batches of 4 sequences, a job of 4 workers (its
+  stage's copy is worker 2): (program, worker 0's variables, its blocks, its chunks' blocks,
+  the model's config, the batch)."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tfpar.config.schema import ModelConfig  # pylint: disable=import-outside-toplevel
   from tfpar.models.gpt.model import GPT  # pylint: disable=import-outside-toplevel
   from tfpar.parallel import p2p  # pylint: disable=import-outside-toplevel
-  from tfpar.parallel.exchange import AllReduce  # pylint: disable=import-outside-toplevel
   from tfpar.parallel.pipeline import Pipeline  # pylint: disable=import-outside-toplevel
   from tfpar.parallel.stage_program import StageProgram  # pylint: disable=import-outside-toplevel
   from tfpar.tasks.task import cross_entropy  # pylint: disable=import-outside-toplevel
@@ -247,13 +242,70 @@ def test_each_buckets_sum_among_copies_waits_only_for_its_own_gradients(name, vi
   pipe = Pipeline(model, stage_blocks=blocks, stage_devices=["/device:CPU:0"] * chunks,
                   microbatches=2, schedule=schedules.make(name, virtual),
                   loss_fn=lambda logits, y: cross_entropy(logits, y, batch * m.seq_len))
-  groups = p2p.Groups(4)  # Worker 0's copy of its stage is worker 2.
-  program = StageProgram(pipe, workers, 0, groups, (tuple(model.block_shape[1:]), tf.float32))
-  buckets = program.buckets(variables)
+  program = StageProgram(pipe, workers, 0, p2p.Groups(4, gpu=gpu),
+                         (tuple(model.block_shape[1:]), tf.float32))
   mine = [b for c in range(0, chunks, 2) for b in blocks[c]]
+  return program, variables, mine, m, batch
+
+
+def _upstream(op):
+  """Every op `op` waits for, by data or control, transitively."""
+  seen, todo = set(), [op]
+  while todo:
+    o = todo.pop()
+    for x in [t.op for t in o.inputs] + list(o.control_inputs):
+      if x not in seen:
+        seen.add(x)
+        todo.append(x)
+  return seen
+
+
+@pytest.mark.parametrize("name,gpu,ordered", [("gpipe", False, False), ("gpipe", True, True),
+                                              ("1f1b", False, True)])
+def test_a_workers_units_wait_for_each_other_only_where_the_order_matters(name, gpu, ordered):
+  """One program per worker (worker 0 of 2 stages, 2 micro-batches): under 1F1B each unit
+  waits for the worker's previous one (its order bounds the activations held), and so does
+  GPipe's on NCCL (every member posts its collectives in one order); GPipe over gRPC runs
+  a unit as soon as its inputs exist, as GPipe in one program does: F(0, 1) does not wait
+  for F(0, 0). Over gRPC a receive waits for no earlier unit (matched by key, it is posted
+  at once); on NCCL it waits for the unit before it."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+  program, variables, _, m, batch = _worker0_program(name, 1, gpu=gpu)
+  program.accumulators(variables)
+  tokens = tf.zeros([batch, m.seq_len], tf.int32)
+  graph = tf.function(lambda t: program.loss_and_grads(t, t, variables)[0]).get_concrete_function(
+      tokens).graph
+  ops = graph.get_operations()
+  unit = lambda op: op.name.split("/")[0]
+  second = [op for op in ops if unit(op) == "F0_1" and op.type == "Identity"][0]  # Its input.
+  assert any(unit(o) == "F0_0" for o in _upstream(second)) == ordered
+  receives = [op for op in ops if op.type == "CollectiveBcastRecvV2"]
+  assert [unit(op) for op in receives] == ["B0_1", "B0_0"] if name == "gpipe" else receives
+  for op in receives:  # Each receive's own unit's ops aside, what it waits for.
+    before = {unit(o) for o in _upstream(op)} - {unit(op)}
+    assert bool(before & {"F0_0", "F0_1", "B0_1"}) == gpu, (op.name, before)
+
+
+@pytest.mark.parametrize("name,virtual", [("1f1b", 1), ("interleaved", 2)])
+def test_each_buckets_sum_among_copies_waits_only_for_its_own_gradients(name, virtual):
+  """One program per worker, D copies of a stage (tfpar.engines.stage_worker's plain sum):
+  in worker 0's traced step (2 stages, 4 blocks, 2 micro-batches) the copies' sum is one
+  collective per bucket (one per block, then the embedding; under XLA one per chunk),
+  issued in the order the backward finishes them; each one's inputs (data and control,
+  transitively) hold its own bucket's final gradients and none of a later bucket's: it can
+  run while the backward of the earlier blocks does (the overlap). A sum after the whole
+  backward waits for all of them."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tfpar.parallel import p2p  # pylint: disable=import-outside-toplevel
+  from tfpar.parallel.exchange import AllReduce  # pylint: disable=import-outside-toplevel
+
+  program, variables, mine, m, batch = _worker0_program(name, virtual)
+  groups, pipe = program.groups, program.pipeline
+  buckets = program.buckets(variables)
   assert max(buckets) == len(mine)  # One bucket per block of worker 0, the embedding's last.
   pipe.jit_compile = True  # Each chunk one XLA program: its blocks' gradients come at once.
-  assert max(program.buckets(variables)) == len(range(0, chunks, 2))
+  assert max(program.buckets(variables)) == len(range(0, 2 * virtual, 2))
   pipe.jit_compile = False
 
   program.accumulators(variables)  # Made before the trace, as StageWorkerEngine makes them.
@@ -269,20 +321,10 @@ def test_each_buckets_sum_among_copies_waits_only_for_its_own_gradients(name, vi
   sums = [op for op in graph.get_operations() if op.type == "CollectiveReduceV2"]
   assert len(sums) == len(mine) + 1
 
-  def upstream(op):
-    seen, todo = set(), [op]
-    while todo:
-      o = todo.pop()
-      for x in [t.op for t in o.inputs] + list(o.control_inputs):
-        if x not in seen:
-          seen.add(x)
-          todo.append(x)
-    return seen
-
   final = [{grads[i].op for i in range(len(variables)) if buckets[i] == b}
            for b in range(len(sums))]
   for b, op in enumerate(sums):
-    inputs = upstream(op)
+    inputs = _upstream(op)
     assert final[b] <= inputs, b
     for later in range(b + 1, len(sums)):
       assert not final[later] & inputs, (b, later)

@@ -107,6 +107,7 @@ class Schedule:
   """
 
   name = ""
+  greedy = False  # Whether a device may run its units in any order their inputs allow.
 
   def __init__(self, virtual_stages: int = 1):
     self.virtual = virtual_stages
@@ -125,10 +126,12 @@ class GPipe(Schedule):
   """Every forward, then every backward: one tf.gradients of the summed micro-batch losses."""
 
   name = "gpipe"
+  greedy = True  # Its activations are every micro-batch's whatever the order.
 
   def order(self, stages: int, microbatches: int, device: int) -> List[Unit]:
-    """Every forward, then the backwards in reverse: the diagram's order, where one program's
-    greedy executor cannot choose it (stages in processes of their own)."""
+    """Every forward, then the backwards in reverse: the diagram's order, in which stages in
+    processes of their own build their units (tfpar.parallel.stage_program; over gRPC
+    they then run greedily, as here, on NCCL in this order)."""
     del stages
     return ([("F", device, m) for m in range(microbatches)] +
             [("B", device, m) for m in reversed(range(microbatches))])

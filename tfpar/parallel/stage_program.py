@@ -16,11 +16,17 @@ slot by slot) and builds only its own units, in that order:
            sent back to chunk c-1's worker (Keys.backward(c-1, m)).
 
 Both sides of a boundary build their halves of a transfer in the same global
-order (the timetable's), and each unit waits (a control dependency) for the
-worker's previous unit, so the orders in which the two programs post their
-sends and receives are the same. A send is not waited for: it completes when
-the peer receives, which under 1F1B may be after this worker's next unit, and
-waiting for it there could deadlock two workers each sending to the other.
+order (the timetable's). Under 1F1B and interleaved each unit waits (a control
+dependency) for the worker's previous unit: that order bounds the activations
+a stage holds. GPipe holds every micro-batch's anyway, and its units run as
+soon as their inputs exist, as GPipe does in one program (a free core takes
+the next micro-batch's forward while the neighbouring stage's worker works
+on another); on NCCL, which needs every member to post its collectives in one
+order, GPipe's units wait for each other too (`ordered`). Over gRPC a receive
+is posted at once, whatever the unit before it, so the data comes as soon as
+the peer sends it. A send is not waited for: it completes when the peer
+receives, which under 1F1B may be after this worker's next unit, and waiting
+for it there could deadlock two workers each sending to the other.
 Collectives are matched by key, so nothing else can mix them up.
 
 Each weight's gradient is summed over the micro-batches as its B units come
@@ -46,6 +52,7 @@ among a stage's copies (p2p.Among) reduces each bucket as soon as its
 gradients exist, while the backward of the blocks before them still runs.
 """
 
+import contextlib
 import math
 from typing import Dict, List, Sequence
 
@@ -85,7 +92,10 @@ class StageProgram:
 
   def _receive(self, c: int, m: int, rows: int, key: int, peer_chunk: int):
     shape = [rows] + list(self.activation_shape)
-    with tf.device(self._device(c)):
+    # Over gRPC a receive is posted at once, whatever the unit before it (its transfer is
+    # matched by key): the data comes as soon as the peer sends it. NCCL needs one order.
+    with tf.device(self._device(c)), \
+        (tf.control_dependencies(None) if self.groups.hint != "nccl" else contextlib.nullcontext()):
       return self.groups.recv(shape, self.activation_dtype, self.me,
                               self.chunk_workers[peer_chunk], key)
 
@@ -99,6 +109,13 @@ class StageProgram:
     stages = self.chunks // schedule.virtual
     table = schedules.timetable(stages, self.pipeline.microbatches, schedule.virtual, schedule)
     return [u for tick in zip(*table) for u in tick if u is not None and u[1] in self.mine]
+
+  def ordered(self) -> bool:
+    """Whether each unit waits for the worker's previous one (the module docstring): under
+    1F1B and interleaved (their order bounds the activations held) and on NCCL, which needs
+    every member to post its collectives in one order; GPipe over gRPC, whose transfers are
+    matched by key, runs its units as their inputs allow, as GPipe does in one program."""
+    return not self.pipeline.schedule.greedy or self.groups.hint == "nccl"
 
   def buckets(self, variables, cap: float = 0) -> List[int]:
     """The bucket of each of `variables` (this worker's own), numbered in the order their
@@ -138,10 +155,11 @@ class StageProgram:
     dx: Dict = {}
     sums = self.accumulators(variables)
     added, losses, previous, sent = [False] * len(variables), [], {}, []
+    ordered = self.ordered()
     for kind, c, m in self.units():
       device = self._device(c)
       with tf.device(device), tf.name_scope(f"{kind}{c}_{m}"), \
-          tf.control_dependencies(previous.get(device, [])):
+          tf.control_dependencies(previous.get(device, []) if ordered else []):
         if kind == "F":
           if c == 0:
             h = xs[m]
