@@ -4,7 +4,8 @@ or as 4 zero3 data-parallel replicas (--layout=zero3), peak RSS each.
 Runs, each worker a process of its own (TF_CONFIG on loopback ports), its peak
 resident memory taken from the kernel (`os.wait4`'s ru_maxrss):
 
-  tiny      the same job with a tiny model: what a process costs without state;
+  tiny      the same job with a tiny model (d_model 32, --tiny_num_layers blocks: 4,
+            or the model's): what a process costs without state;
   train     the model, --train_steps=STEPS, a checkpoint every STEPS/2 steps
             (every process writing its own slices);
   resume    a copy of `train` without its last checkpoint: resumes at STEPS/2
@@ -39,7 +40,7 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = 4
-TINY = ["--num_layers=4", "--d_model=32", "--num_heads=4", "--d_ff=64"]
+TINY = ["--d_model=32", "--num_heads=4", "--d_ff=64"]  # And --tiny_num_layers blocks.
 
 
 def model_flags(a):
@@ -125,6 +126,9 @@ def main(argv=None):
                            "process's weights, m and v)")
   parser.add_argument("--train_only", action="store_true",
                       help="the tiny and train jobs only (module docstring)")
+  parser.add_argument("--tiny_num_layers", type=int, default=4,
+                      help="the tiny job's blocks (0: the model's, whose graph and "
+                      "per-block collectives the tiny job then pays alike)")
   parser.add_argument("--out", default="")
   parser.add_argument("--work_dir", default="")
   a = parser.parse_args(argv)
@@ -133,11 +137,12 @@ def main(argv=None):
   d = {name: os.path.join(work, name) for name in
        ("tiny", "train", "resume", "one", "back", "one_tiny")}
   base, model = common(a, a.steps), model_flags(a)
+  tiny = TINY + [f"--num_layers={a.tiny_num_layers or a.num_layers}"]
   report = {"model": model, "workers": WORKERS, "steps": a.steps, "layout": a.layout,
             "async_checkpoint": a.async_checkpoint}
   run = lambda flags, workers, log: run_job(flags, workers, log, a.layout)
   peaks = {}
-  peaks["tiny"], _ = run(base + TINY + [f"--model_dir={d['tiny']}"], WORKERS, d["tiny"])
+  peaks["tiny"], _ = run(base + tiny + [f"--model_dir={d['tiny']}"], WORKERS, d["tiny"])
   peaks["train"], _ = run(base + model + [f"--model_dir={d['train']}"], WORKERS, d["train"])
   share = stage_share(d["train"])
   if a.train_only:
@@ -162,7 +167,7 @@ def main(argv=None):
   peaks["back"], out = run(common(a, a.steps + 2) + model + [f"--model_dir={d['back']}"],
                                WORKERS, d["back"])
   back_ok = f"resumed from {d['back']}/checkpoints/ckpt-{a.steps + 1} at step {a.steps + 1}" in out
-  peaks["one_tiny"], _ = run(common(a, a.steps + 1) + TINY + [f"--model_dir={d['one_tiny']}"],
+  peaks["one_tiny"], _ = run(common(a, a.steps + 1) + tiny + [f"--model_dir={d['one_tiny']}"],
                                  1, d["one_tiny"])
   bounds = {name: [peaks["tiny"][w] + 1.5 * share[w] for w in range(WORKERS)]
             for name in ("train", "resume", "back")}
