@@ -8,7 +8,9 @@ test (conftest.EARLY) and shared by every test here:
           micro-batches, XLA on, 4 steps: one program per worker
           (tfpar.engines.stage_worker);
   eight   8 workers as D=2 x K=4 (4 blocks, one per stage), GPipe over M=2,
-          XLA off, 4 steps: one program per worker;
+          XLA off, --optimizer_sharding=zero1 (each copy of a stage updates its
+          shard of m and v after the copies' sum), 4 steps: one program per
+          worker;
   four    4 workers as D=2 x K=2, interleaved 1F1B over v=2 chunks per stage
           (4 blocks), XLA off, --optimizer_sharding=zero2, one program per
           worker: each copy of a stage keeps its shard of m and v, reduce-
@@ -91,7 +93,7 @@ FOUR = ["--microbatches=2", "--pipeline_schedule=interleaved", "--virtual_stages
         "--optimizer_sharding=zero2"] + FOUR_MODEL
 # Four stages, each copy's on 4 workers of its own (D=2 x K=4: 8 processes), against one_nojit.
 EIGHT = ["--strategy=multi_worker_mirrored", "--pipeline_stages=4", "--microbatches=2",
-         "--pipeline_schedule=gpipe"] + FOUR_MODEL
+         "--pipeline_schedule=gpipe", "--optimizer_sharding=zero1"] + FOUR_MODEL
 # zero3 on 4 mirrored replicas in one process; `four` resumes its step-2 checkpoint. Its
 # per-replica steps compiled (XLA): 71 s of CPU for the run against 165 s without
 # (`/usr/bin/time python -m tfpar.train` with these flags, one run each, 5 Dec 2026, loaded).
@@ -213,20 +215,20 @@ def test_tensor_2_in_each_of_two_workers_x_pipeline_2_matches_one_device(cross_w
   assert_same_steps(dirs["two"], one_device, range(1, STEPS + 1))
 
 
-@pytest.mark.parametrize("name,stages,plan,tasks", [
+@pytest.mark.parametrize("name,stages,plan,tasks,zero", [
     ("eight", "['worker:0', 'worker:1', 'worker:2', 'worker:3']", "D=2 x K=4 x T=1, M=2, gpipe",
-     8),
-    ("four", "['worker:0', 'worker:1']", "D=2 x K=2 x T=1, M=2, interleaved v=2", 4)])
+     8, "zero1"),
+    ("four", "['worker:0', 'worker:1']", "D=2 x K=2 x T=1, M=2, interleaved v=2", 4, "zero2")])
 def test_eight_and_four_workers_each_in_its_own_program_match_one_device(
-    cross_worker_runs, name, stages, plan, tasks):
-  """D=2 x K=4 under GPipe on 8 workers, and D=2 x K=2 interleaved under zero2 (steps 1-2
+    cross_worker_runs, name, stages, plan, tasks, zero):
+  """D=2 x K=4 under GPipe and zero1 on 8 workers, and D=2 x K=2 interleaved under zero2 (steps 1-2
   zero3 x 4's, then resumed from its step-2 checkpoint), each worker its own program: one
   device's losses, gradient norms and final checkpoint (written from the workers' parts:
   weights, AdamW slots, step)."""
   from tfpar.training.checkpoint import read_checkpoint  # pylint: disable=import-outside-toplevel
   dirs, outs = cross_worker_runs
   assert f"one program per worker, stages {stages}" in outs[name]
-  assert plan in outs[name]
+  assert plan in outs[name] and f"optimizer {zero}" in outs[name]
   assert f"job succeeded ({tasks} tasks)" in outs[name]
   assert_same_steps(dirs[name], dirs["one_nojit"], range(1, STEPS + 1))
   got, want = (read_checkpoint(os.path.join(dirs[n], "checkpoints", f"ckpt-{STEPS}"))
