@@ -31,7 +31,8 @@ runs these sections (`--sections`), each a table:
     micro-batch pipeline and 2-way tensor parallel on 2 logical CPUs, and as
     the same pipeline across 2 worker processes (`pipeline_across`: the child
     is worker 0 and starts worker 1, each running its own stage's program;
-    activations cross by collective send/recv on loopback). The
+    activations cross by collective send/recv on loopback), all under GPipe,
+    and both pipelines under 1F1B (`pipeline_1f1b`, `pipeline_across_1f1b`). The
     logical devices and local workers share the same cores, so the ratio to
     one_device measures the overhead of splitting, not a speed-up:
 
@@ -328,6 +329,7 @@ PIPELINE = ["--num_cpu_devices=2", "--pipeline_stages=2", "--microbatches=4"]
 # The same pipeline with each stage in its own worker process (tfpar.engines.stage_worker).
 ACROSS = ["--strategy=multi_worker_mirrored", "--pipeline_stages=2", "--microbatches=4"]
 TENSOR = ["--num_cpu_devices=2", "--tensor_parallel=2"]
+ONE_F_ONE_B = "--pipeline_schedule=1f1b"  # Both pipelines' default is GPipe.
 
 # Whole CLI jobs (two of its configurations are two processes each), measured by
 # scripts/bench_dp.py rather than as SECTIONS systems.
@@ -384,6 +386,9 @@ SECTIONS = {
             "pipeline": System("pipeline 2 stages x 4 micro-batches", _tfpar(*PIPELINE)),
             "pipeline_across": System("pipeline 2 x 4, one stage per worker process",
                                       _across(*ACROSS)),
+            "pipeline_1f1b": System("pipeline 2 x 4, 1F1B", _tfpar(*PIPELINE, ONE_F_ONE_B)),
+            "pipeline_across_1f1b": System("pipeline 2 x 4, 1F1B, one stage per worker process",
+                                           _across(*ACROSS, ONE_F_ONE_B)),
             "pipeline_across_split": System(
                 "pipeline 2 x 4 across 2 worker processes, 1 intra-op thread each",
                 _across(*ACROSS), env={"TF_NUM_INTRAOP_THREADS": "1"}),
