@@ -24,6 +24,8 @@ whole model's).
   python scripts/sharded_state_rss.py --d_model=256 --num_layers=4 --steps=4 --layout=zero3
   python scripts/sharded_state_rss.py --d_model=512 --num_layers=4 --steps=4 --train_only
 
+The stages run 1F1B over 4 micro-batches (--schedule; under GPipe a worker may run two
+backward units at once, each with its stage's gradients: tfpar.parallel.stage_program).
 --train_only runs the tiny and train jobs alone (the step's memory, without the restores).
 Prints one JSON object (and --out=FILE writes it); exit status 1 when a bound
 or the resume check fails.
@@ -65,7 +67,7 @@ def free_ports(n):
   return ports
 
 
-def run_job(flags, workers, log, layout="pipeline"):
+def run_job(flags, workers, log, layout="pipeline", schedule="1f1b"):
   """Runs `python -m tfpar.train flags` as `workers` processes; ([peak RSS bytes], output)."""
   env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1")
   procs = []
@@ -73,7 +75,8 @@ def run_job(flags, workers, log, layout="pipeline"):
     hosts = [f"127.0.0.1:{p}" for p in free_ports(workers)]
     flags = flags + ["--strategy=multi_worker_mirrored"] + (
         ["--optimizer_sharding=zero3"] if layout == "zero3" else
-        [f"--pipeline_stages={workers}", "--microbatches=4"])
+        [f"--pipeline_stages={workers}", "--microbatches=4",
+         f"--pipeline_schedule={schedule}"])
   else:
     flags = flags + ["--strategy=one_device"]
   for i in range(workers):
@@ -126,6 +129,10 @@ def main(argv=None):
                            "process's weights, m and v)")
   parser.add_argument("--train_only", action="store_true",
                       help="the tiny and train jobs only (module docstring)")
+  parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"),
+                      help="--layout=pipeline: the stages' schedule (1F1B runs each worker's "
+                      "units one at a time; GPipe's may run two backwards at once, each "
+                      "with its stage's gradients)")
   parser.add_argument("--tiny_num_layers", type=int, default=4,
                       help="the tiny job's blocks (0: the model's, whose graph and "
                       "per-block collectives the tiny job then pays alike)")
@@ -139,8 +146,9 @@ def main(argv=None):
   base, model = common(a, a.steps), model_flags(a)
   tiny = TINY + [f"--num_layers={a.tiny_num_layers or a.num_layers}"]
   report = {"model": model, "workers": WORKERS, "steps": a.steps, "layout": a.layout,
+            "schedule": a.schedule if a.layout == "pipeline" else None,
             "async_checkpoint": a.async_checkpoint}
-  run = lambda flags, workers, log: run_job(flags, workers, log, a.layout)
+  run = lambda flags, workers, log: run_job(flags, workers, log, a.layout, a.schedule)
   peaks = {}
   peaks["tiny"], _ = run(base + tiny + [f"--model_dir={d['tiny']}"], WORKERS, d["tiny"])
   peaks["train"], _ = run(base + model + [f"--model_dir={d['train']}"], WORKERS, d["train"])

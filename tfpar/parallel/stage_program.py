@@ -21,7 +21,9 @@ dependency) for the worker's previous unit: that order bounds the activations
 a stage holds. GPipe holds every micro-batch's anyway, and its units run as
 soon as their inputs exist, as GPipe does in one program (a free core takes
 the next micro-batch's forward while the neighbouring stage's worker works
-on another); on NCCL, which needs every member to post its collectives in one
+on another). The price: two backward units running at once each hold their
+chunk's gradients before adding them (scripts/sharded_state_rss.py measures
+it; 1F1B holds one unit's at a time). On NCCL, which needs every member to post its collectives in one
 order, GPipe's units wait for each other too (`ordered`). Over gRPC a receive
 is posted at once, whatever the unit before it, so the data comes as soon as
 the peer sends it. A send is not waited for: it completes when the peer
