@@ -295,7 +295,7 @@ def plan_run(optim, mode, jit_compile):
       d = [tf.DeviceSpec.from_string(a).to_string() for a in strategy.extended.worker_devices
            ].index(tf.DeviceSpec.from_string(device).to_string())
       loss, grads = grads_of(d, x, y)
-      return loss, plan.apply([grads], [d], exchange=exchange, skip_nonfinite=True)
+      return loss, plan.apply(grads, d, exchange=exchange, skip_nonfinite=True)
     loss, norm = strategy.run(fn, args=(x, y))
     return strategy.reduce("SUM", loss, axis=None), strategy.experimental_local_results(norm)[0]
 

@@ -212,12 +212,12 @@ class ModelParallelEngine(Engine):
     index = self._copy_index()
     loss, grads = self.copies[index].pipeline.loss_and_grads(inputs, targets)
     if self.zero:
-      return loss, self._zero_update([grads], [index], compressed)
+      return loss, self._zero_update(grads, index, compressed)
     return loss, reduce_gradients(self.exchange, grads, replica=index, compressed=compressed)
 
-  def _zero_update(self, grads, copies, compressed):
-    """The norm, once PlanZero has updated local copies `copies` from their `grads`."""
-    return self.zero.apply(grads, copies, exchange=self.exchange, compressed=compressed,
+  def _zero_update(self, grads, copy, compressed):
+    """The norm, once PlanZero has updated local copy `copy` from its `grads`."""
+    return self.zero.apply(grads, copy, exchange=self.exchange, compressed=compressed,
                            skip_nonfinite=self.cfg.train.on_nonfinite == "skip")
 
   def _replica_eval(self, inputs, targets):

@@ -348,9 +348,9 @@ class StageWorkerEngine(Engine):
       parts += [[g for g, group in enumerate(z.groups) if group == self.shared]]
       for part in (p for p in parts if p):
         kept, part_norm = zero.reduce_scatter(
-            [layouts[g] for g in part], [[[grads[i] for i in z.groups[g]] for g in part]],
-            [shard], [[devices[g] for g in part]], ops=among)
-        for g, k in zip(part, kept[0]):
+            [layouts[g] for g in part], [[grads[i] for i in z.groups[g]] for g in part],
+            shard, [devices[g] for g in part], ops=among)
+        for g, k in zip(part, kept):
           mine[g] = k
         if set(part) <= set(counted):
           squares.append(tf.square(part_norm))

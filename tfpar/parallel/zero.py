@@ -325,8 +325,8 @@ class ZeroUpdate:
       norm = tf.linalg.global_norm(summed)  # As tfpar.training.step.apply_gradients.
       mine = self.layout.slice(summed, shard.shard)
     else:
-      kept, norm = reduce_scatter([self.layout], [[grads]], [shard.shard])
-      mine = kept[0][0]
+      kept, norm = reduce_scatter([self.layout], [grads], shard.shard)
+      mine = kept[0]
       if exchange is not None:  # What the loop logs as comm_bytes: the same bytes as one SUM.
         count_scatter(exchange, [self.layout], compressed)
     new = self.update_shard(replica, mine, norm, self.optimizer.iterations, skip_nonfinite)
@@ -457,51 +457,44 @@ class PlanZero:
     """Every m and v shard this process holds (each on its device)."""
     return [x for u in self.updates for s in u.shards for x in (s.m, s.v)]
 
-  def apply(self, grads: List[List[tf.Tensor]], copies: Sequence[int], *, exchange,
-            compressed: bool = True, skip_nonfinite: bool = False) -> tf.Tensor:
-    """The step of local copy `copies[0]` (one, in its replica function) after its backward
-    pass, `grads[0]` its gradients; returns the norm."""
-    grads = [[tf.convert_to_tensor(g) for g in copy] for copy in grads]
-    steps = [tf.convert_to_tensor(self.optimizers[c].iterations) for c in copies]  # Where kept.
-    devices = [[variable_device(self.copies[c][group[0]]) for group in self.groups]
-               for c in copies]
+  def apply(self, grads: List[tf.Tensor], copy: int, *, exchange, compressed: bool = True,
+            skip_nonfinite: bool = False) -> tf.Tensor:
+    """The step of local copy `copy` in its replica function, after its backward pass
+    (`grads` its gradients); returns the norm."""
+    grads = [tf.convert_to_tensor(g) for g in grads]
+    step = tf.convert_to_tensor(self.optimizers[copy].iterations)  # Where kept.
+    devices = [variable_device(self.copies[copy][group[0]]) for group in self.groups]
     layouts = [u.layout for u in self.updates]
-    shards = [self.updates[0].shards[c].shard for c in copies]
+    shard = self.updates[0].shards[copy].shard
     if self.mode == "zero1":
-      summed = [exchange.reduce(grads[0], replica=copies[0], compressed=compressed)]
-      norm = tf.linalg.global_norm(summed[0])  # As tfpar.training.step.apply_gradients.
+      summed = exchange.reduce(grads, replica=copy, compressed=compressed)
+      norm = tf.linalg.global_norm(summed)  # As tfpar.training.step.apply_gradients.
       mine = []
-      for shard, sums, places in zip(shards, summed, devices):
-        mine.append([])
-        for layout, group, device in zip(layouts, self.groups, places):
-          with tf.device(device):
-            mine[-1].append(layout.slice([sums[i] for i in group], shard))
+      for layout, group, device in zip(layouts, self.groups, devices):
+        with tf.device(device):
+          mine.append(layout.slice([summed[i] for i in group], shard))
     else:
-      mine, norm = reduce_scatter(
-          layouts, [[[copy[i] for i in group] for group in self.groups] for copy in grads],
-          shards, devices)
+      mine, norm = reduce_scatter(layouts, [[grads[i] for i in group] for group in self.groups],
+                                  shard, devices)
       count_scatter(exchange, layouts, compressed)
     new = []
-    for c, step, devs, summed_shards in zip(copies, steps, devices, mine):
-      new.append([])
-      for update, device, summed_shard in zip(self.updates, devs, summed_shards):
-        with tf.device(device):
-          new[-1].append(update.update_shard(c, summed_shard, norm, step, skip_nonfinite))
-    for c, devs, flats in zip(copies, devices, self._gather(new)):
-      for update, group, device, flat in zip(self.updates, self.groups, devs, flats):
-        with tf.device(device):
-          for i, value in zip(group, update.layout.unflatten(flat)):
-            self.copies[c][i].assign(value)
-      self.optimizers[c].iterations.assign_add(1)
+    for update, device, summed_shard in zip(self.updates, devices, mine):
+      with tf.device(device):
+        new.append(update.update_shard(copy, summed_shard, norm, step, skip_nonfinite))
+    for update, group, device, flat in zip(self.updates, self.groups, devices, self._gather(new)):
+      with tf.device(device):
+        for i, value in zip(group, update.layout.unflatten(flat)):
+          self.copies[copy][i].assign(value)
+    self.optimizers[copy].iterations.assign_add(1)
     return norm
 
   def _gather(self, new):
-    """Every shard of each position, in shard order: [[flat per position]] (`new[0]`: the
-    copy's new shard per position, all-gathered over the replicas, one [1, S] per position)."""
+    """Every shard of each position, in shard order: [flat per position] (`new`: the copy's
+    new shard per position, all-gathered over the replicas, one [1, S] per position)."""
     if self.num_replicas == 1:
       return new
-    gathered = tf.distribute.get_replica_context().all_gather([x[None] for x in new[0]], axis=0)
-    return [[tf.reshape(x, [-1]) for x in gathered]]
+    gathered = tf.distribute.get_replica_context().all_gather([x[None] for x in new], axis=0)
+    return [tf.reshape(x, [-1]) for x in gathered]
 
   def checkpoint_slots(self, variable):
     """(m, v) of any local copy's `variable`, at full shape (tfpar.training.checkpoint)."""
@@ -514,42 +507,37 @@ def variable_device(variable) -> str:
   return (variable if isinstance(variable, tf.Variable) else variable.value).device
 
 
-def reduce_scatter(layouts: Sequence[FlatLayout], copies, mine: Sequence[int], devices=None,
-                   ops=None):
-  """([[shard s of each group's summed flat gradient] for s in `mine`], the norm of the whole
-  sum): zero2's sum.
+def reduce_scatter(layouts: Sequence[FlatLayout], grads, shard: int, devices=None, ops=None):
+  """([shard `shard` of each group's summed flat gradient], the norm of the whole sum): zero2's
+  sum, in replica context.
 
-  `copies[c][g]` are copy c's gradients in `layouts[g]`'s order, on `devices[c][g]`: one
-  group for the data-parallel engine; one per device for a model-parallel plan. One copy
-  (replica context): the copies are the replicas in sync and each chunk's sum is a
-  collective, one per device; `mine` is [its shard].
+  `grads[g]` are this replica's gradients in `layouts[g]`'s order, on `devices[g]`: one
+  group for the data-parallel engine; one per device for a model-parallel plan. Each
+  chunk's sum is a collective over the replicas in sync, one per device.
   The D shard-sized chunks are summed in shard order, chunk k of every group in one round,
   each round waiting for the previous round's sums of squares: a replica keeps the chunks
   of its own shard and drops each other one once its squares are counted, so at most two
   shards of the summed gradient are alive instead of all of it. `ops` sums the chunks
   another way (tfpar.parallel.p2p.Among: collectives among a stage's workers).
   """
-  places = devices or [[None] * len(layouts)]
-  squares, kept, after = [], {}, []
+  home = devices or [None] * len(layouts)
+  summing = ops or exchange_lib.InReplica(home, pack=devices is not None)
+  squares, kept, after = [], None, []
   for k in range(layouts[0].num_shards):
-    home = places[0]
-    chunks = []
     with tf.control_dependencies(after):
-      for groups, devs in zip(copies, places):
-        chunks.append([])
-        for layout, grads, device in zip(layouts, groups, devs):
-          with collectives.on_device(device):
-            chunks[-1].append(layout.slice(grads, k))
-    summing = ops or exchange_lib.InReplica(home, pack=devices is not None)
-    summed = summing.sum(chunks, range(len(layouts)))
+      chunks = []
+      for layout, group, device in zip(layouts, grads, home):
+        with collectives.on_device(device):
+          chunks.append(layout.slice(group, k))
+    summed = summing.sum([chunks], range(len(layouts)))
     after = []
     for chunk, device in zip(summed, home):
       with collectives.on_device(device):
         after.append(tf.reduce_sum(tf.square(chunk)))
     squares += after
-    if k in mine:
-      kept[k] = summed
-  return [kept[k] for k in mine], tf.sqrt(tf.add_n(squares))
+    if k == shard:
+      kept = summed
+  return kept, tf.sqrt(tf.add_n(squares))
 
 
 def count_scatter(exchange, layouts: Sequence[FlatLayout], compressed: bool) -> None:
