@@ -38,6 +38,8 @@ lr, on each replica's rows only:
 and under --on_nonfinite=skip a non-finite ||g|| leaves w, m and v as they
 were; the step counter (the optimizer's, mirrored) advances either way. So
 clipping, skipping, weight decay and the schedule are the unsharded update's.
+The weights are updated one after another (each waits for the previous one's
+assignments), so a step holds one weight's AdamW temporaries, not every weight's.
 
 Initialisation. Each replica makes its rows of each weight itself
 (`initialise`: tfpar.training.initialise.slice_value over the canonical
@@ -281,14 +283,17 @@ class Zero3:
     lr = tf.cast(lr(iterations) if callable(lr) else lr, tf.float32)
     c = zero.clip_factor(norm, opt.global_clipnorm)
     finite = tf.math.is_finite(norm)
-    for i, g in zip(indices, grads):
+    previous = []
+    for i, g in zip(indices, grads):  # One weight at a time: one weight's temporaries.
       w, m, v, decay = slots["w"][i], slots["m"][i], slots["v"][i], self.decay[i]
-      new_m, new_v, new_w = zero.adamw(
-          w, g * c, m, v, lr=lr, iterations=iterations, decay=1.0 if decay else 0.0,
-          weight_decay=opt.weight_decay, beta_1=opt.beta_1, beta_2=opt.beta_2,
-          epsilon=opt.epsilon)
-      for var, value in ((m, new_m), (v, new_v), (w, new_w)):
-        var.assign(tf.where(finite, value, var) if skip_nonfinite else value)
+      with tf.control_dependencies(previous):
+        new_m, new_v, new_w = zero.adamw(
+            w, g * c, m, v, lr=lr, iterations=iterations, decay=1.0 if decay else 0.0,
+            weight_decay=opt.weight_decay, beta_1=opt.beta_1, beta_2=opt.beta_2,
+            epsilon=opt.epsilon)
+        previous = [var.assign(tf.where(finite, value, var) if skip_nonfinite else value,
+                               read_value=False)
+                    for var, value in ((m, new_m), (v, new_v), (w, new_w))]
 
   def _advance(self, distribution):
     iterations = self.optimizer.iterations
