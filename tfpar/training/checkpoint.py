@@ -456,11 +456,13 @@ class CanonicalCheckpointer:
     tmp = os.path.join(self.directory, f"ckpt-{step}{TMP_SUFFIX}")
     try:
       storage.makedirs(tmp)
-      for g, (host, slices, values) in enumerate(groups):
+      for g in range(len(groups)):
+        host, slices, values = groups[g]
+        groups[g] = None  # Each copy freed once written, not after the chief's publish.
         _save_bundle(host, tf.constant(os.path.join(tmp, f"w{self.worker_index}-{g}")),
                      tf.constant([p.key for p in slices]),
                      tf.constant([p.spec() for p in slices]), values).numpy()
-      del groups
+        del values
       storage.write_atomically(os.path.join(tmp, f"w{self.worker_index}.done"), "")
       if self.is_chief:
         self._publish(step, tmp)
