@@ -1,34 +1,35 @@
-"""No process holds the whole state: 4 worker processes as 4 pipeline stages (--layout=pipeline)
-or as 4 zero3 data-parallel replicas (--layout=zero3), peak RSS each.
+"""No process holds the whole state: 4 worker processes as 4 pipeline stages and as 4 zero3
+data-parallel replicas, peak RSS each, a checkpoint carried between the two layouts.
 
 Runs, each worker a process of its own (TF_CONFIG on loopback ports), its peak
-resident memory taken from the kernel (`os.wait4`'s ru_maxrss):
+resident memory taken from the kernel (`os.wait4`'s ru_maxrss). L is --layout
+(pipeline: 4 stages under --schedule over 4 micro-batches; zero3: 4 replicas),
+O the other one:
 
-  tiny      the same job with a tiny model (d_model 32, --tiny_num_layers blocks: 4,
-            or the model's): what a process costs without state;
-  train     the model, --train_steps=STEPS, a checkpoint every STEPS/2 steps
-            (every process writing its own slices);
-  resume    a copy of `train` without its last checkpoint: resumes at STEPS/2
-            and must log the same loss per step (1e-5);
-  one       one process restores train's checkpoint as one device, one more step;
-  back      the 4 workers restore one's checkpoint, one more step;
-  one_tiny  one process, tiny model (the bound of `one`).
+  tiny, tiny_other  L's and O's jobs with a tiny model (d_model 32, the model's
+            blocks, or --tiny_num_layers): what a process costs without state;
+  train     L from scratch, --steps=S, a checkpoint at S/2 and S (every process
+            writing its own slices);
+  resume    L from train's checkpoint of step S/2: the loss per step must be
+            train's (relative 1e-5);
+  other     O from train's checkpoint of step S/2 (O reads L's slices), a
+            checkpoint every step: train's losses again;
+  back      L from other's checkpoint of step S-1 (written by O): train's loss at S;
+  one       with --one, one process restores train's last checkpoint whole.
 
-Bound: each process's peak < the tiny job's peak of the same process + 1.5 x its
-share of the state (float32 weights, AdamW m and v, gradients: 16 bytes per
-parameter of the stage it holds, or of its rows under zero3; for `one`, the
-whole model's).
+Bound: each process's peak < the same process's peak in its layout's tiny job
++ 1.5 x its share of the state (float32 weights, AdamW m and v, gradients: 16
+bytes per parameter of the stage it holds, or of its rows under zero3; for
+`one`, the whole model's).
 
-  nice -n 10 python scripts/sharded_state_rss.py                  # ~400M params, several GiB
-  python scripts/sharded_state_rss.py --d_model=256 --num_layers=4 --steps=4
-  python scripts/sharded_state_rss.py --d_model=256 --num_layers=4 --steps=4 --layout=zero3
-  python scripts/sharded_state_rss.py --d_model=512 --num_layers=4 --steps=4 --train_only
+  nice -n 10 python scripts/sharded_state_rss.py                   # ~400M params, several GiB
+  python scripts/sharded_state_rss.py --d_model=512 --num_layers=16 --steps=4
+  python scripts/sharded_state_rss.py --d_model=1024 --num_layers=8 --train_only
 
-The stages run 1F1B over 4 micro-batches (--schedule; under GPipe a worker may run two
-backward units at once, each with its stage's gradients: tfpar.parallel.stage_program).
 --train_only runs the tiny and train jobs alone (the step's memory, without the restores).
-Prints one JSON object (and --out=FILE writes it); exit status 1 when a bound
-or the resume check fails.
+Under --schedule=gpipe a stage worker may run two backward units at once, each with its
+stage's gradients (tfpar.parallel.stage_program). Prints one JSON object (and
+--out=FILE writes it); exit status 1 when a bound or a check fails.
 """
 
 import argparse
@@ -43,6 +44,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = 4
 TINY = ["--d_model=32", "--num_heads=4", "--d_ff=64"]  # And --tiny_num_layers blocks.
+LAYOUTS = ("pipeline", "zero3")
 
 
 def model_flags(a):
@@ -50,10 +52,12 @@ def model_flags(a):
           f"--num_heads={max(1, a.d_model // 64)}", f"--d_ff={4 * a.d_model}"]
 
 
-def common(a, steps):
-  return ["--dropout=0", "--seq_len=32", "--global_batch_size=8", "--steps_per_call=1", "--log_every=1",
+def common(a, steps, every=None):
+  # --input_sharding=data: every layout's step reads the same global batch (step for step).
+  return ["--dropout=0", "--seq_len=32", "--global_batch_size=8", "--steps_per_call=1",
+          "--log_every=1", "--input_sharding=data",
           "--eval_every=0", "--eval_steps=0", "--learning_rate=1e-3", "--warmup_steps=1",
-          f"--train_steps={steps}", f"--checkpoint_every={max(1, a.steps // 2)}",
+          f"--train_steps={steps}", f"--checkpoint_every={every or a.steps // 2}",
           "--keep_checkpoints=5", "--jit_compile=false", f"--async_checkpoint={a.async_checkpoint}"]
 
 
@@ -67,16 +71,18 @@ def free_ports(n):
   return ports
 
 
-def run_job(flags, workers, log, layout="pipeline", schedule="1f1b"):
+def layout_flags(layout, schedule):
+  return (["--optimizer_sharding=zero3"] if layout == "zero3" else
+          [f"--pipeline_stages={WORKERS}", "--microbatches=4", f"--pipeline_schedule={schedule}"])
+
+
+def run_job(flags, workers, log):
   """Runs `python -m tfpar.train flags` as `workers` processes; ([peak RSS bytes], output)."""
   env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1")
   procs = []
   if workers > 1:
     hosts = [f"127.0.0.1:{p}" for p in free_ports(workers)]
-    flags = flags + ["--strategy=multi_worker_mirrored"] + (
-        ["--optimizer_sharding=zero3"] if layout == "zero3" else
-        [f"--pipeline_stages={workers}", "--microbatches=4",
-         f"--pipeline_schedule={schedule}"])
+    flags = flags + ["--strategy=multi_worker_mirrored"]
   else:
     flags = flags + ["--strategy=one_device"]
   for i in range(workers):
@@ -106,7 +112,7 @@ def losses(model_dir):
   return {r["step"]: r["loss"] for r in records if r.get("kind") == "train"}
 
 
-def stage_share(model_dir):
+def shares(model_dir):
   """[16 bytes x parameters process k holds] (float32 weights, m, v, gradients) from plan.json:
   stage k's, or (zero3) a replica's rows, as measured."""
   with open(os.path.join(model_dir, "plan.json"), encoding="utf-8") as f:
@@ -117,71 +123,89 @@ def stage_share(model_dir):
   return [4 * held["parameters"]] * WORKERS
 
 
+def copy_before(source, target, step):
+  """`source`'s model dir as `target`, without its checkpoints after `step`."""
+  shutil.copytree(source, target)
+  ckpts = os.path.join(target, "checkpoints")
+  for name in os.listdir(ckpts):
+    if name.startswith("ckpt-") and int(name[5:].split(".")[0]) > step:
+      os.remove(os.path.join(ckpts, name))
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--num_layers", type=int, default=8)
   parser.add_argument("--d_model", type=int, default=2048)
-  parser.add_argument("--steps", type=int, default=2)
-  parser.add_argument("--layout", choices=("pipeline", "zero3"), default="pipeline")
-  parser.add_argument("--async_checkpoint", choices=("true", "false"), default="true",
-                      help="false: each save is written before the next step (on a CPU a "
-                           "background write overlapping the update holds one more copy of the "
-                           "process's weights, m and v)")
+  parser.add_argument("--steps", type=int, default=4, help="S: even, at least 4")
+  parser.add_argument("--layout", choices=LAYOUTS, default="pipeline",
+                      help="L, the layout that trains from scratch (the other restores it)")
+  parser.add_argument("--async_checkpoint", choices=("true", "false"), default="true")
   parser.add_argument("--train_only", action="store_true",
                       help="the tiny and train jobs only (module docstring)")
+  parser.add_argument("--one", action="store_true",
+                      help="also one process restoring train's last checkpoint whole")
   parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"),
-                      help="--layout=pipeline: the stages' schedule (1F1B runs each worker's "
-                      "units one at a time; GPipe's may run two backwards at once, each "
-                      "with its stage's gradients)")
-  parser.add_argument("--tiny_num_layers", type=int, default=4,
-                      help="the tiny job's blocks (0: the model's, whose graph and "
-                      "per-block collectives the tiny job then pays alike)")
+                      help="the stages' schedule (1F1B runs each worker's units one at a time; "
+                      "GPipe's may run two backwards at once, each with its stage's gradients)")
+  parser.add_argument("--tiny_num_layers", type=int, default=0,
+                      help="the tiny jobs' blocks (0: the model's, whose graph and per-block "
+                      "collectives the tiny jobs then pay alike)")
   parser.add_argument("--out", default="")
   parser.add_argument("--work_dir", default="")
   a = parser.parse_args(argv)
+  if a.steps < 4 or a.steps % 2:
+    parser.error("--steps: an even number, at least 4 (checkpoints at S/2, S/2+1, ..., S)")
   work = a.work_dir or tempfile.mkdtemp(prefix="sharded_state_rss_")
   os.makedirs(work, exist_ok=True)
-  d = {name: os.path.join(work, name) for name in
-       ("tiny", "train", "resume", "one", "back", "one_tiny")}
-  base, model = common(a, a.steps), model_flags(a)
+  names = ("tiny", "train", "resume", "tiny_other", "other", "back", "one", "one_tiny")
+  d = {name: os.path.join(work, name) for name in names}
+  other = LAYOUTS[1 - LAYOUTS.index(a.layout)]
+  own, theirs = layout_flags(a.layout, a.schedule), layout_flags(other, a.schedule)
+  S, half = a.steps, a.steps // 2
+  base, model = common(a, S), model_flags(a)
   tiny = TINY + [f"--num_layers={a.tiny_num_layers or a.num_layers}"]
-  report = {"model": model, "workers": WORKERS, "steps": a.steps, "layout": a.layout,
-            "schedule": a.schedule if a.layout == "pipeline" else None,
-            "async_checkpoint": a.async_checkpoint}
-  run = lambda flags, workers, log: run_job(flags, workers, log, a.layout, a.schedule)
-  peaks = {}
-  peaks["tiny"], _ = run(base + tiny + [f"--model_dir={d['tiny']}"], WORKERS, d["tiny"])
-  peaks["train"], _ = run(base + model + [f"--model_dir={d['train']}"], WORKERS, d["train"])
-  share = stage_share(d["train"])
-  if a.train_only:
-    return finish(a, report, peaks, share, {"train": [peaks["tiny"][w] + 1.5 * share[w]
-                                                      for w in range(WORKERS)]}, {}, work)
-  half = max(1, a.steps // 2)
-  shutil.copytree(d["train"], d["resume"])
-  for name in os.listdir(os.path.join(d["resume"], "checkpoints")):
-    if name.startswith(f"ckpt-{a.steps}."):
-      os.remove(os.path.join(d["resume"], "checkpoints", name))
-  peaks["resume"], out = run(base + model + [f"--model_dir={d['resume']}"], WORKERS,
-                                 d["resume"])
-  resumed_at = f"resumed from {d['resume']}/checkpoints/ckpt-{half} at step {half}" in out
-  want, got = losses(d["train"]), losses(d["resume"])
-  steps = [s for s in range(half + 1, a.steps + 1)]
-  resume_ok = resumed_at and all(abs(got[s] - want[s]) <= 1e-5 * abs(want[s]) for s in steps)
-  shutil.copytree(d["train"], d["one"])
-  peaks["one"], out = run(common(a, a.steps + 1) + model + [f"--model_dir={d['one']}"], 1,
-                              d["one"])
-  one_ok = f"resumed from {d['one']}/checkpoints/ckpt-{a.steps} at step {a.steps}" in out
-  shutil.copytree(d["one"], d["back"])
-  peaks["back"], out = run(common(a, a.steps + 2) + model + [f"--model_dir={d['back']}"],
-                               WORKERS, d["back"])
-  back_ok = f"resumed from {d['back']}/checkpoints/ckpt-{a.steps + 1} at step {a.steps + 1}" in out
-  peaks["one_tiny"], _ = run(common(a, a.steps + 1) + tiny + [f"--model_dir={d['one_tiny']}"],
-                                 1, d["one_tiny"])
-  bounds = {name: [peaks["tiny"][w] + 1.5 * share[w] for w in range(WORKERS)]
-            for name in ("train", "resume", "back")}
-  bounds["one"] = [peaks["one_tiny"][0] + 1.5 * sum(share)]
-  checks = dict(resumed_exactly=resume_ok, losses={"train": want, "resume": got},
-                restored_as_one_device=one_ok, restored_back_as_4_stages=back_ok)
+  report = {"model": model, "workers": WORKERS, "steps": S, "layout": a.layout,
+            "other_layout": other, "schedule": a.schedule, "async_checkpoint": a.async_checkpoint}
+  peaks, checks = {}, {}
+  run = lambda name, flags, workers=WORKERS: run_job(
+      flags + [f"--model_dir={d[name]}"], workers, d[name])
+  peaks["tiny"], _ = run("tiny", base + tiny + own)
+  peaks["train"], _ = run("train", base + model + own)
+  share = {name: shares(d["train"]) for name in ("train", "resume", "back")}
+  want = losses(d["train"])
+
+  def resumed(name, step, out, steps):
+    """Whether job `name` resumed at `step` and logged train's loss at each of `steps`."""
+    got = losses(d[name])
+    return (f"resumed from {d[name]}/checkpoints/ckpt-{step} at step {step}" in out and
+            all(abs(got[s] - want[s]) <= 1e-5 * abs(want[s]) for s in steps))
+
+  if not a.train_only:
+    copy_before(d["train"], d["resume"], half)
+    peaks["resume"], out = run("resume", base + model + own)
+    checks["resumed_exactly"] = resumed("resume", half, out, range(half + 1, S + 1))
+    peaks["tiny_other"], _ = run("tiny_other", base + tiny + theirs)
+    copy_before(d["train"], d["other"], half)
+    peaks["other"], out = run("other", common(a, S, every=1) + model + theirs)
+    checks[f"{other}_resumed_{a.layout}s_exactly"] = resumed("other", half, out,
+                                                             range(half + 1, S + 1))
+    share["other"] = shares(d["other"])
+    copy_before(d["other"], d["back"], S - 1)
+    peaks["back"], out = run("back", base + model + own)
+    checks[f"{a.layout}_resumed_{other}s_exactly"] = resumed("back", S - 1, out, [S])
+  if a.one:
+    shutil.copytree(d["train"], d["one"])
+    peaks["one"], out = run("one", common(a, S + 1) + model, 1)
+    checks["restored_whole_in_one_process"] = (
+        f"resumed from {d['one']}/checkpoints/ckpt-{S} at step {S}" in out)
+    peaks["one_tiny"], _ = run("one_tiny", common(a, S + 1) + tiny, 1)
+    share["one"] = [sum(share["train"])]
+  baseline = {"other": "tiny_other", "one": "one_tiny"}
+  bounds = {name: [peaks[baseline.get(name, "tiny")][w] + 1.5 * x
+                   for w, x in enumerate(share[name])] for name in peaks
+            if name in share}
+  checks["losses"] = {name: losses(d[name]) for name in ("train", "resume", "other", "back")
+                      if os.path.exists(os.path.join(d[name], "metrics.jsonl"))}
   return finish(a, report, peaks, share, bounds, checks, work)
 
 
@@ -189,10 +213,13 @@ def finish(a, report, peaks, share, bounds, checks, work):
   """Prints (and --out writes) the report; 0 if every bound and check held, else 1."""
   within = {name: all(p < b for p, b in zip(peaks[name], bounds[name])) for name in bounds}
   gib = lambda xs: [round(x / 2**30, 3) for x in xs]
+  mib = lambda xs: [round(x / 2**20, 1) for x in xs]
   report.update(
-      parameters=sum(share) // 16, state_gib=round(sum(share) / 2**30, 3),
-      share_gib=gib(share), peak_rss_gib={k: gib(v) for k, v in peaks.items()},
-      peak_rss_mib={k: [round(x / 2**20, 1) for x in v] for k, v in peaks.items()},
+      parameters=sum(share["train"]) // 16, state_gib=round(sum(share["train"]) / 2**30, 3),
+      share_mib={k: mib(v) for k, v in share.items()},
+      peak_rss_mib={k: mib(v) for k, v in peaks.items()},
+      bound_mib={k: mib(v) for k, v in bounds.items()},
+      peak_rss_gib={k: gib(v) for k, v in peaks.items()},
       bound_gib={k: gib(v) for k, v in bounds.items()}, within_bound=within, **checks,
       work_dir=work)
   text = json.dumps(report, indent=2)
