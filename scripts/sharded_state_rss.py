@@ -124,8 +124,11 @@ def shares(model_dir):
 
 
 def copy_before(source, target, step):
-  """`source`'s model dir as `target`, without its checkpoints after `step`."""
-  shutil.copytree(source, target)
+  """`source`'s model dir as `target`, without its checkpoints after `step` (the checkpoints'
+  files hard links: a save writes new files and renames them into place, never into one)."""
+  ckpt = os.sep + "checkpoints" + os.sep
+  shutil.copytree(source, target, copy_function=lambda src, dst: (
+      os.link(src, dst) if ckpt in src else shutil.copy2(src, dst)))
   ckpts = os.path.join(target, "checkpoints")
   for name in os.listdir(ckpts):
     if name.startswith("ckpt-") and int(name[5:].split(".")[0]) > step:
@@ -194,7 +197,7 @@ def main(argv=None):
     peaks["back"], out = run("back", base + model + own)
     checks[f"{a.layout}_resumed_{other}s_exactly"] = resumed("back", S - 1, out, [S])
   if a.one:
-    shutil.copytree(d["train"], d["one"])
+    copy_before(d["train"], d["one"], S)
     peaks["one"], out = run("one", common(a, S + 1) + model, 1)
     checks["restored_whole_in_one_process"] = (
         f"resumed from {d['one']}/checkpoints/ckpt-{S} at step {S}" in out)
