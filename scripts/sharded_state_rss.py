@@ -174,7 +174,7 @@ def main(argv=None):
       flags + [f"--model_dir={d[name]}"], workers, d[name])
   peaks["tiny"], _ = run("tiny", base + tiny + own)
   peaks["train"], _ = run("train", base + model + own)
-  share = {name: shares(d["train"]) for name in ("train", "resume", "back")}
+  share = dict.fromkeys(("train", "resume", "back"), shares(d["train"]))
   want = losses(d["train"])
 
   def resumed(name, step, out, steps):
@@ -199,8 +199,7 @@ def main(argv=None):
   if a.one:
     copy_before(d["train"], d["one"], S)
     peaks["one"], out = run("one", common(a, S + 1) + model, 1)
-    checks["restored_whole_in_one_process"] = (
-        f"resumed from {d['one']}/checkpoints/ckpt-{S} at step {S}" in out)
+    checks["restored_whole_in_one_process"] = resumed("one", S, out, [])
     peaks["one_tiny"], _ = run("one_tiny", common(a, S + 1) + tiny, 1)
     share["one"] = [sum(share["train"])]
   baseline = {"other": "tiny_other", "one": "one_tiny"}

@@ -23,13 +23,14 @@ soon as their inputs exist, as GPipe does in one program (a free core takes
 the next micro-batch's forward while the neighbouring stage's worker works
 on another). The price: two backward units running at once each hold their
 chunk's gradients before adding them (scripts/sharded_state_rss.py measures
-it; 1F1B holds one unit's at a time). On NCCL, which needs every member to post its collectives in one
-order, GPipe's units wait for each other too (`ordered`). Over gRPC a receive
-is posted at once, whatever the unit before it, so the data comes as soon as
-the peer sends it. A send is not waited for: it completes when the peer
-receives, which under 1F1B may be after this worker's next unit, and waiting
-for it there could deadlock two workers each sending to the other.
-Collectives are matched by key, so nothing else can mix them up.
+it; 1F1B holds one unit's at a time). On NCCL, which needs every member to
+post its collectives in one order, GPipe's units wait for each other too
+(`ordered`). Over gRPC a receive is posted at once, whatever the unit before
+it, so the data comes as soon as the peer sends it. A send is not waited
+for: it completes when the peer receives, which under 1F1B may be after this
+worker's next unit, and waiting for it there could deadlock two workers each
+sending to the other. Collectives are matched by key, so nothing else can mix
+them up.
 
 Each weight's gradient is summed over the micro-batches as its B units come
 (on its device, before the worker's next unit, as in one program's 1F1B), in
