@@ -224,3 +224,37 @@ def test_restore_chain_one_device_zero1_pipeline_and_back(tmp_path):
       for key, want in values.items():
         np.testing.assert_array_equal(got[key], want, err_msg=f"{name} {key}")
     path = CanonicalCheckpointer(engine.layouts, str(tmp_path / f"c{i}")).save(9)
+
+
+FREED = r'''
+import sys
+from tfpar import console
+console.set_host_allocator(sys.argv[1])
+console.import_tensorflow_quietly()
+import tensorflow as tf
+
+
+def resident():
+  with open("/proc/self/status") as f:
+    return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+base = resident()
+x = tf.fill([64 << 20], 1.0)  # 256 MiB, every page written.
+held = resident() - base
+del x
+print(held >> 20, (resident() - base) >> 20)
+'''
+
+
+def test_the_system_host_allocator_gives_a_freed_tensors_pages_back():
+  """--host_allocator=system: a freed 256 MiB tensor leaves the process's resident memory at
+  once; TensorFlow's default pool (bfc) keeps its pages for the next tensors."""
+  mib = {}
+  for mode in ("bfc", "system"):
+    out = subprocess.run([sys.executable, "-c", FREED, mode], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout
+    mib[mode] = [int(x) for x in out.split()]  # Resident above the start: held, after the free.
+  assert mib["bfc"][0] >= 250 and mib["system"][0] >= 250, mib
+  assert mib["bfc"][1] >= 250, mib
+  assert mib["system"][1] < 32, mib

@@ -7,6 +7,7 @@ without a GPU). None of it is about the run, and it buries tfpar's first line.
 imported) and imports TF; `--verbosity` (absl's own flag) brings the lines back.
 """
 
+import ctypes
 import importlib
 import os
 import sys
@@ -37,6 +38,31 @@ def xla_auto_clustering_active(mode: str) -> bool:
   """Did this process set --xla_auto_clustering's flags (so XLA reads them)?"""
   ours = XLA_AUTO_CLUSTERING_FLAGS.get(mode)
   return bool(ours) and ours in os.environ.get("TF_XLA_FLAGS", "")
+
+
+# --host_allocator=system: glibc maps each block of this many bytes or more on its own.
+SYSTEM_ALLOCATOR_MMAP_BYTES = 256 << 10
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter.
+_mapped = []  # Whether this process set glibc's threshold (set_host_allocator).
+
+
+def set_host_allocator(mode: str) -> None:
+  """--host_allocator=system: TensorFlow's oneDNN CPU allocator hands every tensor to malloc
+  (TF_ONEDNN_USE_SYSTEM_ALLOCATOR, read at its first allocation: call this before TensorFlow
+  starts), and glibc maps every block of SYSTEM_ALLOCATOR_MMAP_BYTES or more on its own
+  (mallopt M_MMAP_THRESHOLD, which also stops glibc raising that threshold as blocks are freed),
+  so a freed tensor's pages go back to the OS at once. Without glibc (mallopt) it stays off."""
+  if mode != "system" or _mapped:
+    return
+  mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+  if mallopt is not None and mallopt(_M_MMAP_THRESHOLD, SYSTEM_ALLOCATOR_MMAP_BYTES) == 1:
+    os.environ["TF_ONEDNN_USE_SYSTEM_ALLOCATOR"] = "1"
+    _mapped.append(True)
+
+
+def host_allocator_active(mode: str) -> bool:
+  """Did this process set --host_allocator's system allocator up (set_host_allocator)?"""
+  return mode == "system" and bool(_mapped)
 
 
 def cpp_log_level(verbosity: Optional[int]) -> Optional[str]:

@@ -34,6 +34,10 @@ def describe_run(cfg, info: dict) -> str:
     extra.append(f"XLA auto-clustering of the {mode} ops" + (
         "" if console.xla_auto_clustering_active(mode) else
         " asked for but off (TF_XLA_FLAGS was not set before TensorFlow started here)"))
+  if cfg.train.host_allocator != "bfc":
+    extra.append(f"host allocator {cfg.train.host_allocator}" + (
+        "" if console.host_allocator_active(cfg.train.host_allocator) else
+        " asked for but off (no glibc mallopt here)"))
   how = info["strategy"] + (": " + ", ".join(extra) if extra else "")
   m, t = cfg.model, cfg.train
   spec = tasks.spec(m.task)

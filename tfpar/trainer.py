@@ -112,6 +112,7 @@ class Trainer:
     if self.cluster.spec:  # TF_CONFIG against the strategy: before TensorFlow starts.
       cluster_lib.check_cluster(config, self.cluster)
     console.set_xla_auto_clustering(config.train.xla_auto_clustering)  # Before XLA reads flags.
+    console.set_host_allocator(config.train.host_allocator)  # Before TF allocates.
     console.import_tensorflow_quietly(verbosity)
     from tfpar import strategies  # pylint: disable=import-outside-toplevel  # TensorFlow.
     strategies.setup_devices(config.dist.num_cpu_devices)

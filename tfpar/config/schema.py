@@ -26,6 +26,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # tfpar.parallel.schedule
 CAUSAL_ATTENTION = ("query_blocks", "online_softmax")  # tfpar.layers.attention.CAUSAL_CORES.
 OPTIMIZER_SHARDING = ("none", "zero1", "zero2", "zero3")  # tfpar.parallel.zero, zero3.
 XLA_AUTO_CLUSTERING = ("none", "fusible")  # tfpar.console.XLA_AUTO_CLUSTERING_FLAGS.
+HOST_ALLOCATORS = ("bfc", "system")  # tfpar.console.set_host_allocator.
 TASKS = ("lm", "classify", "detect", "segment")  # --task: tfpar.tasks.<name>.
 UNSET = object()  # A flag's default where it is the field's own.
 
@@ -190,6 +191,14 @@ class TrainConfig:
       "its own kernel. Default: fusible under --precision=mixed_bfloat16 without --jit_compile on "
       "one_device and mirrored, else none (refused with pipeline stages on other workers). Set through TF_XLA_FLAGS as the process starts (docs/benchmarks.md).",
       choices=XLA_AUTO_CLUSTERING, flag_default=None)
+  host_allocator: str = setting(
+      "bfc", "How TensorFlow holds tensors in host (CPU) memory. 'bfc': its oneDNN allocator's "
+      "pool, which keeps freed blocks for the next tensors (the faster steps; a process stays "
+      "resident at the pool's high-water mark, its fragments included); 'system': malloc, each "
+      "block of 256 KiB or more mapped on its own and given back to the OS once freed, so "
+      "resident memory follows the tensors alive (less of it, slower steps: every new block "
+      "faults its pages in; docs/sharded_state.md). Set as the process starts.",
+      choices=HOST_ALLOCATORS)
   fused_projections: bool = setting(  # tfpar.layers.fused; the weights are the same.
       False, "Compute each attention's Q, K, V (and a gated MLP's gate and up) as one matmul "
       "per tensor shard instead of three (two); same weights and checkpoints, same losses.")
