@@ -12,22 +12,25 @@ TensorFlow's checkpoint slices (SaveV2's shape_and_slices) describe.
 
 The model. The Keras model is a template: built inside a keras.StatelessScope,
 its variables have shapes and no storage. A part of it (the embedding, each
-block, the head) runs inside a StatelessScope that maps its variables to
-their full values, gathered just then from the D shards (`Gather`: one
-all-gather of the part's packed rows). Each part runs under
-tf.recompute_grad: only its input and the shard values stay alive between
-forward and backward, so the gathered weights are freed once the part's
-forward is done, and its backward gathers them again and recomputes the
-part (as --remat=full does; TensorFlow keeps a tensor alive while a gradient
-refers to it, so recomputing is the only way to free them). The embedding
-and the head both gather every weight outside the blocks (for a tied table,
-the one they share).
+block, the head) runs inside a StatelessScope that maps its variables to their
+full values, gathered just then from the D shards (`Gather`: one all-gather of
+the part's packed rows). Each part runs under `recompute`: only its input and
+the shard values stay alive between forward and backward, so the gathered
+weights are freed once the part's forward is done, and its backward gathers
+them again and recomputes the part (as --remat=full does; TensorFlow keeps a
+tensor alive while a gradient refers to it, so recomputing is the only way to
+free them). The backward runs part after part: a part's recomputation waits
+for its output gradient, and its input gradient for its weight gradients' sum,
+so one part's gathered weights and full gradients are alive at a time. The
+embedding and the head both gather every weight outside the blocks (for a tied
+table, the one they share).
 
 Gradients. The gather's gradient sums each part's full gradient over the
 replicas and keeps this replica's rows (a reduce-scatter; tf.distribute's
-replica context has no reduce-scatter, so the sum is an all-reduce of the
-part's packed gradient, then a slice). The gradient of a weight read by two
-parts (the tied table) is the sum of both parts' shards.
+replica context has no reduce-scatter, so the part's packed gradient is summed
+one replica's rows at a time, D all-reduces in turn, each replica keeping its
+own: one row's sum alive at a time, not the whole part's). The gradient of a
+weight read by two parts (the tied table) is the sum of both parts' shards.
 
 Step (replica context, `apply`), with t = iterations + 1 and the schedule's
 lr, on each replica's rows only:
@@ -212,12 +215,12 @@ class Zero3:
   # --- forward and backward ---------------------------------------------------
   def loss_and_grads(self, inputs, targets, loss_fn, replica: int = 0):
     """(this replica's loss share, the gradient of each of its weight shards, summed over the
-    replicas); in replica context. Each part runs under tf.recompute_grad (module docstring)."""
+    replicas); in replica context. Each part runs under `recompute` (module docstring)."""
     with tf.GradientTape() as tape:
       shards = [tf.convert_to_tensor(w) for w in self.slots[replica]["w"]]
       losses = []
       for x, y in zip(*(split_batch(t, self.microbatches) for t in (inputs, targets))):
-        outputs = self._forward(x, shards, replica, tf.recompute_grad, True)
+        outputs = self._forward(x, shards, replica, recompute, True)
         with _on(self.placements[replica] and self.placements[replica].head):
           losses.append(loss_fn(outputs, y))  # Each a share of the global mean.
       loss = tf.add_n(losses)
@@ -411,6 +414,35 @@ def unpack(packed: tf.Tensor, shapes, per, d: int) -> List[tf.Tensor]:
   return out
 
 
+def recompute(f):
+  """f (a part's forward) recomputed in its backward, as tf.recompute_grad does (only its
+  arguments stay alive between forward and backward), in two orders of its own.
+
+  The recomputation waits for the part's output gradient, and the gradient of f's first
+  argument (the activation, the next part's output gradient; for the embedding a shard)
+  waits for the others (the part's weight shards' gradients, summed over the replicas).
+  So the backward runs part after part: one part's gathered weights and full gradients at a
+  time. tf.recompute_grad orders neither: TensorFlow's executor may recompute a part, and
+  gather its weights, while the part after it is still summing its gradients.
+  """
+
+  @tf.custom_gradient
+  def part(*args):
+    def grad(*dys):
+      with tf.control_dependencies(dys):
+        xs = [tf.identity(a) for a in args]
+      with tf.GradientTape(watch_accessed_variables=False) as tape:
+        tape.watch(xs)
+        out = f(*xs)
+      grads = tape.gradient(out, xs, output_gradients=list(dys),
+                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      with tf.control_dependencies(grads[1:]):
+        grads[0] = tf.identity(grads[0])
+      return grads
+    return f(*args), grad
+  return part
+
+
 class Gather:
   """A part's full weights from the replicas' shards, in replica context; the gradient sums
   the full gradient over the replicas and keeps this replica's rows."""
@@ -436,13 +468,18 @@ class Gather:
         d = z.num_replicas
         dys = [tf.zeros(s) if dy is None else tf.convert_to_tensor(dy)
                for dy, s in zip(dys, shapes)]
-        packed_grads = tf.concat(
+        packed_grads = tf.concat(  # Row r: replica r's rows of every gradient, as `pack` packs.
             [tf.reshape(tf.pad(dy, [[0, d * p - s[0]]] + [[0, 0]] * (len(s) - 1)), [d, -1])
              for dy, s, p in zip(dys, shapes, per)], axis=1)
-        if ctx.num_replicas_in_sync > 1:
-          packed_grads = ctx.all_reduce(tf.distribute.ReduceOp.SUM, packed_grads)
-        mine = unpack(packed_grads[self.shard], [(p,) + tuple(s[1:])
-                                                 for s, p in zip(shapes, per)], per, 1)
+        row = packed_grads[self.shard]
+        if ctx.num_replicas_in_sync > 1:  # Row r summed for r = 0 .. d-1 in turn: one row's
+          sums = []                       # sum at a time, this replica keeping its own.
+          for r in range(d):
+            with tf.control_dependencies(sums[-1:]):
+              sums.append(ctx.all_reduce(tf.distribute.ReduceOp.SUM, packed_grads[r]))
+          with tf.control_dependencies(sums[-1:]):
+            row = tf.identity(sums[self.shard])
+        mine = unpack(row, [(p,) + tuple(s[1:]) for s, p in zip(shapes, per)], per, 1)
         return [m[:n] for m, n in zip(mine, sizes)]
       return full, grad
 
