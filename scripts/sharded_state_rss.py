@@ -26,7 +26,11 @@ bytes per parameter of the stage it holds, or of its rows under zero3; for
   python scripts/sharded_state_rss.py --d_model=512 --num_layers=16 --steps=4
   python scripts/sharded_state_rss.py --d_model=1024 --num_layers=8 --train_only
 
---train_only runs the tiny and train jobs alone (the step's memory, without the restores).
+Every job runs under --host_allocator (default system: TensorFlow's tensors in malloc's
+own mappings, so a process's resident memory follows the tensors alive; bfc, TensorFlow's
+default pool, keeps its high-water mark, fragments included: docs/sharded_state.md).
+--train_only runs the tiny and train jobs alone (the step's memory, without the restores);
+--no_resume skips the resume job.
 Under --schedule=gpipe a stage worker may run two backward units at once, each with its
 stage's gradients (tfpar.parallel.stage_program). Prints one JSON object (and
 --out=FILE writes it); exit status 1 when a bound or a check fails.
@@ -58,7 +62,8 @@ def common(a, steps, every=None):
           "--log_every=1", "--input_sharding=data",
           "--eval_every=0", "--eval_steps=0", "--learning_rate=1e-3", "--warmup_steps=1",
           f"--train_steps={steps}", f"--checkpoint_every={every or a.steps // 2}",
-          "--keep_checkpoints=5", "--jit_compile=false", f"--async_checkpoint={a.async_checkpoint}"]
+          "--keep_checkpoints=5", "--jit_compile=false", f"--async_checkpoint={a.async_checkpoint}",
+          f"--host_allocator={a.host_allocator}"]
 
 
 def free_ports(n):
@@ -143,6 +148,11 @@ def main(argv=None):
   parser.add_argument("--layout", choices=LAYOUTS, default="pipeline",
                       help="L, the layout that trains from scratch (the other restores it)")
   parser.add_argument("--async_checkpoint", choices=("true", "false"), default="true")
+  parser.add_argument("--host_allocator", choices=("system", "bfc"), default="system",
+                      help="every job's --host_allocator (system: resident memory follows the "
+                      "tensors alive; bfc, TensorFlow's default pool, keeps its high-water mark)")
+  parser.add_argument("--no_resume", action="store_true",
+                      help="skip the resume job (other and back still resume, across layouts)")
   parser.add_argument("--train_only", action="store_true",
                       help="the tiny and train jobs only (module docstring)")
   parser.add_argument("--one", action="store_true",
@@ -168,7 +178,8 @@ def main(argv=None):
   base, model = common(a, S), model_flags(a)
   tiny = TINY + [f"--num_layers={a.tiny_num_layers or a.num_layers}"]
   report = {"model": model, "workers": WORKERS, "steps": S, "layout": a.layout,
-            "other_layout": other, "schedule": a.schedule, "async_checkpoint": a.async_checkpoint}
+            "other_layout": other, "schedule": a.schedule, "async_checkpoint": a.async_checkpoint,
+            "host_allocator": a.host_allocator}
   peaks, checks = {}, {}
   run = lambda name, flags, workers=WORKERS: run_job(
       flags + [f"--model_dir={d[name]}"], workers, d[name])
@@ -184,9 +195,10 @@ def main(argv=None):
             all(abs(got[s] - want[s]) <= 1e-5 * abs(want[s]) for s in steps))
 
   if not a.train_only:
-    copy_before(d["train"], d["resume"], half)
-    peaks["resume"], out = run("resume", base + model + own)
-    checks["resumed_exactly"] = resumed("resume", half, out, range(half + 1, S + 1))
+    if not a.no_resume:
+      copy_before(d["train"], d["resume"], half)
+      peaks["resume"], out = run("resume", base + model + own)
+      checks["resumed_exactly"] = resumed("resume", half, out, range(half + 1, S + 1))
     peaks["tiny_other"], _ = run("tiny_other", base + tiny + theirs)
     copy_before(d["train"], d["other"], half)
     peaks["other"], out = run("other", common(a, S, every=1) + model + theirs)
