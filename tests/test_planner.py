@@ -426,9 +426,9 @@ def test_the_search_shards_the_optimizer_only_where_the_runtime_does():
 
 def test_zero3_holds_a_dth_of_the_state_and_gathers_the_weights_twice():
   """zero3 at D=8 against zero1: weights, gradients and m, v per device 1/D plus one part's
-  gathered weights, its gradient and one replica's rows of that gradient's sum; full
-  recompute charged; the exchange two all-gathers of the weights and an all-reduce's bytes of
-  the gradient, in D all-reduces of one replica's rows, a latency per part each."""
+  gathered weights, its gradient and a quarter of that gradient's sum; full recompute
+  charged; the exchange two all-gathers of the weights and an all-reduce's bytes of the
+  gradient in 4 all-reduces (a quarter of the replicas' rows each), their latencies per part."""
   m = SHAPES[0]
   cluster = clusters.parse("a100-80gb:8")
   plans = cost.Plans(D=np.full(2, 8), K=np.ones(2, int), T=np.ones(2, int), b=np.ones(2, int),
@@ -436,11 +436,11 @@ def test_zero3_holds_a_dth_of_the_state_and_gathers_the_weights_twice():
   r = cost.evaluate(m, cluster, plans, global_batch=8, precision="float32", system=cost.TFPAR)
   n, part = r["params_per_device"][1], cost.zero3_part_params(m)
   assert r["weights"][1] == pytest.approx(4 * n / 8 + 4 * part)
-  assert r["gradients"][1] == pytest.approx(4 * n / 8 + 4 * part + 4 * part / 8)
+  assert r["gradients"][1] == pytest.approx(4 * n / 8 + 4 * part + 4 * part / 4)
   assert r["optimizer"][1] == r["optimizer"][0] == pytest.approx(8 * n / 8)
   assert list(r["remat"]) == [0, cost.FULL] and r["compute"][1] > r["compute"][0]
   bw, lat = cluster.intra_bandwidth, cluster.intra_latency
-  want = 2 * 7 / 8 * 4 * n / bw + 2 * 7 / 8 * 4 * n / bw + ((2 + 2 * 8) * (m.num_layers + 2) + 2) * 7 * lat
+  want = 2 * 7 / 8 * 4 * n / bw + 2 * 7 / 8 * 4 * n / bw + ((2 + 2 * 4) * (m.num_layers + 2) + 2) * 7 * lat
   assert r["data_comm"][1] == pytest.approx(want)
 
 

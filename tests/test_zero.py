@@ -29,7 +29,7 @@ from tfpar.config.cluster import Cluster
 from tfpar.data import pipeline
 from tfpar.engines.data_parallel import DataParallelEngine
 from tfpar.config.schema import CompressionConfig, OptimConfig
-from tfpar.parallel import zero
+from tfpar.parallel import zero, zero3
 from tfpar.parallel.compression import make_exchange
 from tfpar.planner import clusters, cost
 from tfpar.training.checkpoint import assign_canonical, read_canonical, read_checkpoint
@@ -507,7 +507,8 @@ def test_the_planners_bytes_per_device_are_plan_jsons_measured_bytes_at_d4(engin
                             global_batch=cfg.train.global_batch_size, precision="float32",
                             system=cost.TFPAR)
   gathered = 4 * cost.zero3_part_params(cfg.model)  # zero3's one part, gathered whole; its
-  summed = gathered + gathered / 4  # full gradient, and one replica's rows of that one's sum.
+  summed = gathered + gathered / 4  # full gradient, and a quarter of its sum (D = 4 groups).
+  assert zero3.SUM_CHUNKS == cost.ZERO3_SUM_CHUNKS == 4
   for i, mode in enumerate(modes):
     plan = written[f"{mode} x4"]
     assert (plan["optimizer_sharding"], plan["data_parallel"]) == (mode, 4)

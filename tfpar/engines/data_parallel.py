@@ -181,9 +181,9 @@ class DataParallelEngine(Engine):
     one = {"weights": state["weights"], "gradients": gradients, "optimizer": state["optimizer"],
            "activations": activations}
     if self.zero and self.zero.mode == "zero3":  # One part's gathered weights, its gradient
-      part = self.zero.part_bytes()  # and one replica's rows of its sum, beside the shards.
+      part = self.zero.part_bytes()  # and one group's rows of its sum, beside the shards.
       one.update(weights=state["weights"] + part,
-                 gradients=state["summed_gradient"] + part + part // d)
+                 gradients=state["summed_gradient"] + part + part // min(d, zero3.SUM_CHUNKS))
     return {device: one for device in self._local_devices}
 
   def write_files(self, model_dir: str) -> None:

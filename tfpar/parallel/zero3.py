@@ -28,8 +28,9 @@ table, the one they share).
 Gradients. The gather's gradient sums each part's full gradient over the
 replicas and keeps this replica's rows (a reduce-scatter; tf.distribute's
 replica context has no reduce-scatter, so the part's packed gradient is summed
-one replica's rows at a time, D all-reduces in turn, each replica keeping its
-own: one row's sum alive at a time, not the whole part's). The gradient of a
+a group of replicas' rows at a time, min(D, SUM_CHUNKS) all-reduces in turn,
+each replica keeping its own: a group's sum alive at a time, not the whole
+part's, and a bounded number of collectives however large D). The gradient of a
 weight read by two parts (the tied table) is the sum of both parts' shards.
 
 Step (replica context, `apply`), with t = iterations + 1 and the schedule's
@@ -89,6 +90,11 @@ from tfpar.parallel import collectives, zero
 from tfpar.parallel.pipeline import split_batch
 from tfpar.training import initialise
 from tfpar.training.checkpoint import Slice
+
+# A part's summed gradient is made in at most this many all-reduces, one after another, of
+# about 1/SUM_CHUNKS of the part each (tfpar.planner.cost.ZERO3_SUM_CHUNKS models it).
+SUM_CHUNKS = 4
+
 
 def rows(num_rows: int, shard: int, num_shards: int):
   """(first row, row count) of `shard`'s rows of a tensor of `num_rows` rows."""
@@ -472,13 +478,16 @@ class Gather:
             [tf.reshape(tf.pad(dy, [[0, d * p - s[0]]] + [[0, 0]] * (len(s) - 1)), [d, -1])
              for dy, s, p in zip(dys, shapes, per)], axis=1)
         row = packed_grads[self.shard]
-        if ctx.num_replicas_in_sync > 1:  # Row r summed for r = 0 .. d-1 in turn: one row's
-          sums = []                       # sum at a time, this replica keeping its own.
-          for r in range(d):
+        if ctx.num_replicas_in_sync > 1:  # The rows summed a group at a time (SUM_CHUNKS
+          sums, mine = [], None           # groups in turn), this replica keeping its own.
+          for group in np.array_split(np.arange(d), min(d, SUM_CHUNKS)):
             with tf.control_dependencies(sums[-1:]):
-              sums.append(ctx.all_reduce(tf.distribute.ReduceOp.SUM, packed_grads[r]))
+              sums.append(ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                                         packed_grads[group[0]:group[-1] + 1]))
+            if group[0] <= self.shard <= group[-1]:
+              mine = sums[-1][self.shard - group[0]]
           with tf.control_dependencies(sums[-1:]):
-            row = tf.identity(sums[self.shard])
+            row = tf.identity(mine)
         mine = unpack(row, [(p,) + tuple(s[1:]) for s, p in zip(shapes, per)], per, 1)
         return [m[:n] for m, n in zip(mine, sizes)]
       return full, grad

@@ -47,8 +47,8 @@ selective recompute q (0 or 1), optimizer sharding none, zero1, zero2 or zero3:
                                 the new weight shards all-gathered), the tied embedding summed
                                 between the first and last stage; zero3:
                                 each of the L + 2 parts all-gathers its weights in the forward
-                                and again in the backward and sums its gradient by D
-                                all-reduces of one replica's rows each (`zero3_seconds`)
+                                and again in the backward and sums its gradient by
+                                min(D, 4) all-reduces in turn (`zero3_seconds`)
   compute efficiency:           e_max / (1 + w/(h/T) + r0/(b s))    (constants fitted)
 
 Three Systems share the physics and differ in layout (the third, Megatron-DeepSpeed,
@@ -433,11 +433,11 @@ def evaluate(m: ModelConfig, cluster: Cluster, plans: Plans, *, global_batch: in
     out["pipeline_buffers"][idx] = np.where(k > 1, 2 * b[idx] * s * h * act, 0.0)
     # The device holding the most parameters (its gradients are the largest all-reduce).
     out["params_per_device"][idx] = params.max(axis=1)
-  # zero3: one part's weights gathered whole, its full gradient and one replica's rows of
-  # that gradient's sum (the rows are summed in turn).
+  # zero3: one part's weights gathered whole, its full gradient and one group's rows of
+  # that gradient's sum (the groups are summed in turn).
   gathered = np.where(z == ZERO3, zero3_part_params(m), 0.0)
   out["weights"] += gathered * per_param[0]
-  out["gradients"] += (1 + 1 / D) * gathered * per_param[1]
+  out["gradients"] += (1 + 1 / zero3_sum_chunks(D)) * gathered * per_param[1]
   # Pipeline: activations to the next stage and gradients back, per micro-batch and
   # boundary (v boundaries per device when interleaved), on the link K x T spans.
   p2p = np.where(K > 1, system.transfers_per_microbatch *
@@ -529,16 +529,24 @@ def zero3_part_params(m: ModelConfig) -> int:
   return max(counts.block, counts.embedding + counts.head)
 
 
+ZERO3_SUM_CHUNKS = 4  # tfpar.parallel.zero3.SUM_CHUNKS.
+
+
+def zero3_sum_chunks(D):
+  """How many all-reduces, one after another, make a zero3 part's summed gradient: C."""
+  return np.minimum(np.asarray(D, dtype=float), ZERO3_SUM_CHUNKS)
+
+
 def zero3_seconds(grads, weights, D, parts: int, bandwidth, latency):
   """zero3's exchange (tfpar.parallel.zero3): each of the `parts` parts all-gathers its weights
-  in the forward and again in the backward, and sums its gradient one replica's rows at a
-  time (D all-reduces of 1/D of it: the replica context has no reduce-scatter, and this holds
-  one row's sum at a time); the norm is one scalar all-reduce:
-      2 (D-1)/D w/B + 2 (D-1)/D n/B + (2 + 2 D) (D-1) a per part + 2 (D-1) a."""
+  in the forward and again in the backward, and sums its gradient a group of replicas' rows at
+  a time (C = min(D, 4) all-reduces of 1/C of it: the replica context has no reduce-scatter,
+  and this holds one group's sum at a time); the norm is one scalar all-reduce:
+      2 (D-1)/D w/B + 2 (D-1)/D n/B + (2 + 2 C) (D-1) a per part + 2 (D-1) a."""
   D = np.asarray(D, dtype=float)
   return np.where(D > 1, 2 * all_gather_seconds(weights, D, bandwidth, 0.0)
                   + all_reduce_seconds(grads, D, bandwidth, 0.0)
-                  + (parts * (2 + 2 * D) + 2) * (D - 1) * latency, 0.0)
+                  + (parts * (2 + 2 * zero3_sum_chunks(D)) + 2) * (D - 1) * latency, 0.0)
 
 
 def stage_send_seconds(nbytes, K, T, cluster: Cluster, system: System):
