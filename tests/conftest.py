@@ -408,13 +408,3 @@ def assert_same_state(got, want, what, skip=()):
   for name, value in want.items():
     np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5 * scale[kind(name)],
                                err_msg=f"{what}: {name}")
-
-
-# Files of long runs of real processes with no in-process work to share a core with: run
-# first, so that under `-n 2 --dist loadfile` one worker takes them while the other starts on
-# the rest, instead of one of them running alone at the suite's end.
-FIRST = ("test_process_memory.py",)
-
-
-def pytest_collection_modifyitems(items):
-  items.sort(key=lambda item: os.path.basename(str(item.fspath)) not in FIRST)  # Stable.
