@@ -477,17 +477,18 @@ class Gather:
         packed_grads = tf.concat(  # Row r: replica r's rows of every gradient, as `pack` packs.
             [tf.reshape(tf.pad(dy, [[0, d * p - s[0]]] + [[0, 0]] * (len(s) - 1)), [d, -1])
              for dy, s, p in zip(dys, shapes, per)], axis=1)
-        row = packed_grads[self.shard]
-        if ctx.num_replicas_in_sync > 1:  # The rows summed a group at a time (SUM_CHUNKS
-          sums, mine = [], None           # groups in turn), this replica keeping its own.
+        if ctx.num_replicas_in_sync == 1:
+          row = packed_grads[self.shard]
+        else:  # The rows summed a group at a time (SUM_CHUNKS groups in turn), this
+          sums = []  # replica keeping its own rows of its group's sum.
           for group in np.array_split(np.arange(d), min(d, SUM_CHUNKS)):
             with tf.control_dependencies(sums[-1:]):
               sums.append(ctx.all_reduce(tf.distribute.ReduceOp.SUM,
                                          packed_grads[group[0]:group[-1] + 1]))
             if group[0] <= self.shard <= group[-1]:
-              mine = sums[-1][self.shard - group[0]]
+              row = sums[-1][self.shard - group[0]]
           with tf.control_dependencies(sums[-1:]):
-            row = tf.identity(mine)
+            row = tf.identity(row)
         mine = unpack(row, [(p,) + tuple(s[1:]) for s, p in zip(shapes, per)], per, 1)
         return [m[:n] for m, n in zip(mine, sizes)]
       return full, grad
