@@ -147,7 +147,7 @@ def stop_mid_write(proc, checkpoints, timeout=300):
   while time.monotonic() < deadline:
     assert proc.poll() is None, proc.stdout.read()[-3000:]
     pending = [p for p in (os.listdir(checkpoints) if os.path.isdir(checkpoints) else [])
-               if p.endswith(".tmp")]
+               if p.startswith("ckpt-") and p.endswith(".tmp")]  # Not checkpoint.tmp, the list's.
     if pending:
       os.kill(proc.pid, signal.SIGSTOP)
       step = int(pending[0][len("ckpt-"):-len(".tmp")])
