@@ -30,7 +30,7 @@ Every job runs under --host_allocator (default system: TensorFlow's tensors in m
 own mappings, so a process's resident memory follows the tensors alive; bfc, TensorFlow's
 default pool, keeps its high-water mark, fragments included: docs/sharded_state.md).
 --train_only runs the tiny and train jobs alone (the step's memory, without the restores);
---no_resume skips the resume job.
+--no_resume skips the resume job, --no_other the other layout's jobs (tiny_other, other, back).
 Under --schedule=gpipe a stage worker may run two backward units at once, each with its
 stage's gradients (tfpar.parallel.stage_program). Prints one JSON object (and
 --out=FILE writes it); exit status 1 when a bound or a check fails.
@@ -153,6 +153,8 @@ def main(argv=None):
                       "tensors alive; bfc, TensorFlow's default pool, keeps its high-water mark)")
   parser.add_argument("--no_resume", action="store_true",
                       help="skip the resume job (other and back still resume, across layouts)")
+  parser.add_argument("--no_other", action="store_true",
+                      help="skip tiny_other, other and back (train and its resume only)")
   parser.add_argument("--train_only", action="store_true",
                       help="the tiny and train jobs only (module docstring)")
   parser.add_argument("--one", action="store_true",
@@ -199,6 +201,7 @@ def main(argv=None):
       copy_before(d["train"], d["resume"], half)
       peaks["resume"], out = run("resume", base + model + own)
       checks["resumed_exactly"] = resumed("resume", half, out, range(half + 1, S + 1))
+  if not (a.train_only or a.no_other):
     peaks["tiny_other"], _ = run("tiny_other", base + tiny + theirs)
     copy_before(d["train"], d["other"], half)
     peaks["other"], out = run("other", common(a, S, every=1) + model + theirs)
