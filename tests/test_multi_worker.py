@@ -111,6 +111,18 @@ def test_two_zero3_workers_are_one_devices_twin(zero3_workers):
   assert abs(measured["parameters"] / (single["parameters"] / 2) - 1) < 0.1
 
 
+def test_zero3_workers_end_with_the_threads_they_started_with(zero3_workers):
+  """No thread per collective: TensorFlow enforces a collective's timeout with a thread that
+  sleeps it out, one per collective launched, and a zero3 step launches dozens (each part's
+  gathers and sums), so with a timeout on each (300 s) a worker gained hundreds of threads
+  a step until it could start no more and aborted (docs/failures.md). tfpar sets none."""
+  output = zero3_workers[1]
+  threads = lambda when: int(re.search(
+      rf"^\[worker 0\] memory {when}, process \(worker 0\).*?, (\d+) threads;", output,
+      re.M).group(1))
+  assert threads(f"after step {STEPS}") < threads("at start-up") + 50, output[-3000:]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def started(request, tmp_path_factory):
   """The 2-worker job of `two_workers`, started before this module's in-process runs."""

@@ -124,9 +124,9 @@ def test_a_lost_peer_is_reported_in_one_line_that_names_it():
              "The tasks have crashed.")
   cluster = Cluster(spec={"worker": ["127.0.0.1:1111", "127.0.0.1:2222"]}, task_type="worker",
                     task_index=0)
-  line = runner._peer_message(tf.errors.UnavailableError(None, None, message), cluster, 300)  # pylint: disable=protected-access
+  line = runner._peer_message(tf.errors.UnavailableError(None, None, message), cluster)  # pylint: disable=protected-access
   assert "\n" not in line
   assert line.startswith("worker 0 waited for worker 1 (127.0.0.1:2222), which stopped answering")
   assert "UnavailableError: Collective ops is aborted by: Error reported from /job:worker/task:1: " \
          "The following tasks are unhealthy (stopped sending heartbeats)" in line
-  assert "--collective_timeout=300" in line and "restart the job" in line
+  assert "restart the job" in line

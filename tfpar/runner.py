@@ -177,7 +177,7 @@ def _run(cfg: Config, cluster: Cluster) -> dict:
   except PEER_ERRORS as e:
     if len(cluster.spec.get("worker", [])) + len(cluster.spec.get("chief", [])) < 2:
       raise
-    raise PeerError(_peer_message(e, cluster, cfg.dist.collective_timeout)) from None
+    raise PeerError(_peer_message(e, cluster)) from None
   return result
 
 
@@ -191,7 +191,7 @@ _BOILERPLATE = re.compile(r"Graph execution error|<stack traces unavailable>|Det
                           r"File \"|\[\[|Additional GRPC error information|\[Op:")
 
 
-def _peer_message(error, cluster: Cluster, timeout: int) -> str:
+def _peer_message(error, cluster: Cluster) -> str:
   """One line: which peer this task waited for, what TensorFlow said, how to go on."""
   text = str(error.message if hasattr(error, "message") else error)
   peers = []
@@ -205,7 +205,6 @@ def _peer_message(error, cluster: Cluster, timeout: int) -> str:
            if line.strip() and not _BOILERPLATE.match(line.strip())]
   first = next((line for line in lines if _CAUSE.search(line)), lines[0] if lines else "")
   who = ", ".join(peers) or "a peer (TensorFlow did not say which)"
-  return (f"{cluster.task_type} {cluster.task_index} waited for {who}, which stopped answering "
-          f"(a collective waits at most --collective_timeout={timeout} s): "
+  return (f"{cluster.task_type} {cluster.task_index} waited for {who}, which stopped answering: "
           f"{type(error).__name__}: {first[:200]}. The latest checkpoint is intact: restart the job "
           "(tfpar.launch --max_restarts, or the Kubernetes restart policy) to resume")

@@ -100,9 +100,13 @@ def _multi_worker(dist: DistConfig, cluster: Cluster) -> tf.distribute.Strategy:
   if dist.collective == "nccl" and not tf.config.list_physical_devices("GPU"):
     raise ConfigError("--collective=nccl needs GPUs and this machine has none: use "
                       "--collective=ring or auto")
+  # No timeout per collective: TensorFlow enforces one with a thread of its own that sleeps
+  # out the whole timeout, so a job launching many collectives a second (zero3's gathers,
+  # small steps) holds thousands of threads until the process can start no more and aborts.
+  # A peer that dies or freezes fails the step through the coordination service's
+  # heartbeats (docs/failures.md).
   options = tf.distribute.experimental.CommunicationOptions(
-      bytes_per_pack=int(dist.all_reduce_pack_mb * 2**20),
-      implementation=implementation, timeout_seconds=dist.collective_timeout)
+      bytes_per_pack=int(dist.all_reduce_pack_mb * 2**20), implementation=implementation)
   resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
   return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
                                                    communication_options=options)

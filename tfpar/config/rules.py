@@ -168,8 +168,8 @@ def validate(cfg: Config, resumed: bool = False) -> None:
     raise ConfigError(f"--on_nonfinite={t.on_nonfinite} is unknown: use stop or skip")
   if not 0 < s.collective_timeout <= MAX_COLLECTIVE_TIMEOUT:
     raise ConfigError(f"--collective_timeout={s.collective_timeout} must be in (0, "
-                      f"{MAX_COLLECTIVE_TIMEOUT}] seconds: a dead peer must end the job, "
-                      "not hang it; e.g. 300")
+                      f"{MAX_COLLECTIVE_TIMEOUT}] seconds: a peer that never comes must end "
+                      "the job, not hang it; e.g. 300")
   if s.num_cpu_devices > MAX_CPU_DEVICES:
     raise ConfigError(f"--num_cpu_devices={s.num_cpu_devices} is more than {MAX_CPU_DEVICES}: "
                       "logical CPUs share the host's cores; use at most the devices a plan needs")

@@ -224,7 +224,9 @@ class DistConfig:
   collective: str = setting("auto", "Collective implementation for multi_worker_mirrored.",
                             choices=("auto", "ring", "nccl"))
   collective_timeout: int = setting(
-      300, "Seconds a collective waits for a peer before the job fails (1 to 86400).")
+      300, "Seconds a worker waits for its peers at start-up (to agree on the flags), and a "
+      "parameter-server chief for a step to finish, before the job fails (1 to 86400). A peer "
+      "that dies or freezes mid-step fails the step through TensorFlow's heartbeats.")
   tpu: str = setting("local", "TPU to use with --strategy=tpu: local, a name, or grpc://ADDR.")
   ps_shards: int = setting(1, "Partition large variables over this many parameter servers.")
   all_reduce_pack_mb: float = setting(  # 0: TensorFlow picks the pack size.

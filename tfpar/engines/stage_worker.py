@@ -126,8 +126,7 @@ class StageWorkerEngine(Engine):
     self.first, self.last = chunk_workers[0], chunk_workers[-1]
     mine = [c for c, w in enumerate(chunk_workers) if w == me]
     self.copies = sorted(ws[mine[0]] for ws in rows)  # This stage's worker in every copy.
-    self.groups = p2p.Groups(len(workers), timeout=cfg.dist.collective_timeout,
-                             gpu=bool(tf.config.list_logical_devices("GPU")))
+    self.groups = p2p.Groups(len(workers), gpu=bool(tf.config.list_logical_devices("GPU")))
 
     # The model: this worker's chunks only (and the embedding where the head reads it).
     with initialise.recording() as initializers:  # What each weight's slices are drawn from.

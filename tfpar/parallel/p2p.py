@@ -23,16 +23,17 @@ the first and last stage), a stage's copies, and the whole job. Keys start at GR
 MultiWorkerMirroredStrategy hands out from 1 for its own collectives. Within
 a group each transfer of a step has its own `instance_key`, the same on both
 sides (`instance`): a step's ops may be pending at once and are matched by
-key, not by arrival. A step traced once reuses its keys every step, as
-MultiWorkerMirroredStrategy's own collectives do.
+key, not by arrival. A step traced once reuses its keys every step.
 
 Setup. The ops need the process's collective executor configured for the
 job, which creating a `tf.distribute.MultiWorkerMirroredStrategy` does (it
 starts the task's server and names the group leader); the first op of a group
 resolves the group through that leader. On GPUs `communication_hint="nccl"`
 makes them NCCL's point-to-point and all-reduce kernels; on CPUs they go over
-gRPC. `timeout_seconds` (--collective_timeout) bounds every wait: a peer that
-died ends the step with an error naming its task.
+gRPC. No op has a timeout (`timeout_seconds`): TensorFlow would hold a thread
+for each one launched, for the whole timeout (tfpar.strategies); a peer that
+dies or freezes ends the step through the coordination service's heartbeats,
+with an error naming its task.
 """
 
 from typing import Dict, List, Sequence, Tuple
@@ -47,9 +48,8 @@ GROUP_BASE = 1 << 20  # Above MultiWorkerMirroredStrategy's own group keys (1, 2
 class Groups:
   """Group keys of sets of workers, the same on every worker of a job of `num_workers`."""
 
-  def __init__(self, num_workers: int, *, timeout: float = 0, gpu: bool = False):
+  def __init__(self, num_workers: int, *, gpu: bool = False):
     self.num_workers = num_workers
-    self.timeout = float(timeout or 0)
     self.hint = "nccl" if gpu else "auto"
 
   def key(self, members: Sequence[int]) -> int:
@@ -72,15 +72,14 @@ class Groups:
       tensor = tf.bitcast(tensor, tf.float16)
     return tf.raw_ops.CollectiveBcastSendV2(
         input=tensor, group_size=2, group_key=self.key((me, peer)), instance_key=instance,
-        communication_hint=self.hint, timeout_seconds=self.timeout)
+        communication_hint=self.hint)
 
   def recv(self, shape, dtype, me: int, peer: int, instance: int) -> tf.Tensor:
     """What worker `peer` sends with the same `instance` (its shape and dtype known here)."""
     wire = tf.float16 if dtype == tf.bfloat16 else dtype
     out = tf.raw_ops.CollectiveBcastRecvV2(
         group_size=2, group_key=self.key((me, peer)), instance_key=instance,
-        shape=tf.constant(list(shape), tf.int32), T=wire, communication_hint=self.hint,
-        timeout_seconds=self.timeout)
+        shape=tf.constant(list(shape), tf.int32), T=wire, communication_hint=self.hint)
     return tf.bitcast(out, dtype) if wire != dtype else out
 
   def sum(self, tensor: tf.Tensor, members: Sequence[int], instance: int) -> tf.Tensor:
@@ -99,8 +98,7 @@ class Groups:
       return tf.identity(tensor)
     return tf.raw_ops.CollectiveGatherV2(
         input=tensor, group_size=len(members), group_key=self.key(members),
-        instance_key=instance, ordering_token=[], communication_hint=self.hint,
-        timeout_seconds=self.timeout)
+        instance_key=instance, ordering_token=[], communication_hint=self.hint)
 
   def _reduce(self, tensor, members, instance, merge_op):
     """A bfloat16 or float16 tensor is reduced in float32 and rounded back (of two members,
@@ -118,7 +116,7 @@ class Groups:
     out = tf.raw_ops.CollectiveReduceV2(
         input=tensor, group_size=len(members), group_key=self.key(members),
         instance_key=instance, ordering_token=[], merge_op=merge_op, final_op="Id",
-        communication_hint=self.hint, timeout_seconds=self.timeout)
+        communication_hint=self.hint)
     return tf.cast(out, dtype) if dtype != out.dtype else out
 
 

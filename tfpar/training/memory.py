@@ -111,17 +111,26 @@ def record(model_dir: str, steps, groups: Dict[str, List[str]], held: Dict[str, 
   return f"memory during {during}, allocator: " + "; ".join(parts)
 
 
-def peak_rss() -> int:
-  """This process's peak resident memory in bytes, from the kernel (/proc/self/status VmHWM);
-  0 where there is no /proc."""
+def _status(field: str) -> int:
+  """A number of /proc/self/status (its first word); 0 where there is no /proc."""
   try:
     with open("/proc/self/status", encoding="ascii") as f:
       for line in f:
-        if line.startswith("VmHWM:"):
-          return int(line.split()[1]) * 1024
+        if line.startswith(field + ":"):
+          return int(line.split()[1])
   except OSError:
     pass
   return 0
+
+
+def peak_rss() -> int:
+  """This process's peak resident memory in bytes, from the kernel (VmHWM); 0 without /proc."""
+  return _status("VmHWM") * 1024
+
+
+def threads() -> int:
+  """This process's threads now (the kernel's count); 0 without /proc."""
+  return _status("Threads")
 
 
 def _own(device: str, worker_index: int) -> bool:
@@ -151,6 +160,7 @@ def record_process(model_dir: str, when: str, worker_index: int,
     plan.setdefault("process_memory", {})[f"worker {worker_index}"] = {
         "when": when, "peak_rss_bytes": peak, "predicted_host_bytes": host}
     placement.write_plan_json(model_dir, plan)
-  return (f"memory {when}, process (worker {worker_index}): peak resident {_mib(peak)} (VmHWM); "
+  return (f"memory {when}, process (worker {worker_index}): peak resident {_mib(peak)} (VmHWM), "
+          f"{threads()} threads; "
           f"the plan puts {_mib(host)} of weights, gradients, optimizer state and activations "
           "in its host memory")
