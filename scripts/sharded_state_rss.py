@@ -39,6 +39,7 @@ stage's gradients (tfpar.parallel.stage_program). Prints one JSON object (and
 import argparse
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -81,8 +82,9 @@ def layout_flags(layout, schedule):
           [f"--pipeline_stages={WORKERS}", "--microbatches=4", f"--pipeline_schedule={schedule}"])
 
 
-def run_job(flags, workers, log):
-  """Runs `python -m tfpar.train flags` as `workers` processes; ([peak RSS bytes], output)."""
+def run_job(flags, workers, log, wrap=""):
+  """Runs `python -m tfpar.train flags` as `workers` processes, worker 0's command behind the
+  `wrap` command's words; ([peak RSS bytes], output)."""
   env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1")
   procs = []
   if workers > 1:
@@ -95,8 +97,11 @@ def run_job(flags, workers, log):
       env = dict(env, TF_CONFIG=json.dumps({"cluster": {"worker": hosts},
                                             "task": {"type": "worker", "index": i}}))
     out = open(f"{log}.{i}", "w+", encoding="utf-8")  # pylint: disable=consider-using-with
-    procs.append((subprocess.Popen([sys.executable, "-m", "tfpar.train", *flags], cwd=REPO,
-                                   env=env, stdout=out, stderr=subprocess.STDOUT), out))
+    command = [sys.executable, "-m", "tfpar.train", *flags]
+    if i == 0 and wrap:
+      command = shlex.split(wrap) + command
+    procs.append((subprocess.Popen(command, cwd=REPO, env=env, stdout=out,
+                                   stderr=subprocess.STDOUT), out))
   peaks, text, codes = [], [], []
   for proc, out in procs:
     _, status, usage = os.wait4(proc.pid, 0)
@@ -165,6 +170,9 @@ def main(argv=None):
   parser.add_argument("--tiny_num_layers", type=int, default=0,
                       help="the tiny jobs' blocks (0: the model's, whose graph and per-block "
                       "collectives the tiny jobs then pay alike)")
+  parser.add_argument("--wrap", default="",
+                      help="a command that runs train's worker 0, e.g. 'heaptrack -o FILE' "
+                      "(what is alive at its peak; the wrapper's memory then counts in its RSS)")
   parser.add_argument("--out", default="")
   parser.add_argument("--work_dir", default="")
   a = parser.parse_args(argv)
@@ -186,7 +194,8 @@ def main(argv=None):
   run = lambda name, flags, workers=WORKERS: run_job(
       flags + [f"--model_dir={d[name]}"], workers, d[name])
   peaks["tiny"], _ = run("tiny", base + tiny + own)
-  peaks["train"], _ = run("train", base + model + own)
+  peaks["train"], _ = run_job(base + model + own + [f"--model_dir={d['train']}"], WORKERS,
+                             d["train"], a.wrap)
   share = dict.fromkeys(("train", "resume", "back"), shares(d["train"]))
   want = losses(d["train"])
 
