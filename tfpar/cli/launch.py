@@ -73,9 +73,11 @@ from tfpar.console import count
 USAGE = ("python -m tfpar.launch --num_workers=N [--num_ps=P] [--max_restarts=R] "
          "[--restart_backoff=SECONDS] [--grace_period=SECONDS] [--port_base=PORT] "
          "-- <tfpar.train flags>")
-# Seconds a task gets after SIGTERM when a peer has failed, before SIGKILL.
-# Short: a task whose peer died cannot finish a step or a save anyway.
-TERMINATE_GRACE = 5.0
+# Seconds a task gets after SIGTERM when a peer has failed, before SIGKILL: a task whose
+# peer died cannot finish a step or a save, but given this long it ends on its own with the
+# one line that names the peer (TensorFlow's heartbeats notice a dead peer in about 10 s
+# when no reset connection tells it sooner: docs/failures.md).
+TERMINATE_GRACE = 30.0
 # Local tasks are whole TensorFlow processes (~0.5 GB each) sharing one machine's
 # cores: 32 is past what a workstation runs usefully; more is a typo.
 MAX_LOCAL_TASKS = 32
