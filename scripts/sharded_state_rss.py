@@ -178,6 +178,8 @@ def main(argv=None):
   a = parser.parse_args(argv)
   if a.steps < 4 or a.steps % 2:
     parser.error("--steps: an even number, at least 4 (checkpoints at S/2, S/2+1, ..., S)")
+  if a.train_only:
+    a.no_resume = a.no_other = True
   work = a.work_dir or tempfile.mkdtemp(prefix="sharded_state_rss_")
   os.makedirs(work, exist_ok=True)
   names = ("tiny", "train", "resume", "tiny_other", "other", "back", "one", "one_tiny")
@@ -191,11 +193,10 @@ def main(argv=None):
             "other_layout": other, "schedule": a.schedule, "async_checkpoint": a.async_checkpoint,
             "host_allocator": a.host_allocator}
   peaks, checks = {}, {}
-  run = lambda name, flags, workers=WORKERS: run_job(
-      flags + [f"--model_dir={d[name]}"], workers, d[name])
+  run = lambda name, flags, workers=WORKERS, wrap="": run_job(
+      flags + [f"--model_dir={d[name]}"], workers, d[name], wrap)
   peaks["tiny"], _ = run("tiny", base + tiny + own)
-  peaks["train"], _ = run_job(base + model + own + [f"--model_dir={d['train']}"], WORKERS,
-                             d["train"], a.wrap)
+  peaks["train"], _ = run("train", base + model + own, wrap=a.wrap)
   share = dict.fromkeys(("train", "resume", "back"), shares(d["train"]))
   want = losses(d["train"])
 
@@ -205,12 +206,11 @@ def main(argv=None):
     return (f"resumed from {d[name]}/checkpoints/ckpt-{step} at step {step}" in out and
             all(abs(got[s] - want[s]) <= 1e-5 * abs(want[s]) for s in steps))
 
-  if not a.train_only:
-    if not a.no_resume:
-      copy_before(d["train"], d["resume"], half)
-      peaks["resume"], out = run("resume", base + model + own)
-      checks["resumed_exactly"] = resumed("resume", half, out, range(half + 1, S + 1))
-  if not (a.train_only or a.no_other):
+  if not a.no_resume:
+    copy_before(d["train"], d["resume"], half)
+    peaks["resume"], out = run("resume", base + model + own)
+    checks["resumed_exactly"] = resumed("resume", half, out, range(half + 1, S + 1))
+  if not a.no_other:
     peaks["tiny_other"], _ = run("tiny_other", base + tiny + theirs)
     copy_before(d["train"], d["other"], half)
     peaks["other"], out = run("other", common(a, S, every=1) + model + theirs)

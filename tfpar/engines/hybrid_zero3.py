@@ -5,11 +5,11 @@ devices, under --optimizer_sharding=zero3: each stage's weights, their
 gradients and AdamW's m and v are cut by rows over that stage's D copies
 (tfpar.parallel.zero3: template without storage, per-part all-gather, each
 part recomputed in its backward, reduce-scatter as all-reduces of groups of
-rows in turn, AdamW on rows, rows as checkpoint slices). Device (d, k) holds shard d of the rows of every
-weight stage k owns (the embedding's on stage 0, the head's on stage K-1) and
-runs those parts of copy d: a block's forward gathers its weights from the
-D devices (., k), its backward gathers them again and reduce-scatters the
-gradient there.
+rows in turn, AdamW on rows, rows as checkpoint slices). Device (d, k) holds
+shard d of the rows of every weight stage k owns (the embedding's on stage 0,
+the head's on stage K-1) and runs those parts of copy d: a block's forward
+gathers its weights from the D devices (., k), its backward gathers them again
+and reduce-scatters the gradient there.
 
 This is the data-parallel engine's zero3 (tfpar.engines.data_parallel) with
 the D replicas being the plan's copies: a MirroredStrategy over the D
