@@ -17,6 +17,7 @@ in replica context, compiled per (position, copy) or not. And the stage worker's
 """
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -545,6 +546,29 @@ def test_zero3s_update_runs_one_weight_after_another(engine_runs):
   assert len(indices) > 1 and len(clipped) == len(indices)
   assert sum(sum(c.type == "AssignVariableOp" for c in op.control_inputs) == 3
              for op in clipped) == len(indices) - 1
+
+
+def test_zero3_gathers_each_part_once_its_input_exists(engine_runs):
+  """In zero3's traced forward every part's gather but the embedding's waits for the part's
+  input (the part before's output): one part's gathered weights at a time, not every part's
+  gathered as the step starts."""
+  _, engine, _ = engine_runs["zero3 x4"]
+  z = engine.zero
+  forward = tf.function(lambda x: engine.strategy.run(
+      lambda x: z.outputs(x, engine._local_replica()), args=(x,)))  # pylint: disable=protected-access
+  graph = forward.get_concrete_function(
+      tf.TensorSpec([2, engine.cfg.model.seq_len], tf.int32)).graph
+  scopes = {}  # Each gather's ops (its name scope, one per part and replica).
+  for op in graph.get_operations():
+    path = op.name.split("/")
+    for depth, name in enumerate(path[:-1]):
+      if re.fullmatch(r"gather(_\d+)?", name):
+        scopes.setdefault("/".join(path[:depth + 1]), []).append(op)
+  waits = [[c for op in ops for c in op.control_inputs] for ops in scopes.values()]
+  parts = len(z.blocks) + 2  # The embedding, the blocks, the head.
+  assert len(scopes) == 4 * parts
+  assert sum(bool(w) for w in waits) == 4 * (parts - 1)
+  assert all(c.type not in ("Placeholder", "ReadVariableOp") for w in waits for c in w)
 
 
 def test_a_nonfinite_step_is_skipped_under_zero3(engine_runs):

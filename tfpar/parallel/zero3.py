@@ -19,11 +19,14 @@ the shard values stay alive between forward and backward, so the gathered
 weights are freed once the part's forward is done, and its backward gathers
 them again and recomputes the part (as --remat=full does; TensorFlow keeps a
 tensor alive while a gradient refers to it, so recomputing is the only way to
-free them). The backward runs part after part: a part's recomputation waits
-for its output gradient, and its input gradient for its weight gradients' sum,
-so one part's gathered weights and full gradients are alive at a time. The
-embedding and the head both gather every weight outside the blocks (for a tied
-table, the one they share).
+free them). A part's gather waits for its input (the part before's output):
+nothing else orders it, and TensorFlow's executor would otherwise gather
+every part as soon as the step starts, holding several parts' weights while
+the first one runs. The backward runs part after part: a part's recomputation
+waits for its output gradient, and its input gradient for its weight
+gradients' sum, so one part's gathered weights and full gradients are alive
+at a time. The embedding and the head both gather every weight outside the
+blocks (for a tied table, the one they share).
 
 Gradients. The gather's gradient sums each part's full gradient over the
 replicas and keeps this replica's rows (a reduce-scatter; tf.distribute's
@@ -248,10 +251,10 @@ class Zero3:
       h = wrap(lambda *w: embed(inputs, *gather(self.outside, w)))(*outside)
     for indices, run, device in zip(self.blocks, blocks, place.blocks):
       with _on(device):  # The activation h crosses to the block's stage here.
-        h = wrap(lambda x, *w, i=indices, r=run: r(x, *gather(i, w)))(
+        h = wrap(lambda x, *w, i=indices, r=run: r(x, *gather(i, w, after=x)))(
             h, *[shards[i] for i in indices])
     with _on(place.head):
-      return wrap(lambda x, *w: head(x, *gather(self.outside, w)))(h, *outside)
+      return wrap(lambda x, *w: head(x, *gather(self.outside, w, after=x)))(h, *outside)
 
   def _mapping(self, indices, values):
     return keras.StatelessScope(state_mapping=[(self.variables[i], v)
@@ -457,7 +460,9 @@ class Gather:
     self.zero3 = zero3
     self.shard = zero3.shard_ids[replica]
 
-  def __call__(self, indices, shards):
+  def __call__(self, indices, shards, after: Optional[tf.Tensor] = None):
+    """The full weights `indices` from this replica's `shards`, gathered once `after` (the
+    part's input) exists."""
     z = self.zero3
     shapes, per = [z.shapes[i] for i in indices], [z.per[i] for i in indices]
     sizes = [x.shape[0] for x in shards]
@@ -465,7 +470,8 @@ class Gather:
     @tf.custom_gradient
     def gather(*xs):
       ctx = tf.distribute.get_replica_context()
-      packed = pack(xs, per)[None]
+      with tf.control_dependencies([] if after is None else [after]), tf.name_scope("gather"):
+        packed = pack(xs, per)[None]
       if ctx.num_replicas_in_sync > 1:
         packed = ctx.all_gather(packed, axis=0)
       full = unpack(packed, shapes, per, z.num_replicas)
