@@ -509,6 +509,8 @@ def test_the_planners_bytes_per_device_are_plan_jsons_measured_bytes_at_d4(engin
                             system=cost.TFPAR)
   gathered = 4 * cost.zero3_part_params(cfg.model)  # zero3's one part, gathered whole; its
   summed = gathered + gathered / 4  # full gradient, and a quarter of its sum (D = 4 groups).
+  assert engine_runs["zero3 x4"][1].zero.step_bytes() == {"weights": gathered,
+                                                        "gradients": summed}  # The runtime's.
   assert zero3.SUM_CHUNKS == cost.ZERO3_SUM_CHUNKS == 4
   for i, mode in enumerate(modes):
     plan = written[f"{mode} x4"]

@@ -180,10 +180,10 @@ class DataParallelEngine(Engine):
     gradients = state["weights"] + (state["summed_gradient"] if d > 1 else 0)
     one = {"weights": state["weights"], "gradients": gradients, "optimizer": state["optimizer"],
            "activations": activations}
-    if self.zero and self.zero.mode == "zero3":  # One part's gathered weights, its gradient
-      part = self.zero.part_bytes()  # and one group's rows of its sum, beside the shards.
-      one.update(weights=state["weights"] + part,
-                 gradients=state["summed_gradient"] + part + part // min(d, zero3.SUM_CHUNKS))
+    if self.zero and self.zero.mode == "zero3":
+      step = self.zero.step_bytes()
+      one.update(weights=state["weights"] + step["weights"],
+                 gradients=state["summed_gradient"] + step["gradients"])
     return {device: one for device in self._local_devices}
 
   def write_files(self, model_dir: str) -> None:

@@ -106,15 +106,15 @@ class HybridZero3Engine(DataParallelEngine):
     return out
 
   def predicted_memory(self):
-    """Per device: the plan's shards (tfpar.layout.placement under zero3), one gathered part
-    beside them, its gradient and that gradient's sum, and the plan's activations."""
+    """Per device: the plan's shards (tfpar.layout.placement under zero3), what a zero3 step
+    holds beside them (Zero3.step_bytes), and the plan's activations."""
     held, activations = self.plan.bytes_per_device(), self.plan.activation_bytes()
-    part = self.zero.part_bytes()
+    step = self.zero.step_bytes()
     out = {}
     for device in self.memory_devices():
       key = plan_lib.device_key(device)
-      out[device] = {"weights": held[key]["parameters"] + part,
-                     "gradients": held[key]["parameters"] + 2 * part,
+      out[device] = {"weights": held[key]["parameters"] + step["weights"],
+                     "gradients": held[key]["parameters"] + step["gradients"],
                      "optimizer": held[key]["optimizer"], "activations": activations.get(key, 0)}
     return out
 

@@ -323,6 +323,13 @@ class Zero3:
              for part in self.blocks + [self.outside]]
     return 4 * max(sizes)
 
+  def step_bytes(self) -> Dict[str, int]:
+    """What a step holds beside the shards: the largest part's gathered weights, and its full
+    gradient with one group's rows of that gradient's sum (the groups are summed in turn).
+    tfpar.planner.cost models the same."""
+    part = self.part_bytes()
+    return {"weights": part, "gradients": part + part // min(self.num_replicas, SUM_CHUNKS)}
+
   def slices(self, kinds=("w", "m", "v")) -> List[Slice]:
     """Every shard this process holds, weights then '@m' and '@v', as canonical slices
     (an empty one, where a tensor has fewer rows than replicas, left out)."""
