@@ -25,7 +25,10 @@ import tempfile
 import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sharded_state_rss import REPO, free_ports  # pylint: disable=wrong-import-position
+from sharded_state_rss import REPO, TINY, free_ports  # pylint: disable=wrong-import-position
+
+sys.path.insert(0, REPO)
+from tfpar.config.cluster import tf_config  # pylint: disable=wrong-import-position
 
 
 def vm_rss_kib(pid: int) -> int:
@@ -37,16 +40,16 @@ def run(layout: str, steps: int, workers: int, num_layers: int, model_dir: str) 
   """[(step, chief's VmRSS in KiB)] at each step the chief logs."""
   flags = ["--dropout=0", "--seq_len=32", "--global_batch_size=8", "--steps_per_call=1",
            "--log_every=10", "--eval_every=0", "--eval_steps=0", f"--train_steps={steps}",
-           f"--checkpoint_every={steps}", "--jit_compile=false", "--d_model=32",
-           "--num_heads=4", "--d_ff=64", f"--num_layers={num_layers}",
-           "--strategy=multi_worker_mirrored", f"--model_dir={model_dir}"]
+           f"--checkpoint_every={steps}", "--jit_compile=false", *TINY,
+           f"--num_layers={num_layers}", "--strategy=multi_worker_mirrored",
+           f"--model_dir={model_dir}"]
   if layout == "zero3":
     flags.append("--optimizer_sharding=zero3")
-  hosts = [f"127.0.0.1:{p}" for p in free_ports(workers)]
+  spec = {"worker": [f"127.0.0.1:{p}" for p in free_ports(workers)]}
   procs = []
   for i in range(workers):
-    env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1", TF_CONFIG=json.dumps(
-        {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": i}}))
+    env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1",
+               TF_CONFIG=tf_config(spec, "worker", i))
     procs.append(subprocess.Popen(  # pylint: disable=consider-using-with
         [sys.executable, "-m", "tfpar.train", *flags], cwd=REPO, env=env, text=True,
         stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL, stderr=subprocess.STDOUT))

@@ -120,8 +120,8 @@ def fixed_instance_keys() -> None:
   TensorFlow keeps, for the life of the process, a record of every instance key a collective
   used (CollectiveParamResolverLocal's instance table) and the scalar tensor of every key it
   converted (the eager scalar cache, TFE_TensorHandleCache): with a fresh key per call a
-  worker grows by about 0.5 KB per collective call, 38 KB a step for 2 zero3 workers of a
-  4-block model (docs/failures.md). Every worker traces the same functions in the same order,
+  worker grows by about half a KiB per collective call, 39 KiB a step for 2 zero3 workers
+  of a 4-block model (docs/failures.md). Every worker traces the same functions in the same order,
   so keys taken at tracing agree between workers, as the stage workers' own (p2p) do.
   """
   from tensorflow.python.distribute import cross_device_utils  # pylint: disable=import-outside-toplevel
