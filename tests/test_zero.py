@@ -36,6 +36,7 @@ from tfpar.planner import clusters, cost
 from tfpar.training.checkpoint import assign_canonical, read_canonical, read_checkpoint
 from tfpar.training.optimizer import inner_optimizer, learning_rate_schedule, make_optimizer
 from tfpar.training.step import apply_gradients, apply_or_skip
+from tensorflow.python.ops import op_selector  # pylint: disable=wrong-import-order
 
 SHAPES = {"embeddings": (7, 5), "kernel": (5, 3), "bias": (3,), "gamma": (5,)}
 STEPS = 6
@@ -571,6 +572,29 @@ def test_zero3_gathers_each_part_once_its_input_exists(engine_runs):
   assert len(scopes) == 4 * parts
   assert sum(bool(w) for w in waits) == 4 * (parts - 1)
   assert all(c.type not in ("Placeholder", "ReadVariableOp") for w in waits for c in w)
+
+
+def test_zero3s_sums_do_not_walk_the_step_graph_under_mirrored(engine_runs, monkeypatch):
+  """Tracing zero3's step on 4 mirrored replicas, no tf.custom_gradient walks back over much
+  of the graph. ReplicaContext.all_reduce's gradient wrapper walked from each sum through
+  every replica's graph built so far (a Mirrored sum reads every replica's input): zero3 sums
+  each part's gradient in its backward, and its step traced in time quadratic in the blocks
+  (tfpar.parallel.collectives._reduce)."""
+  _, engine, _ = engine_runs["zero3 x4"]
+  walked = []
+  real = op_selector.get_backward_walk_ops
+
+  def counted(*args, **kwargs):  # TensorFlow's own walk, its length recorded.
+    ops = real(*args, **kwargs)
+    walked.append(len(ops))
+    return ops
+
+  monkeypatch.setattr(op_selector, "get_backward_walk_ops", counted)
+  spec = tf.TensorSpec([8, engine.cfg.model.seq_len], tf.int32)
+  graph = tf.function(lambda x, y: engine._replica_step(x, y, False)).get_concrete_function(  # pylint: disable=protected-access
+      spec, spec).graph
+  assert walked and len(graph.get_operations()) > 10_000
+  assert max(walked) < len(graph.get_operations()) / 20, (max(walked), len(graph.get_operations()))
 
 
 def test_a_nonfinite_step_is_skipped_under_zero3(engine_runs):

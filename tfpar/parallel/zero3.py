@@ -276,16 +276,14 @@ class Zero3:
   def apply(self, grads: List[tf.Tensor], replica: int = 0, *, skip_nonfinite: bool = False
             ) -> tf.Tensor:
     """Clips by the global norm and updates this replica's shards; returns the norm."""
-    ctx = tf.distribute.get_replica_context()
     squares = tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads])
-    if ctx.num_replicas_in_sync > 1:
-      squares = ctx.all_reduce(tf.distribute.ReduceOp.SUM, squares)
+    (squares,) = collectives.all_reduce(tf.distribute.ReduceOp.SUM, [squares])
     norm = tf.sqrt(squares)
     iterations = tf.convert_to_tensor(self.optimizer.iterations)
     for device, indices, update in self._updates[replica]:
       with _on(device):
         update([grads[i] for i in indices], norm, iterations, skip_nonfinite)
-    ctx.merge_call(self._advance)
+    tf.distribute.get_replica_context().merge_call(self._advance)
     return norm
 
   def _update(self, replica, indices, grads, norm, iterations, skip_nonfinite):
@@ -496,8 +494,8 @@ class Gather:
           sums = []  # replica keeping its own rows of its group's sum.
           for group in np.array_split(np.arange(d), min(d, SUM_CHUNKS)):
             with tf.control_dependencies(sums[-1:]):
-              sums.append(ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                                         packed_grads[group[0]:group[-1] + 1]))
+              sums.extend(collectives.all_reduce(tf.distribute.ReduceOp.SUM,
+                                                 [packed_grads[group[0]:group[-1] + 1]]))
             if group[0] <= self.shard <= group[-1]:
               row = sums[-1][self.shard - group[0]]
           with tf.control_dependencies(sums[-1:]):
