@@ -95,8 +95,9 @@ FOUR = ["--microbatches=2", "--pipeline_schedule=interleaved", "--virtual_stages
 EIGHT = ["--strategy=multi_worker_mirrored", "--pipeline_stages=4", "--microbatches=2",
          "--pipeline_schedule=gpipe", "--optimizer_sharding=zero1"] + FOUR_MODEL
 # zero3 on 4 mirrored replicas in one process; `four` resumes its step-2 checkpoint. Its
-# per-replica steps compiled (XLA): 71 s of CPU for the run against 165 s without
-# (`/usr/bin/time python -m tfpar.train` with these flags, one run each, 5 Dec 2026, loaded).
+# per-replica steps compiled (XLA): the suite's one zero3 run under XLA. 71 s of CPU for the
+# run, 46 s without XLA (168 s without before bb51fc6, whose sums walked the step's graph;
+# `/usr/bin/time python -m tfpar.train` with these flags, one run each, 6 Dec 2026).
 ZERO3 = FOUR_MODEL + ["--strategy=mirrored", "--num_cpu_devices=4", "--optimizer_sharding=zero3",
                       "--jit_compile=true"]
 # bf16 precision (XLA off: its default) and PowerSGD (rank 2, every matrix, error feedback
