@@ -1,19 +1,26 @@
 """No process holds the whole state: issue 31's check with real processes, scaled down.
 
-scripts/sharded_state_rss.py --no_other at d_model 1024 x 4 blocks (50.7M parameters,
-0.76 GiB of float32 weights, AdamW m and v and gradients): 4 pipeline stage workers (1F1B),
-each a process on loopback under --host_allocator=system, train 4 steps from scratch and
-save at steps 2 and 4, each writing its own slices; then resume from the step-2 checkpoint
-and train to step 4 again, with the uninterrupted run's loss at steps 3 and 4 (relative
-1e-5). In both jobs each one's peak RSS from the kernel (`os.wait4`) stays below its peak
-in the same job on a tiny model plus 1.5 x its share.
+scripts/sharded_state_rss.py --no_resume at d_model 1024 x 8 blocks (101M parameters, 1.5
+GiB of float32 weights, AdamW m and v and gradients), each worker a process on loopback
+under --host_allocator=system, its peak RSS from the kernel (`os.wait4`):
 
+  train  4 pipeline stage workers (1F1B, 2 blocks each) train 4 steps from scratch and save
+         at steps 2 and 4, each writing its own slices;
+  other  4 zero3 workers restore train's step-2 checkpoint (each reading its rows of the
+         stages' slices), train steps 3 and 4 with train's losses (relative 1e-5) and save
+         at each step, each writing its rows;
+  back   4 stage workers restore other's step-3 checkpoint and train step 4 with train's
+         loss.
+
+In every job each process's peak stays below its peak in the same layout's job on a tiny
+model (d_model 32, the same blocks) plus 1.5 x its share: 4 workers as 4 stages and as 4
+zero3 replicas, each training, saving, resuming exactly, and restoring the other layout's
+checkpoint, in both directions. zero3 needs more blocks than replicas to fit its bound (one
+block's gathered weights and gradient, docs/sharded_state.md "The suite's check"), hence 8.
 Saves are waited for (--async_checkpoint=false): a background write still in flight when
 the next update runs holds one more copy of what it writes (docs/sharded_state.md), which
-the bound does not allow for. The restores across layouts and zero3's processes are the
-script's full run (README: at 403M); zero3 needs more blocks than replicas to fit the
-bound, and at 8 blocks its jobs take minutes more than the suite has
-(docs/sharded_state.md, "The suite's check").
+the bound does not allow for. The same check at 403M parameters is the script's default run
+(README).
 
 scripts/rss_per_step.py at 200 steps: 2 zero3 workers' resident memory does not grow step
 after step (TensorFlow's per-collective records, docs/failures.md).
@@ -30,16 +37,20 @@ import rss_per_step  # pylint: disable=wrong-import-position
 import sharded_state_rss  # pylint: disable=wrong-import-position
 
 
-def test_four_stage_workers_train_save_and_resume_each_within_their_share_s_bound(tmp_path):
+def test_four_stage_workers_and_four_zero3_workers_restore_each_others_slices_within_bound(
+    tmp_path):
   out = tmp_path / "report.json"
-  sharded_state_rss.main(["--d_model=1024", "--num_layers=4", "--steps=4", "--no_other",
+  sharded_state_rss.main(["--d_model=1024", "--num_layers=8", "--steps=4", "--no_resume",
                           "--async_checkpoint=false", f"--out={out}"])
   report = json.loads(out.read_text())
-  assert report["within_bound"] == {"train": True, "resume": True}, (
+  assert report["layout"] == "pipeline" and report["other_layout"] == "zero3"
+  assert report["within_bound"] == {"train": True, "other": True, "back": True}, (
       report["peak_rss_mib"], report["bound_mib"])
-  assert report["resumed_exactly"], report["losses"]
-  share = report["share_mib"]["train"]
-  assert len(share) == 4 and max(share) < sum(share) / 3  # Each holds about a quarter.
+  assert report["zero3_resumed_pipelines_exactly"], report["losses"]
+  assert report["pipeline_resumed_zero3s_exactly"], report["losses"]
+  for job in ("train", "other"):  # Each process holds about a quarter of the state.
+    share = report["share_mib"][job]
+    assert len(share) == 4 and max(share) < sum(share) / 3, (job, share)
 
 
 def test_two_zero3_workers_hold_their_memory_step_after_step(tmp_path):
