@@ -17,6 +17,9 @@ O the other one:
   back      L from other's checkpoint of step S-1 (written by O): train's loss at S;
   one       with --one, one process restores train's last checkpoint whole.
 
+The report also gives the data files of each job's last checkpoint (`bundle_mib`): one per
+process that wrote its slices.
+
 Bound: each process's peak < the same process's peak in its layout's tiny job
 + 1.5 x its share of the state (float32 weights, AdamW m and v, gradients: 16
 bytes per parameter of the stage it holds, or of its rows under zero3; for
@@ -133,6 +136,16 @@ def shares(model_dir):
   return [4 * held["parameters"]] * WORKERS
 
 
+def bundle_bytes(model_dir):
+  """Bytes of each data file of `model_dir`'s newest checkpoint: one per process that wrote
+  slices of it (MergeV2Checkpoints joins their indexes, not their data)."""
+  ckpts = os.path.join(model_dir, "checkpoints")
+  data = [n for n in os.listdir(ckpts) if n.startswith("ckpt-") and ".data-" in n]
+  last = max(int(n[5:].split(".")[0]) for n in data)
+  return sorted(os.path.getsize(os.path.join(ckpts, n)) for n in data
+                if n.startswith(f"ckpt-{last}."))
+
+
 def copy_before(source, target, step):
   """`source`'s model dir as `target`, without its checkpoints after `step` (the checkpoints'
   files hard links: a save writes new files and renames them into place, never into one)."""
@@ -232,6 +245,8 @@ def main(argv=None):
             if name in share}
   checks["losses"] = {name: losses(d[name]) for name in ("train", "resume", "other", "back")
                       if os.path.exists(os.path.join(d[name], "metrics.jsonl"))}
+  report["bundle_mib"] = {name: [round(b / 2**20, 1) for b in bundle_bytes(d[name])]
+                          for name in share if name != "one"}
   return finish(a, report, peaks, share, bounds, checks, work)
 
 

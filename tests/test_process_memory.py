@@ -51,6 +51,9 @@ def test_four_stage_workers_and_four_zero3_workers_restore_each_others_slices_wi
   for job in ("train", "other"):  # Each process holds about a quarter of the state.
     share = report["share_mib"][job]
     assert len(share) == 4 and max(share) < sum(share) / 3, (job, share)
+  for job in ("train", "other", "back"):  # And wrote about a quarter of the checkpoint.
+    bundles = report["bundle_mib"][job]
+    assert len(bundles) == 4 and max(bundles) < sum(bundles) / 3, (job, bundles)
 
 
 def test_two_zero3_workers_hold_their_memory_step_after_step(tmp_path):
