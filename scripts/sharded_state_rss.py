@@ -246,7 +246,7 @@ def main(argv=None):
   checks["losses"] = {name: losses(d[name]) for name in ("train", "resume", "other", "back")
                       if os.path.exists(os.path.join(d[name], "metrics.jsonl"))}
   report["bundle_mib"] = {name: [round(b / 2**20, 1) for b in bundle_bytes(d[name])]
-                          for name in share if name != "one"}
+                          for name in share if name in peaks and name != "one"}
   return finish(a, report, peaks, share, bounds, checks, work)
 
 
