@@ -26,9 +26,7 @@ import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sharded_state_rss import REPO, TINY, free_ports  # pylint: disable=wrong-import-position
-
-sys.path.insert(0, REPO)
-from tfpar.config.cluster import tf_config  # pylint: disable=wrong-import-position
+from tfpar.config.cluster import tf_config  # pylint: disable=wrong-import-position  # REPO on sys.path.
 
 
 def vm_rss_kib(pid: int) -> int:

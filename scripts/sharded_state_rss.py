@@ -50,6 +50,7 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # tfpar (bundle_bytes), run from any directory.
 WORKERS = 4
 TINY = ["--d_model=32", "--num_heads=4", "--d_ff=64"]  # And --tiny_num_layers blocks.
 LAYOUTS = ("pipeline", "zero3")
@@ -137,13 +138,13 @@ def shares(model_dir):
 
 
 def bundle_bytes(model_dir):
-  """Bytes of each data file of `model_dir`'s newest checkpoint: one per process that wrote
-  slices of it (MergeV2Checkpoints joins their indexes, not their data)."""
-  ckpts = os.path.join(model_dir, "checkpoints")
-  data = [n for n in os.listdir(ckpts) if n.startswith("ckpt-") and ".data-" in n]
-  last = max(int(n[5:].split(".")[0]) for n in data)
-  return sorted(os.path.getsize(os.path.join(ckpts, n)) for n in data
-                if n.startswith(f"ckpt-{last}."))
+  """Bytes of each data file of `model_dir`'s newest checkpoint (the one a restore takes): one
+  per process that wrote slices of it (MergeV2Checkpoints joins their indexes, not their
+  data)."""
+  from tfpar import storage  # pylint: disable=import-outside-toplevel
+  from tfpar.training.checkpoint import list_checkpoints  # pylint: disable=import-outside-toplevel
+  (_, prefix), *_ = list_checkpoints(os.path.join(model_dir, "checkpoints"))
+  return sorted(storage.size(path) for path in storage.glob(prefix + ".data-*"))
 
 
 def copy_before(source, target, step):
